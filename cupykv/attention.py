@@ -1,0 +1,134 @@
+"""attention(): masked GQA attention of new queries over one layer of a KVCache.
+
+Host side only: argument checks, the split-KV plan (static per cache and
+query shape, so it is the same on every replay of a captured step), the
+workspace, then one launch (plus a combine launch when split).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cupykv import _checks
+from cupykv._inputs import device_input
+from cupykv.cache import KVCache
+from cupykv.kernels import CUDA_TYPES, attention_instance
+
+THREADS = 128          # attention_tiling::kThreads in kernels/attention.cu
+TILE_ROWS = 16         # attention_tiling::kTileRows
+CHUNK = 128            # attention_tiling::kChunk
+TARGET_BLOCKS = 264    # two waves of a 132-SM H100/H200; more splits only add combine work
+MIN_KEYS_PER_SPLIT = 256
+
+
+def shared_memory_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one attention block: q tile, scores and row stats (float32)."""
+    return (TILE_ROWS * head_dim + TILE_ROWS * CHUNK + 3 * TILE_ROWS) * 4
+
+
+def plan_splits(cache: KVCache, q_len: int, n_heads: int) -> int:
+    """Number of KV splits: enough blocks to fill the GPU, never less than 256 keys a split.
+
+    Depends only on static shapes, so a captured graph keeps a valid plan.
+    The emulator runs blocks one after another, where splitting only adds work.
+    """
+    spec = cache.spec
+    if cache.backend == "emulator":
+        return 1
+    tiles = math.ceil(q_len * (n_heads // spec.n_kv_heads) / TILE_ROWS)
+    blocks = spec.batch * spec.n_kv_heads * tiles
+    return max(1, min(math.ceil(TARGET_BLOCKS / blocks), spec.max_seq // MIN_KEYS_PER_SPLIT))
+
+
+def _workspace(cache: KVCache, num_splits: int, rows: int, head_dim: int):
+    """fp32 partial results ``[splits, rows, head_dim]``, max and sum ``[splits, rows]``.
+
+    Allocated once per shape and kept on the cache, so a captured step never
+    allocates. An unsplit launch never touches them: one element stands in.
+    """
+    if num_splits == 1:
+        rows = head_dim = 1
+    key = (num_splits, rows, head_dim)
+    if key not in cache._workspaces:
+        zeros = cache._backend.zeros
+        cache._workspaces[key] = (zeros((num_splits, rows, head_dim), np.float32),
+                                  zeros((num_splits, rows), np.float32),
+                                  zeros((num_splits, rows), np.float32))
+    return cache._workspaces[key]
+
+
+def attention(q, cache: KVCache, layer, *, scale=None, window=None, softcap=None, rope=None, out=None,
+              num_splits=None):
+    """Causal GQA attention of ``q`` over the live rows of one cache layer.
+
+    Query ``i`` of sequence ``b`` sits at position ``lengths[b] + i`` (rows
+    appended but not yet advanced count as present) and attends to every
+    position ``j <= lengths[b] + i`` below ``max_seq`` (and ``j > pos - window``
+    with a window). Work follows the live lengths, read on the device.
+
+    Parameters
+    ----------
+    q : device array ``[batch, q_len, n_heads, head_dim]``
+        Queries in the cache's storage dtype; ``n_heads`` a multiple of
+        ``n_kv_heads`` (head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``).
+    cache : KVCache
+    layer : int
+    scale : float, optional
+        Logit scale; ``1/sqrt(head_dim)`` by default.
+    window : int, optional
+        Sliding window: keep positions ``j > pos - window``.
+    softcap : float, optional
+        Logits become ``softcap * tanh(s / softcap)``.
+    rope : Rope, optional
+        Rotate each query at its position first.
+    out : device array ``[batch, q_len, n_heads, head_dim]``, optional
+        Written in place and returned (the graph-safe form).
+    num_splits : int, optional
+        Split-KV factor; by default :func:`plan_splits` picks it.
+
+    Returns
+    -------
+    device array ``[batch, q_len, n_heads, head_dim]`` in the storage dtype.
+    A query with nothing to attend to gets zeros.
+    """
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache: expected a cupykv.KVCache, got {type(cache).__name__}")
+    spec = cache.spec
+    backend = cache._backend
+    layer = _checks.check_layer(layer, spec)
+    q_len, n_heads = _checks.check_q(q, spec)
+    scale = _checks.check_scale(scale, spec)
+    window = _checks.check_window(window)
+    if window is not None:  # any window above max_seq + q_len keeps every position: same result, fits int32
+        window = min(window, spec.max_seq + q_len)
+    softcap = _checks.check_softcap(softcap)
+    rope = _checks.check_rope(rope, spec)
+    q = device_input("q", q, backend, spec.dtype)
+    shape = (spec.batch, q_len, n_heads, spec.head_dim)
+    if out is None:
+        out = backend.zeros(shape, backend.storage_dtype(spec.dtype))
+    else:
+        out = device_input("out", out, backend, spec.dtype, shape)
+    if num_splits is None:
+        num_splits = plan_splits(cache, q_len, n_heads)
+    num_splits = _checks.check_int("num_splits", num_splits, 1, max(1, math.ceil(spec.max_seq / CHUNK)))
+
+    rows = spec.batch * q_len * n_heads
+    partial_out, partial_max, partial_sum = _workspace(cache, num_splits, rows, spec.head_dim)
+    group = n_heads // spec.n_kv_heads
+    grid = (num_splits, spec.batch * spec.n_kv_heads, math.ceil(q_len * group / TILE_ROWS))
+    cache._kernel("attention", attention_instance(spec.dtype, spec.head_dim))(
+        grid, (THREADS,),
+        (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, cache.lengths,
+         *cache._layout_args(layer),
+         np.int32(q_len), np.int32(n_heads), np.int32(spec.n_kv_heads), np.int32(spec.head_dim),
+         np.int32(spec.max_seq), np.int32(num_splits), np.float32(scale), np.float32(softcap or 0.0),
+         np.int32(window or 0), np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)),
+        shared_mem=shared_memory_bytes(spec.head_dim))
+    if num_splits > 1:
+        cache._kernel("attention", f"cupykv_attention_combine<{CUDA_TYPES[spec.dtype]}>")(
+            (rows,), (THREADS,),
+            (out, partial_out, partial_max, partial_sum, np.int32(rows), np.int32(spec.head_dim),
+             np.int32(num_splits)))
+    return out

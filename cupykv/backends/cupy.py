@@ -1,0 +1,52 @@
+"""The CuPy backend: device arrays and RawModule kernels on the current stream.
+
+bfloat16 has no CuPy dtype, so bfloat16 caches and inputs travel as uint16
+arrays holding the bfloat16 bit patterns (``x.view(cupy.uint16)`` of a torch
+or JAX bfloat16 tensor, or ``cupy.asarray(np_bf16.view(np.uint16))``).
+"""
+from __future__ import annotations
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+from cupykv.backends.base import Backend
+from cupykv.kernels import KERNEL_DIR
+
+_STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+            "bfloat16": np.dtype(np.uint16)}
+
+
+class CupyBackend(Backend):
+    """Kernels compiled by NVRTC through ``cupy.RawModule``, once per process."""
+
+    name = "cupy"
+    xp = cupy
+
+    def _compile(self, source, instances):
+        return cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNEL_DIR}"),
+                              name_expressions=list(instances))
+
+    def storage_dtype(self, dtype):
+        return _STORAGE[dtype]
+
+    def zeros(self, shape, dtype):
+        return cupy.zeros(shape, dtype)
+
+    def is_device_array(self, array):
+        return isinstance(array, cupy.ndarray)
+
+    def asarray(self, host_array):
+        host_array = np.ascontiguousarray(host_array)
+        if host_array.dtype == ml_dtypes.bfloat16:
+            host_array = host_array.view(np.uint16)
+        return cupy.asarray(host_array)
+
+    def to_host(self, array):
+        return cupy.asnumpy(array)
+
+    def upload(self, device_array, host_values):
+        device_array.set(np.ascontiguousarray(host_values, dtype=device_array.dtype))
+
+    def synchronize(self):
+        cupy.cuda.get_current_stream().synchronize()

@@ -1,0 +1,54 @@
+"""The CUDA C++ sources of cupykv's kernels and the template instances each one exports.
+
+Every op lives in one ``<op>.cu`` file in this folder; ``common.cuh`` holds the
+helpers they share. Both backends (CuPy's ``RawModule`` and the CPU emulator)
+and the offline NVRTC check compile exactly the instances listed here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
+
+#: cache dtype name -> the CUDA storage type of its template instances.
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+#: head sizes with a compile-time attention specialisation; others use HEAD_DIM = 0.
+ATTENTION_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class KernelFile:
+    """One ``.cu`` file and the kernel instances (NVRTC name expressions) it exports."""
+
+    filename: str
+    instances: tuple[str, ...]
+
+    def source(self) -> str:
+        with open(os.path.join(KERNEL_DIR, self.filename), encoding="utf-8") as f:
+            return f.read()
+
+
+def _per_type(template: str) -> tuple[str, ...]:
+    return tuple(template.format(t=t) for t in CUDA_TYPES.values())
+
+
+KERNELS: dict[str, KernelFile] = {
+    "append": KernelFile("append.cu", _per_type("cupykv_append<{t}>")),
+    "advance": KernelFile("advance.cu", ("cupykv_advance",)),
+    "truncate": KernelFile("truncate.cu", ("cupykv_truncate",)),
+    "reset": KernelFile("reset.cu", ("cupykv_reset",)),
+    "additive_mask": KernelFile("additive_mask.cu", ("cupykv_additive_mask",)),
+    "attention": KernelFile(
+        "attention.cu",
+        tuple(f"cupykv_attention<{t}, {hd}>" for t in CUDA_TYPES.values() for hd in (0,) + ATTENTION_HEAD_DIMS)
+        + _per_type("cupykv_attention_combine<{t}>"),
+    ),
+}
+
+
+def attention_instance(dtype: str, head_dim: int) -> str:
+    """Name of the attention kernel instance for a cache dtype and head size."""
+    specialised = head_dim if head_dim in ATTENTION_HEAD_DIMS else 0
+    return f"cupykv_attention<{CUDA_TYPES[dtype]}, {specialised}>"

@@ -1,0 +1,64 @@
+// append.cu: write new K/V rows into one layer of the cache at device-resident positions.
+//
+// Computes, for every sequence b and new row i (n_new rows per call):
+//     pos = lengths[b] + i
+//     pos <  max_seq: k_cache[layer, b, pos] = rope(k_new[b, i], pos) (or k_new[b, i])
+//                     v_cache[layer, b, pos] = v_new[b, i]
+//     pos >= max_seq: nothing is written; overflow[b] = 1.
+// `lengths` is not changed (the rows stay pending until advance).
+//
+// Launch geometry: grid (n_new, batch), block (128); each block writes one row
+// [n_kv, head_dim] of K and of V. Any block size >= 1 works; 128 is what the host uses.
+//
+// Device-resident arguments (read or written at run time, so a captured graph
+// stays valid when they change): lengths [batch] int32 (read), overflow [batch]
+// int32 (set to 1). Everything else (layer, strides, theta) is fixed per launch.
+//
+// Strides are in elements, so one kernel serves the NHD and the HND layout.
+// Without rope the row is copied bit for bit. With rope the key is rotated in
+// double precision and rounded once to fp32, then to the storage type.
+#include "common.cuh"
+
+template <typename T>
+__global__ void __launch_bounds__(1024) cupykv_append(
+    T* __restrict__ k_cache,               // [layers, batch, ...] by the strides below
+    T* __restrict__ v_cache,               // same shape and strides as k_cache
+    const T* __restrict__ k_new,           // [batch, n_new, n_kv, head_dim], contiguous
+    const T* __restrict__ v_new,           // [batch, n_new, n_kv, head_dim], contiguous
+    const int* __restrict__ lengths,       // [batch], device-resident
+    int* __restrict__ overflow,            // [batch], device-resident, set to 1 on overflow
+    long long layer_offset,                // layer * stride of the layer axis
+    long long stride_batch, long long stride_seq, long long stride_head,
+    int n_new, int n_kv, int head_dim, int max_seq,
+    int use_rope, double rope_theta) {
+    const int i = blockIdx.x;
+    const int b = blockIdx.y;
+    const int pos = lengths[b] + i;
+    if (pos < 0 || pos >= max_seq) {  // uniform across the block: no barrier below
+        if (threadIdx.x == 0) overflow[b] = 1;
+        return;
+    }
+    const long long src_row = ((long long)b * n_new + i) * n_kv * head_dim;
+    const long long dst_row = layer_offset + b * stride_batch + (long long)pos * stride_seq;
+    const int row_elems = n_kv * head_dim;
+    for (int e = threadIdx.x; e < row_elems; e += blockDim.x) {
+        const int h = e / head_dim, d = e - h * head_dim;
+        v_cache[dst_row + h * stride_head + d] = v_new[src_row + e];
+    }
+    if (!use_rope) {
+        for (int e = threadIdx.x; e < row_elems; e += blockDim.x) {
+            const int h = e / head_dim, d = e - h * head_dim;
+            k_cache[dst_row + h * stride_head + d] = k_new[src_row + e];
+        }
+        return;
+    }
+    const int half_dim = head_dim / 2;
+    for (int e = threadIdx.x; e < n_kv * half_dim; e += blockDim.x) {
+        const int h = e / half_dim, d = e - h * half_dim;
+        float lo = cupykv::to_float(k_new[src_row + h * head_dim + d]);
+        float hi = cupykv::to_float(k_new[src_row + h * head_dim + d + half_dim]);
+        cupykv::rope_rotate_pair(&lo, &hi, pos, d, head_dim, rope_theta);
+        k_cache[dst_row + h * stride_head + d] = cupykv::from_float<T>(lo);
+        k_cache[dst_row + h * stride_head + d + half_dim] = cupykv::from_float<T>(hi);
+    }
+}

@@ -1,0 +1,246 @@
+// attention.cu: masked multi-query attention over one layer of the cache,
+// with split-KV (flash-decoding) and a combine step.
+//
+// Computes, for sequence b, query i (position p = lengths[b] + i) and head h
+// (kv head g = h / (n_heads / n_kv)):
+//     s_j = scale * q[b,i,h] . k[b,j,g]        (q rotated at p when use_rope)
+//     s_j = softcap * tanh(s_j / softcap)      (when softcap > 0)
+//     attended j: j <= p, j < max_seq, and j > p - window (when window > 0)
+//     out[b,i,h] = sum_j softmax(s)_j * v[b,j,g], or zeros if no j is attended.
+// This is reference.attention, exactly; accumulation is fp32.
+//
+// Versions: cupykv_attention<T, HEAD_DIM> with HEAD_DIM = 64 or 128 (compile-time
+// head size, 16-byte vector loads of K) or 0 (any head_dim in 1..256, scalar loads).
+//
+// Launch geometry of cupykv_attention: block (128); grid (num_splits,
+// batch * n_kv, ceil(q_len * group / 16)) where group = n_heads / n_kv. A block
+// owns up to 16 query rows (query x head of one GQA group) and reads each live
+// K/V row of its split once. Keys are processed in chunks of 128: one key per
+// thread for the scores, a warp per row for the online-softmax update, one
+// head dimension per thread for P.V. Dynamic shared memory:
+//     (16 * head_dim + 16 * 128 + 3 * 16) * 4 bytes.
+// The key range of a block is [kv_begin, kv_end) from the device lengths, cut
+// into num_splits equal, chunk-aligned pieces, so work follows the live length
+// and positions past it are never read. With num_splits == 1 the block writes
+// `out`; otherwise it writes unnormalised fp32 partial results and
+// cupykv_attention_combine merges them: grid (batch * q_len * n_heads), block (128).
+//
+// Device-resident arguments: lengths [batch] int32 (read), q, k/v cache (read),
+// out and the partial_* workspace (written). Every other argument is fixed per
+// launch, so a captured graph replays correctly as lengths change.
+#include "common.cuh"
+
+namespace attention_tiling {
+constexpr int kThreads = 128;
+constexpr int kChunk = 128;       // keys per chunk: one per thread in the score phase
+constexpr int kTileRows = 16;     // query rows (query x head of one group) per block
+constexpr int kWarps = kThreads / 32;
+}  // namespace attention_tiling
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(128, 4) cupykv_attention(
+    T* __restrict__ out,                  // [batch, q_len, n_heads, head_dim] (num_splits == 1)
+    float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
+    float* __restrict__ partial_max,      // [num_splits, batch * q_len * n_heads]
+    float* __restrict__ partial_sum,      // [num_splits, batch * q_len * n_heads]
+    const T* __restrict__ q,              // [batch, q_len, n_heads, head_dim], contiguous
+    const T* __restrict__ k_cache,        // cache base, strides below
+    const T* __restrict__ v_cache,
+    const int* __restrict__ lengths,      // [batch], device-resident
+    long long layer_offset, long long stride_batch, long long stride_seq, long long stride_head,
+    int q_len, int n_heads, int n_kv, int head_dim_runtime, int max_seq, int num_splits,
+    float scale, float softcap, int window, int use_rope, double rope_theta) {
+    using namespace attention_tiling;
+    constexpr int kVec = (HEAD_DIM > 0 && HEAD_DIM % (16 / (int)sizeof(T)) == 0) ? 16 / (int)sizeof(T) : 1;
+    constexpr int kDimsPerThread = HEAD_DIM == 0 ? 2 : (HEAD_DIM + kThreads - 1) / kThreads;
+    constexpr int kRowGroups = (HEAD_DIM > 0 && HEAD_DIM < kThreads && kThreads % HEAD_DIM == 0)
+                                   ? kThreads / HEAD_DIM : 1;
+    constexpr int kRowsPerThread = kTileRows / kRowGroups;
+    constexpr int kDimStride = kThreads / kRowGroups;
+    const int head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_runtime;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+
+    const int split = blockIdx.x;
+    const int b = blockIdx.y / n_kv, kv_head = blockIdx.y % n_kv;
+    const int group = n_heads / n_kv;
+    const int first_row = blockIdx.z * kTileRows;                    // row = i * group + g
+    const int tile_rows = min(kTileRows, q_len * group - first_row);
+
+    extern __shared__ float smem[];
+    float* q_tile = smem;                                            // [kTileRows][head_dim]
+    float* scores = q_tile + kTileRows * head_dim;                   // [kTileRows][kChunk]
+    float* row_max = scores + kTileRows * kChunk;                    // [kTileRows]
+    float* row_sum = row_max + kTileRows;                            // [kTileRows]
+    float* row_rescale = row_sum + kTileRows;                        // [kTileRows]
+
+    const int length = min(max(lengths[b], 0), max_seq);
+    // q rows of this tile, pre-multiplied by scale, rotated at their position.
+    const int half_dim = head_dim / 2;
+    for (int e = tid; e < kTileRows * head_dim; e += kThreads) {
+        const int r = e / head_dim, d = e - r * head_dim;
+        float value = 0.0f;
+        if (r < tile_rows && (!use_rope || d < half_dim)) {
+            const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
+            const long long base = (((long long)b * q_len + i) * n_heads + h) * head_dim;
+            value = cupykv::to_float(q[base + d]);
+            if (use_rope) {
+                float partner = cupykv::to_float(q[base + d + half_dim]);
+                cupykv::rope_rotate_pair(&value, &partner, length + i, d, head_dim, rope_theta);
+                q_tile[r * head_dim + d + half_dim] = partner * scale;
+            }
+        }
+        if (!use_rope || d < half_dim || r >= tile_rows) q_tile[e] = value * scale;
+    }
+    if (tid < kTileRows) {
+        row_max[tid] = cupykv::neg_infinity();
+        row_sum[tid] = 0.0f;
+    }
+    float acc[kRowsPerThread][kDimsPerThread];
+    for (int m = 0; m < kRowsPerThread; ++m)
+        for (int k = 0; k < kDimsPerThread; ++k) acc[m][k] = 0.0f;
+    __syncthreads();
+
+    // Key range of the tile, then of this split (uniform across the block).
+    const int first_query = first_row / group;
+    const int last_query = (first_row + max(tile_rows, 1) - 1) / group;
+    const int kv_end = min(max_seq, length + last_query + 1);
+    const int kv_begin = min(kv_end, window > 0 ? max(0, length + first_query - window + 1) : 0);
+    const int per_split = ((kv_end - kv_begin + num_splits - 1) / num_splits + kChunk - 1) / kChunk * kChunk;
+    const int split_begin = min(kv_end, kv_begin + split * per_split);
+    const int split_end = min(kv_end, split_begin + per_split);
+
+    const long long head_base = layer_offset + b * stride_batch + kv_head * stride_head;
+    for (int chunk = split_begin; chunk < split_end; chunk += kChunk) {
+        // 1. scores[r][t] for key j = chunk + t.
+        const int j = chunk + tid;
+        float dot[kTileRows];
+        for (int r = 0; r < kTileRows; ++r) dot[r] = 0.0f;
+        if (j < split_end) {
+            const T* k_row = k_cache + head_base + (long long)j * stride_seq;
+            for (int d = 0; d < head_dim; d += kVec) {
+                float k_val[kVec];
+                if (kVec > 1) {
+                    const uint4 packed = *reinterpret_cast<const uint4*>(k_row + d);
+                    const T* raw = reinterpret_cast<const T*>(&packed);
+                    for (int v = 0; v < kVec; ++v) k_val[v] = cupykv::to_float(raw[v]);
+                } else {
+                    k_val[0] = cupykv::to_float(k_row[d]);
+                }
+                for (int r = 0; r < kTileRows; ++r)
+                    if (r < tile_rows)
+                        for (int v = 0; v < kVec; ++v) dot[r] = fmaf(q_tile[r * head_dim + d + v], k_val[v], dot[r]);
+            }
+        }
+        for (int r = 0; r < kTileRows; ++r) {
+            const int position = length + (first_row + r) / group;
+            const bool attended = r < tile_rows && j < split_end && j <= position &&
+                                  (window <= 0 || j > position - window);
+            float s = dot[r];
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            scores[r * kChunk + tid] = attended ? s : cupykv::neg_infinity();
+        }
+        __syncthreads();
+
+        // 2. online-softmax update, one warp per row.
+        for (int r = warp; r < kTileRows; r += kWarps) {
+            float* row = scores + r * kChunk;
+            float chunk_max = cupykv::neg_infinity();
+            for (int c = lane; c < kChunk; c += 32) chunk_max = fmaxf(chunk_max, row[c]);
+            chunk_max = cupykv::warp_max(chunk_max);
+            const float old_max = row_max[r];
+            const float new_max = fmaxf(old_max, chunk_max);
+            const bool any = new_max != cupykv::neg_infinity();
+            float chunk_sum = 0.0f;
+            for (int c = lane; c < kChunk; c += 32) {
+                const float p = any ? expf(row[c] - new_max) : 0.0f;
+                row[c] = p;
+                chunk_sum += p;
+            }
+            chunk_sum = cupykv::warp_sum(chunk_sum);
+            if (lane == 0) {
+                const float rescale = any ? expf(old_max - new_max) : 1.0f;
+                row_rescale[r] = rescale;
+                row_sum[r] = row_sum[r] * rescale + chunk_sum;
+                row_max[r] = new_max;
+            }
+        }
+        __syncthreads();
+
+        // 3. acc = acc * rescale + P . V for this thread's rows and dims.
+        const int row_group = tid / kDimStride, dim0 = tid % kDimStride;
+        for (int m = 0; m < kRowsPerThread; ++m) {
+            const float rescale = row_rescale[row_group + m * kRowGroups];
+            for (int k = 0; k < kDimsPerThread; ++k) acc[m][k] *= rescale;
+        }
+        const int chunk_keys = min(kChunk, split_end - chunk);
+        for (int c = 0; c < chunk_keys; ++c) {
+            const T* v_row = v_cache + head_base + (long long)(chunk + c) * stride_seq;
+            float v_val[kDimsPerThread];
+            for (int k = 0; k < kDimsPerThread; ++k) {
+                const int d = dim0 + k * kDimStride;
+                v_val[k] = d < head_dim ? cupykv::to_float(v_row[d]) : 0.0f;
+            }
+            for (int m = 0; m < kRowsPerThread; ++m) {
+                const float p = scores[(row_group + m * kRowGroups) * kChunk + c];
+                // p == 0 (masked or underflowed) never touches v: a stale NaN row stays out.
+                for (int k = 0; k < kDimsPerThread; ++k) acc[m][k] = p != 0.0f ? fmaf(p, v_val[k], acc[m][k]) : acc[m][k];
+            }
+        }
+        __syncthreads();
+    }
+
+    // 4. write out (normalised) or the split's partial result.
+    const int row_group = tid / kDimStride, dim0 = tid % kDimStride;
+    const long long rows_total = (long long)gridDim.y * q_len * group;   // batch * q_len * n_heads
+    for (int m = 0; m < kRowsPerThread; ++m) {
+        const int r = row_group + m * kRowGroups;
+        if (r >= tile_rows) continue;
+        const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
+        const long long out_row = ((long long)b * q_len + i) * n_heads + h;
+        const float sum = row_sum[r];
+        for (int k = 0; k < kDimsPerThread; ++k) {
+            const int d = dim0 + k * kDimStride;
+            if (d >= head_dim) continue;
+            if (num_splits == 1) {
+                out[out_row * head_dim + d] = cupykv::from_float<T>(sum > 0.0f ? acc[m][k] / sum : 0.0f);
+            } else {
+                partial_out[(split * rows_total + out_row) * head_dim + d] = acc[m][k];
+            }
+        }
+        if (num_splits > 1 && dim0 == 0) {
+            partial_max[split * rows_total + out_row] = row_max[r];
+            partial_sum[split * rows_total + out_row] = sum;
+        }
+    }
+}
+
+// Merges the num_splits partial results of one output row (grid: one block per
+// row of batch * q_len * n_heads). Splits that attended nothing (sum 0) are
+// skipped; a row with nothing attended anywhere gets zeros.
+template <typename T>
+__global__ void __launch_bounds__(128) cupykv_attention_combine(
+    T* __restrict__ out,                       // [batch * q_len * n_heads, head_dim]
+    const float* __restrict__ partial_out,     // [num_splits, rows, head_dim]
+    const float* __restrict__ partial_max,     // [num_splits, rows]
+    const float* __restrict__ partial_sum,     // [num_splits, rows]
+    int rows, int head_dim, int num_splits) {
+    const long long row = blockIdx.x;
+    float global_max = cupykv::neg_infinity();
+    for (int s = 0; s < num_splits; ++s)
+        if (partial_sum[s * (long long)rows + row] > 0.0f)
+            global_max = fmaxf(global_max, partial_max[s * (long long)rows + row]);
+    float total = 0.0f;
+    for (int s = 0; s < num_splits; ++s) {
+        const float sum = partial_sum[s * (long long)rows + row];
+        if (sum > 0.0f) total += sum * expf(partial_max[s * (long long)rows + row] - global_max);
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float value = 0.0f;
+        for (int s = 0; s < num_splits; ++s) {
+            const long long part = s * (long long)rows + row;
+            if (partial_sum[part] > 0.0f)
+                value += partial_out[part * head_dim + d] * expf(partial_max[part] - global_max);
+        }
+        out[row * head_dim + d] = cupykv::from_float<T>(total > 0.0f ? value / total : 0.0f);
+    }
+}

@@ -1,0 +1,56 @@
+// common.cuh: helpers shared by every cupykv kernel.
+//
+// - storage-type conversions (float, __half, __nv_bfloat16) through fp32,
+//   round-to-nearest-even on the way back;
+// - warp-wide max/sum by butterfly shuffles;
+// - the half-split rotary embedding (LLaMA / GPT-NeoX), computed in double
+//   so that the angle pos * theta^(-2i/d) stays accurate at long positions;
+// - the float constants NVRTC does not define.
+//
+// Compiles under NVRTC (sm_80, sm_90) and under cupykv's CPU emulator, which
+// supplies its own <cuda_fp16.h> and <cuda_bf16.h>.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace cupykv {
+
+__device__ __forceinline__ float neg_infinity() { return __int_as_float(0xff800000); }
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+    return __bfloat162float(x);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+// Rotates the pair (x[i], x[i + head_dim/2]) of a row at position `pos`.
+// On return *lo and *hi hold the rotated pair.
+__device__ __forceinline__ void rope_rotate_pair(float* lo, float* hi, int pos, int i, int head_dim,
+                                                 double theta) {
+    const double inv_freq = pow(theta, -2.0 * (double)i / (double)head_dim);
+    double sin_a, cos_a;
+    sincos((double)pos * inv_freq, &sin_a, &cos_a);
+    const double x_lo = *lo, x_hi = *hi;
+    *lo = (float)(x_lo * cos_a - x_hi * sin_a);
+    *hi = (float)(x_hi * cos_a + x_lo * sin_a);
+}
+
+}  // namespace cupykv

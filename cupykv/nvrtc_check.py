@@ -1,0 +1,204 @@
+"""Offline compile check: every kernel instance through NVRTC for real GPU targets.
+
+``python -m cupykv check`` compiles each ``.cu`` file with all its template
+instances for ``sm_80`` and ``sm_90`` and reads ptxas's report (registers,
+stack, spills) from the program log. No GPU is needed: NVRTC is a library,
+loaded here with ctypes from the ``nvidia-cuda-nvrtc`` wheel, CuPy's
+environment, or a CUDA toolkit. The check fails on any compile error and on
+any register spill, so code that only compiles for the emulator never lands.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+from cupykv.kernels import KERNEL_DIR, KERNELS
+
+ARCHS = ("sm_80", "sm_90")
+OPTIONS = ("-std=c++17", "-Xptxas=-v", f"-I{KERNEL_DIR}")
+
+
+class NvrtcError(RuntimeError):
+    """NVRTC could not be loaded, or a kernel did not compile."""
+
+
+def _candidate_libraries() -> list[str]:
+    found = []
+    for entry in sys.path:
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "cu*", "lib", "libnvrtc.so*")))
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")))
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root:
+            found += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")))
+    return [path for path in found if "builtins" not in os.path.basename(path)]
+
+
+def cuda_include_dirs() -> list[str]:
+    """Folders holding cuda_fp16.h / cuda_bf16.h: the nvidia-cuda-runtime wheel, then a toolkit."""
+    dirs = []
+    for entry in sys.path:
+        dirs += sorted(glob.glob(os.path.join(entry, "nvidia", "cu*", "include")))
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root:
+            dirs.append(os.path.join(root, "include"))
+    return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))]
+
+
+def _preload_builtins(library_path: str) -> None:
+    """NVRTC dlopens libnvrtc-builtins by soname; load it from beside libnvrtc first."""
+    for builtins in sorted(glob.glob(os.path.join(os.path.dirname(library_path), "libnvrtc-builtins.so*"))):
+        try:
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            return
+        except OSError:  # pragma: no cover - try the next candidate
+            continue
+
+
+def load_nvrtc() -> ctypes.CDLL:
+    """Load libnvrtc, preferring the pip wheel over a system toolkit."""
+    errors = []
+    for path in _candidate_libraries():
+        try:
+            _preload_builtins(path)
+            lib = ctypes.CDLL(path)
+        except OSError as exc:  # pragma: no cover - depends on the machine
+            errors.append(f"{path}: {exc}")
+            continue
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
+        return lib
+    raise NvrtcError(
+        "libnvrtc not found: install the test extra (pip install 'nvidia-cuda-nvrtc>=13,<14') "
+        "or point CUDA_PATH at a CUDA toolkit" + ("; tried " + "; ".join(errors) if errors else "")
+    )
+
+
+@dataclass(frozen=True)
+class InstanceReport:
+    """ptxas's resource report for one kernel instance on one architecture."""
+
+    arch: str
+    instance: str
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    shared_bytes: int
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_store_bytes > 0 or self.spill_load_bytes > 0
+
+
+def _call(lib, name: str, *args) -> None:
+    status = getattr(lib, name)(*args)
+    if status != 0:
+        raise NvrtcError(f"{name} failed: {lib.nvrtcGetErrorString(status).decode()}")
+
+
+def _program_log(lib, program) -> str:
+    size = ctypes.c_size_t()
+    _call(lib, "nvrtcGetProgramLogSize", program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    _call(lib, "nvrtcGetProgramLog", program, log)
+    return log.value.decode(errors="replace")
+
+
+def compile_file(lib, filename: str, source: str, instances, arch: str) -> tuple[dict[str, str], str]:
+    """Compile one source for one arch; returns (mangled name -> instance, program log)."""
+    program = ctypes.c_void_p()
+    _call(lib, "nvrtcCreateProgram", ctypes.byref(program), source.encode(), filename.encode(), 0, None, None)
+    try:
+        for instance in instances:
+            _call(lib, "nvrtcAddNameExpression", program, instance.encode())
+        includes = tuple(f"-I{d}" for d in cuda_include_dirs()[:1])
+        options = [opt.encode() for opt in OPTIONS + includes + (f"-arch={arch}",)]
+        status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+        log = _program_log(lib, program)
+        if status != 0:
+            raise NvrtcError(f"{filename} ({arch}) failed to compile:\n{log}")
+        lowered = {}
+        for instance in instances:
+            name = ctypes.c_char_p()
+            _call(lib, "nvrtcGetLoweredName", program, instance.encode(), ctypes.byref(name))
+            lowered[name.value.decode()] = instance
+        return lowered, log
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+_FUNCTION = re.compile(r"Function properties for (\S+)")
+_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USAGE = re.compile(r"Compiling entry function '(\S+)'|Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def parse_ptxas_log(log: str, lowered: dict[str, str], arch: str) -> list[InstanceReport]:
+    """Turn ptxas -v lines into one report per kernel instance."""
+    stack: dict[str, tuple[int, int, int]] = {}
+    usage: dict[str, tuple[int, int]] = {}
+    current_function = current_entry = None
+    for line in log.splitlines():
+        if m := _FUNCTION.search(line):
+            current_function = m.group(1)
+        elif (m := _STACK.search(line)) and current_function:
+            stack[current_function] = tuple(int(g) for g in m.groups())
+        elif m := _USAGE.search(line):
+            if m.group(1):
+                current_entry = m.group(1)
+            elif current_entry:
+                usage[current_entry] = (int(m.group(2)), int(m.group(3) or 0))
+    reports = []
+    for mangled, instance in lowered.items():
+        if mangled not in usage or mangled not in stack:
+            raise NvrtcError(f"no ptxas report for {instance} ({mangled}) on {arch}:\n{log}")
+        registers, smem = usage[mangled]
+        frame, spill_stores, spill_loads = stack[mangled]
+        reports.append(InstanceReport(arch, instance, registers, frame, spill_stores, spill_loads, smem))
+    return reports
+
+
+def check_all(archs=ARCHS) -> list[InstanceReport]:
+    """Compile every instance of every kernel file for each arch and collect ptxas's reports."""
+    lib = load_nvrtc()
+    reports = []
+    for kernel in KERNELS.values():
+        source = kernel.source()
+        for arch in archs:
+            lowered, log = compile_file(lib, kernel.filename, source, kernel.instances, arch)
+            reports += parse_ptxas_log(log, lowered, arch)
+    return reports
+
+
+def format_table(reports) -> str:
+    width = max(len(r.instance) for r in reports)
+    lines = [f"{'arch':6} {'instance':{width}} {'regs':>5} {'stack':>6} {'spill st':>9} {'spill ld':>9} {'smem':>6}"]
+    for r in reports:
+        lines.append(f"{r.arch:6} {r.instance:{width}} {r.registers:5d} {r.stack_bytes:6d} "
+                     f"{r.spill_store_bytes:9d} {r.spill_load_bytes:9d} {r.shared_bytes:6d}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Entry point of ``python -m cupykv check``; returns the process exit code."""
+    try:
+        reports = check_all()
+    except NvrtcError as exc:
+        print(f"cupykv check: FAILED\n{exc}", file=sys.stderr)
+        return 1
+    return report(reports)
+
+
+def report(reports) -> int:
+    """Print the table and the verdict; 1 when any instance spills."""
+    print(format_table(reports))
+    spilled = [r for r in reports if r.spills]
+    if spilled:
+        print(f"cupykv check: FAILED, register spills in {len(spilled)} instance(s): "
+              + ", ".join(f"{r.instance} ({r.arch})" for r in spilled), file=sys.stderr)
+        return 1
+    print(f"cupykv check: OK, {len(reports)} instances compiled for {', '.join(ARCHS)}, no spills")
+    return 0

@@ -1,0 +1,336 @@
+"""The NumPy oracle: the executable form of docs/contract.md.
+
+Plain and slow on purpose. All arithmetic is float64; each stored value is
+rounded to the storage dtype exactly once (round to nearest even). The fast
+path never imports this module; tests, notebooks and the demo compare
+against it.
+"""
+
+import ml_dtypes
+import numpy as np
+
+from ._checks import (
+    check_advance,
+    check_int,
+    check_layer,
+    check_new_lengths,
+    check_q,
+    check_q_len,
+    check_rope,
+    check_rows,
+    check_same_shape,
+    check_scale,
+    check_slots,
+    check_softcap,
+    check_window,
+)
+from .errors import CacheOverflowError
+from .rope import Rope, rope_angles
+from .spec import MASK_VALUE, CacheSpec
+
+__all__ = ["KVCache", "attention", "CacheSpec", "CacheOverflowError", "Rope", "MASK_VALUE", "FLOAT_DTYPES"]
+
+# Input dtypes the reference accepts for k, v and q.
+FLOAT_DTYPES = (
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+    np.dtype(ml_dtypes.bfloat16),
+)
+
+
+def _rotate(x, positions, theta):
+    """Half-split rotary embedding in float64.
+
+    x: [..., hd] float64; positions broadcast against x's leading axes
+    minus the head axis, e.g. x [n, n_kv, hd] with positions [n, 1].
+    """
+    half = x.shape[-1] // 2
+    angles = rope_angles(positions, x.shape[-1], theta)  # [..., half]
+    cos, sin = np.cos(angles), np.sin(angles)
+    first, second = x[..., :half], x[..., half:]
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def _to_storage(x, dtype):
+    """Round float64 ``x`` to ``dtype`` once, to nearest even.
+
+    NumPy rounds float64 to float32/float16 correctly. ml_dtypes goes
+    float64 -> float32 -> bfloat16, which can round twice, so for bfloat16
+    the first step rounds to odd (truncate, then set the last bit when
+    inexact); round-to-odd followed by round-to-nearest-even equals a single
+    correct rounding.
+    """
+    with np.errstate(over="ignore"):  # out of range rounds to inf, as it should
+        if dtype != np.dtype(ml_dtypes.bfloat16):
+            return x.astype(dtype)
+        x32 = x.astype(np.float32)
+        away = np.abs(x32.astype(np.float64)) > np.abs(x)
+        x32 = np.where(away, np.nextafter(x32, np.float32(0)), x32)  # truncated toward zero
+        bits = x32.view(np.uint32) | (x32.astype(np.float64) != x).astype(np.uint32)
+        return bits.view(np.float32).astype(dtype)
+
+
+class KVCache:
+    """Host-memory KV cache implementing the cupykv contract.
+
+    Parameters
+    ----------
+    spec : CacheSpec
+        Shapes, dtype and layout.
+
+    Attributes
+    ----------
+    spec : CacheSpec
+    k, v : numpy.ndarray, ``spec.np_dtype``, shape ``spec.shape``
+        ``[n_layers, batch, max_seq, n_kv_heads, head_dim]`` (NHD) or
+        ``[n_layers, batch, n_kv_heads, max_seq, head_dim]`` (HND),
+        zero-initialised.
+    lengths : numpy.ndarray, int32, shape ``[batch]``
+        Committed length of each sequence.
+    overflow : numpy.ndarray, bool, shape ``[batch]``
+        Set when a sequence was appended or advanced past ``max_seq``.
+
+    Raises
+    ------
+    TypeError
+        ``spec`` is not a CacheSpec.
+    """
+
+    def __init__(self, spec):
+        if not isinstance(spec, CacheSpec):
+            raise TypeError(f"spec: expected a cupykv.CacheSpec, got {spec!r} ({type(spec).__name__})")
+        self.spec = spec
+        self.k = np.zeros(spec.shape, dtype=spec.np_dtype)
+        self.v = np.zeros(spec.shape, dtype=spec.np_dtype)
+        self.lengths = np.zeros(spec.batch, dtype=np.int32)
+        self.overflow = np.zeros(spec.batch, dtype=np.bool_)
+
+    def _sequence(self, array, layer, b):
+        """View of one sequence of one layer of ``array`` (k or v): [max_seq, n_kv, hd].
+
+        The only place that knows the layout; reads and writes go through it.
+        """
+        seq = array[layer, b]  # NHD: [max_seq, n_kv, hd]; HND: [n_kv, max_seq, hd]
+        return seq if self.spec.layout == "NHD" else seq.swapaxes(0, 1)
+
+    def append(self, layer, k, v, rope=None):
+        """Write pending rows at ``lengths[b] + i``; ``lengths`` does not change.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index in ``0..n_layers - 1``.
+        k, v : numpy.ndarray, shape ``[batch, n_new, n_kv_heads, head_dim]``
+            New rows, ``n_new >= 1``; float16, float32, float64 or bfloat16.
+            Used as their float64 values and rounded once to the storage dtype.
+        rope : Rope, optional
+            Rotate each key row at its position before rounding.
+
+        Notes
+        -----
+        A row at position ``>= max_seq`` is not written and sets
+        ``overflow[b]``; earlier rows of the same call are still written.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments; the cache is left unchanged.
+        """
+        spec = self.spec
+        layer = check_layer(layer, spec)
+        n_new = check_rows("k", k, spec, dtypes=FLOAT_DTYPES)
+        check_rows("v", v, spec, dtypes=FLOAT_DTYPES)
+        check_same_shape("k", k, "v", v)
+        rope = check_rope(rope, spec)
+        k64 = np.asarray(k).astype(np.float64)  # [batch, n_new, n_kv, hd]
+        v64 = np.asarray(v).astype(np.float64)
+        for b in range(spec.batch):
+            start = int(self.lengths[b])
+            n_fit = max(0, min(n_new, spec.max_seq - start))
+            if n_fit < n_new:
+                self.overflow[b] = True
+            keys = k64[b, :n_fit]  # [n_fit, n_kv, hd]
+            if rope is not None:
+                positions = np.arange(start, start + n_fit)[:, None]  # [n_fit, 1]
+                keys = _rotate(keys, positions, rope.theta)
+            self._sequence(self.k, layer, b)[start : start + n_fit] = _to_storage(keys, spec.np_dtype)
+            self._sequence(self.v, layer, b)[start : start + n_fit] = _to_storage(v64[b, :n_fit], spec.np_dtype)
+
+    def advance(self, n):
+        """Commit ``n`` pending rows: ``lengths += n``, clamped to ``max_seq``.
+
+        Parameters
+        ----------
+        n : int or array_like of int, shape ``[batch]``
+            Non-negative. A length that would exceed ``max_seq`` is clamped
+            and sets that sequence's overflow flag.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad ``n``; the cache is left unchanged.
+        """
+        n = check_advance(n, self.spec)  # int64 [batch]
+        total = self.lengths.astype(np.int64) + n
+        self.overflow |= total > self.spec.max_seq
+        self.lengths[:] = np.minimum(total, self.spec.max_seq)
+
+    def truncate(self, new_lengths):
+        """Shorten sequences (speculative-decoding rollback).
+
+        Parameters
+        ----------
+        new_lengths : int or array_like of int, shape ``[batch]``
+            Each ``0 <= new_lengths[b] <= lengths[b]``. Stored rows are kept
+            but are no longer live. Overflow flags are not touched.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad ``new_lengths`` (including any that would lengthen); the
+            cache is left unchanged.
+        """
+        self.lengths[:] = check_new_lengths(new_lengths, self.lengths, self.spec)
+
+    def reset(self, slots=None):
+        """Set ``lengths[slots] = 0`` and clear their overflow flags.
+
+        Parameters
+        ----------
+        slots : None, int or sequence of int
+            Distinct slot indices in ``0..batch - 1``; ``None`` means all.
+            Stored rows are not cleared.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad ``slots``; the cache is left unchanged.
+        """
+        slots = check_slots(slots, self.spec)
+        self.lengths[slots] = 0
+        self.overflow[slots] = False
+
+    def additive_mask(self, q_len=1):
+        """Additive attention mask for ``q_len`` queries per sequence.
+
+        Parameters
+        ----------
+        q_len : int, default 1
+            Queries per sequence (>= 1); query ``i`` sits at ``lengths[b] + i``.
+
+        Returns
+        -------
+        numpy.ndarray, float32, shape ``[batch, 1, q_len, max_seq]``
+            ``0.0`` where ``j <= lengths[b] + i``, ``MASK_VALUE`` elsewhere.
+        """
+        q_len = check_q_len(q_len)
+        last = self.lengths.astype(np.int64)[:, None] + np.arange(q_len)  # [batch, q_len]
+        visible = np.arange(self.spec.max_seq) <= last[..., None]  # [batch, q_len, max_seq]
+        mask = np.where(visible, 0.0, MASK_VALUE).astype(np.float32)
+        return mask[:, None]
+
+    def check(self):
+        """Raise if any sequence overflowed; the flags are not cleared.
+
+        Raises
+        ------
+        CacheOverflowError
+            Names the overflowed sequences.
+        """
+        bad = np.flatnonzero(self.overflow).tolist()
+        if bad:
+            raise CacheOverflowError.for_sequences(bad, self.spec.max_seq)
+
+    def copy(self):
+        """Deep copy: a new KVCache with the same spec and copied arrays."""
+        other = KVCache(self.spec)
+        for name in ("k", "v", "lengths", "overflow"):
+            getattr(other, name)[...] = getattr(self, name)
+        return other
+
+    def rows(self, layer, b):
+        """Live rows of sequence ``b`` of ``layer`` as float64.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index.
+        b : int
+            Sequence index in ``0..batch - 1``.
+
+        Returns
+        -------
+        (k, v) : tuple of numpy.ndarray, float64, shape ``[lengths[b], n_kv_heads, head_dim]``
+        """
+        layer = check_layer(layer, self.spec)
+        b = check_int("b", b, 0, self.spec.batch - 1)
+        length = int(self.lengths[b])
+        return tuple(self._sequence(arr, layer, b)[:length].astype(np.float64) for arr in (self.k, self.v))
+
+
+def attention(q, cache, layer, scale=None, window=None, softcap=None, rope=None):
+    """Exact attention of ``q`` over one layer of ``cache``, in float64.
+
+    Parameters
+    ----------
+    q : numpy.ndarray, shape ``[batch, q_len, n_heads, head_dim]``
+        Queries (float16, float32, float64 or bfloat16), ``q_len >= 1``,
+        ``n_heads`` a multiple of ``n_kv_heads``. Query ``i`` of sequence
+        ``b`` sits at ``p = lengths[b] + i`` (pending rows count as present).
+    cache : KVCache
+    layer : int
+        Layer index.
+    scale : float, optional
+        Logit scale (finite, > 0); default ``1 / sqrt(head_dim)``.
+    window : int, optional
+        Sliding window (>= 1): attend only to ``j > p - window``.
+    softcap : float, optional
+        Logit soft cap (> 0): ``s = softcap * tanh(s / softcap)``.
+    rope : Rope, optional
+        Rotate each query at its position ``p`` first.
+
+    Returns
+    -------
+    numpy.ndarray, float64, shape ``[batch, q_len, n_heads, head_dim]``
+        Softmax-weighted sum of values over positions ``j <= p``,
+        ``j < max_seq`` (and inside the window). Zeros for a query with no
+        such position. Head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arguments.
+    """
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache: expected a cupykv.reference.KVCache, got {type(cache).__name__}")
+    spec = cache.spec
+    layer = check_layer(layer, spec)
+    q_len, n_heads = check_q(q, spec, dtypes=FLOAT_DTYPES)
+    scale = check_scale(scale, spec)
+    window = check_window(window)
+    softcap = check_softcap(softcap)
+    rope = check_rope(rope, spec)
+
+    kv_head = np.arange(n_heads) // (n_heads // spec.n_kv_heads)  # [n_heads]
+    q64 = np.asarray(q).astype(np.float64)
+    out = np.zeros((spec.batch, q_len, n_heads, spec.head_dim))
+    for b in range(spec.batch):
+        keys = cache._sequence(cache.k, layer, b).astype(np.float64)[:, kv_head]  # [max_seq, n_heads, hd]
+        values = cache._sequence(cache.v, layer, b).astype(np.float64)[:, kv_head]
+        for i in range(q_len):
+            p = int(cache.lengths[b]) + i
+            first = 0 if window is None else max(0, p - window + 1)
+            last = min(p, spec.max_seq - 1)
+            if first > last:
+                continue  # nothing to attend to: zeros
+            query = q64[b, i]  # [n_heads, hd]
+            if rope is not None:
+                query = _rotate(query, p, rope.theta)
+            logits = scale * np.einsum("hd,jhd->hj", query, keys[first : last + 1])
+            if softcap is not None:
+                logits = softcap * np.tanh(logits / softcap)
+            weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+            weights /= weights.sum(axis=1, keepdims=True)
+            out[b, i] = np.einsum("hj,jhd->hd", weights, values[first : last + 1])
+    return out

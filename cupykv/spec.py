@@ -1,0 +1,122 @@
+"""CacheSpec: the static shape, dtype and layout of a KV cache.
+
+A spec fixes everything the kernels need to know at compile and allocation
+time; nothing about it changes while the cache is in use.
+"""
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ._checks import check_choice, check_int
+
+DTYPES = ("float32", "float16", "bfloat16")
+LAYOUTS = ("NHD", "HND")
+MAX_HEAD_DIM = 256
+
+# Additive-mask value for positions a query may not attend to.
+MASK_VALUE = -1e30
+
+_INT_FIELDS = (  # (field, upper bound or None)
+    ("n_layers", None),
+    ("n_kv_heads", None),
+    ("head_dim", MAX_HEAD_DIM),
+    ("max_seq", None),
+    ("batch", None),
+)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Static description of a KV cache.
+
+    Parameters
+    ----------
+    n_layers : int
+        Transformer layers, each with its own K and V (>= 1).
+    n_kv_heads : int
+        Key/value heads, i.e. GQA groups (>= 1).
+    head_dim : int
+        Features per head, in 1..256.
+    max_seq : int
+        Capacity in positions per sequence (>= 1).
+    batch : int, default 1
+        Sequence slots (>= 1).
+    dtype : {"float32", "float16", "bfloat16"}, default "float32"
+        Storage type of K and V.
+    layout : {"NHD", "HND"}, default "NHD"
+        Axis order of storage. ``"NHD"``:
+        ``[n_layers, batch, max_seq, n_kv_heads, head_dim]``; ``"HND"``:
+        ``[n_layers, batch, n_kv_heads, max_seq, head_dim]``.
+
+    Raises
+    ------
+    TypeError
+        A field has the wrong type (``bool`` is not an int; NumPy integer
+        scalars are accepted and stored as python ints).
+    ValueError
+        A field is out of range or not one of the allowed strings.
+    """
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_seq: int
+    batch: int = 1
+    dtype: str = "float32"
+    layout: str = "NHD"
+
+    def __post_init__(self):
+        for name, hi in _INT_FIELDS:
+            value = check_int(f"CacheSpec.{name}", getattr(self, name), lo=1, hi=hi)
+            object.__setattr__(self, name, value)
+        check_choice("CacheSpec.dtype", self.dtype, DTYPES)
+        check_choice("CacheSpec.layout", self.layout, LAYOUTS)
+
+    @property
+    def layer_shape(self):
+        """Shape of one layer's K (or V): ``[batch, max_seq, n_kv_heads, head_dim]``
+        for NHD, ``[batch, n_kv_heads, max_seq, head_dim]`` for HND."""
+        if self.layout == "NHD":
+            return (self.batch, self.max_seq, self.n_kv_heads, self.head_dim)
+        return (self.batch, self.n_kv_heads, self.max_seq, self.head_dim)
+
+    @property
+    def shape(self):
+        """Shape of K (or V): ``(n_layers,) + layer_shape``."""
+        return (self.n_layers,) + self.layer_shape
+
+    @property
+    def seq_axis(self):
+        """Index of the ``max_seq`` axis in ``shape``: 2 for NHD, 3 for HND."""
+        return 2 if self.layout == "NHD" else 3
+
+    @property
+    def strides(self):
+        """C-contiguous strides of ``shape``, in elements (not bytes)."""
+        strides, step = [], 1
+        for size in reversed(self.shape):
+            strides.append(step)
+            step *= size
+        return tuple(reversed(strides))
+
+    @property
+    def np_dtype(self):
+        """Host NumPy dtype of storage (bfloat16 is ``ml_dtypes.bfloat16``)."""
+        if self.dtype == "bfloat16":
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(self.dtype)
+
+    @property
+    def itemsize(self):
+        """Bytes per stored element."""
+        return self.np_dtype.itemsize
+
+    @property
+    def nbytes(self):
+        """Bytes of K plus V together."""
+        n_elements = 1
+        for size in self.shape:
+            n_elements *= size
+        return 2 * n_elements * self.itemsize

@@ -1,0 +1,82 @@
+"""Stated tolerances: how close a backend's attention must be to the reference.
+
+Cache writes have no tolerance: stored rows must equal the reference bit for
+bit (with rope, within one unit in the last place of the storage dtype, since
+the kernels rotate in double and round through fp32 while the reference
+rounds once from float64).
+
+Attention output is a convex combination of value rows, so its error scales
+with ``value_scale = max |v|`` over the attended rows, not with ``|out|``.
+The bound per element is
+
+    |got - want| <= value_scale * (2 * u(dtype) + 256 * u(float32))
+
+where ``u`` is the unit roundoff (half an ulp at 1.0). ``u(dtype)`` is the
+error of the reference itself once rounded to the storage dtype, the best a
+kernel can return; twice that leaves room for the kernel's own fp32 result
+landing on the other side of a rounding boundary. ``256 u(float32)``
+(about 1.5e-5) bounds fp32 accumulation: dot products over head_dim <= 256
+terms and softmax sums, relative to the value scale. For float32 storage the
+second term dominates; for float16 and bfloat16 the first does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+FP32_ACCUMULATION = 256 * 2.0 ** -24
+
+
+def attention_tolerance(dtype: str, value_scale: float) -> float:
+    """Largest allowed absolute error of one attention output element."""
+    return max(float(value_scale), np.finfo(np.float32).tiny) * (2 * UNIT_ROUNDOFF[dtype] + FP32_ACCUMULATION)
+
+
+def attention_error(got, want, dtype: str, value_scale: float) -> float:
+    """Worst element error as a fraction of the tolerance (<= 1 passes; NaN counts as failing)."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        raise ValueError(f"got: expected shape {want.shape}, got {got.shape}")
+    if got.size == 0:
+        return 0.0
+    error = np.abs(got - want)
+    if np.isnan(error).any():
+        return float("inf")
+    return float(error.max() / attention_tolerance(dtype, value_scale))
+
+
+def assert_attention_close(got, want, dtype: str, value_scale: float, context: str = "") -> None:
+    """Raise AssertionError with max and mean error when ``got`` is outside the tolerance."""
+    ratio = attention_error(got, want, dtype, value_scale)
+    if ratio <= 1.0:
+        return
+    error = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    worst = np.unravel_index(np.nanargmax(np.where(np.isnan(error), np.inf, error)), error.shape)
+    raise AssertionError(
+        f"attention outside tolerance {context}: max error {np.nanmax(error):.3g} "
+        f"(tolerance {attention_tolerance(dtype, value_scale):.3g}, {dtype}, value scale {value_scale:.3g}), "
+        f"mean error {np.nanmean(error):.3g}, NaNs {int(np.isnan(error).sum())}, worst at index {worst}: "
+        f"got {np.asarray(got, np.float64)[worst]!r}, want {np.asarray(want, np.float64)[worst]!r}")
+
+
+def ulp_distance(a, b) -> np.ndarray:
+    """Elementwise distance in units in the last place between two arrays of one float dtype.
+
+    Works on the bit patterns, so it applies to float16, bfloat16 and float32
+    alike; equal values (including +0 and -0) are 0 apart, NaN against
+    anything is reported as the largest distance.
+    """
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"b: expected dtype {a.dtype} and shape {a.shape}, got {b.dtype} and {b.shape}")
+    bits = 8 * a.dtype.itemsize
+    signed = np.dtype(f"i{a.dtype.itemsize}")
+
+    def ordered(x):
+        raw = x.view(signed).astype(np.int64)
+        return np.where(raw < 0, -(raw & ((1 << (bits - 1)) - 1)), raw)
+
+    distance = np.abs(ordered(a) - ordered(b))
+    nan = np.isnan(a.astype(np.float32)) | np.isnan(b.astype(np.float32))
+    return np.where(nan, np.iinfo(np.int64).max, distance)

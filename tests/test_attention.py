@@ -1,0 +1,91 @@
+"""attention: matches reference.attention within the stated tolerance, never reads past the live rows."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import cupykv
+from cupykv import reference, testing
+from cupykv.tolerances import assert_attention_close
+from backends import BACKENDS
+
+
+@st.composite
+def attention_cases(draw, max_seqs=(1, 3, 16, 40, 160), head_dims=(1, 3, 8, 16, 64, 128)):
+    spec = draw(testing.specs(max_seqs=max_seqs, head_dims=head_dims, kv_heads=(1, 2)))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    q_len = draw(st.integers(1, 8))
+    lengths = draw(st.lists(st.sampled_from([0, 1, spec.max_seq - 1, spec.max_seq]) | st.integers(0, spec.max_seq),
+                            min_size=spec.batch, max_size=spec.batch))
+    options = dict(
+        scale=draw(st.none() | st.floats(0.05, 2.0)),
+        window=draw(st.none() | st.integers(1, spec.max_seq + 2)),
+        softcap=draw(st.none() | st.floats(1.0, 30.0)),
+        rope=draw(st.none() | st.just(cupykv.Rope(theta=500.0))) if spec.head_dim % 2 == 0 else None,
+    )
+    num_splits = draw(st.integers(1, 4))
+    return spec, group, q_len, [max(0, x) for x in lengths], options, num_splits, draw(st.integers(0, 2**32 - 1))
+
+
+def run_case(backend, spec, group, q_len, lengths, options, num_splits, seed):
+    rng = np.random.default_rng(seed)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    testing.fill(cache, oracle, lengths, rng, rope=options["rope"])
+    layer = int(rng.integers(spec.n_layers))
+    # the q_len pending rows, then NaN everywhere past them: a read of the tail poisons the output
+    shape = (spec.batch, q_len, spec.n_kv_heads, spec.head_dim)
+    k, v = testing.random_rows(rng, spec, shape), testing.random_rows(rng, spec, shape)
+    cache.append(layer, cache._backend.asarray(k), cache._backend.asarray(v), rope=options["rope"])
+    oracle.append(layer, k, v, rope=options["rope"])
+    testing.poison_tail(cache, np.asarray(lengths) + q_len)
+    q = testing.random_rows(rng, spec, (spec.batch, q_len, group * spec.n_kv_heads, spec.head_dim))
+    got = cupykv.attention(cache._backend.asarray(q), cache, layer, num_splits=min(num_splits, 1 + spec.max_seq // 128),
+                           **options)
+    want = reference.attention(q, oracle, layer, **options)
+    value_scale = float(np.abs(oracle.v[layer].astype(np.float64)).max())
+    assert_attention_close(testing.to_numpy(got, spec), want, spec.dtype, value_scale,
+                           context=f"({spec}, group {group}, q_len {q_len}, lengths {lengths}, {options})")
+    return got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=attention_cases())
+def test_attention_matches_reference(backend, case):
+    run_case(backend, *case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_attention_split_and_unsplit_agree_with_reference_on_long_sequences(backend, dtype, head_dim, group):
+    # 300 live positions: three chunks of 128, so splits cut through chunks and meet a partial one.
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=512, batch=2, dtype=dtype,
+                            layout="HND" if group % 2 else "NHD")
+    options = dict(scale=None, window=None, softcap=None, rope=None)
+    for splits in (1, 3):
+        run_case(backend, spec, group, 2, [300, 17], options, splits, seed=splits)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_query_with_nothing_to_attend_to_gives_zeros(backend):
+    # Sequence 0 is full; its queries sit past max_seq and a window of 1 keeps no position.
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=8, max_seq=4, batch=2)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    testing.fill(cache, oracle, [4, 1], np.random.default_rng(0))
+    q = testing.random_rows(np.random.default_rng(1), spec, (2, 2, 1, 8))
+    got = testing.to_numpy(cupykv.attention(cache._backend.asarray(q), cache, 0, window=1), spec)
+    want = reference.attention(q, oracle, 0, window=1)
+    assert not np.isnan(got).any()
+    assert np.all(got[0] == 0) and np.all(want[0] == 0)
+    assert np.abs(got[1]).max() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_buffer_is_written_in_place(backend):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=16, max_seq=8, batch=1, dtype="float16")
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    testing.fill(cache, oracle, [5], np.random.default_rng(0))
+    q = cache._backend.asarray(testing.random_rows(np.random.default_rng(1), spec, (1, 1, 4, 16)))
+    out = cache._backend.zeros((1, 1, 4, 16), cache._backend.storage_dtype("float16"))
+    assert cupykv.attention(q, cache, 0, out=out) is out
+    assert np.abs(testing.to_numpy(out, spec).astype(np.float32)).max() > 0

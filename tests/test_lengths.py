@@ -1,0 +1,66 @@
+"""advance / truncate / reset: device-side length updates follow the reference exactly."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import cupykv
+from cupykv import reference, testing
+from backends import BACKENDS
+
+SPEC = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4, max_seq=10, batch=3)
+
+
+def operations(batch, max_seq):
+    per_seq = st.lists(st.integers(0, max_seq + 3), min_size=batch, max_size=batch)
+    return st.lists(st.one_of(
+        st.tuples(st.just("advance"), st.integers(0, max_seq + 3) | per_seq),
+        st.tuples(st.just("truncate"), st.lists(st.floats(0, 1), min_size=batch, max_size=batch)),
+        st.tuples(st.just("reset"), st.none() | st.lists(st.integers(0, batch - 1), unique=True, max_size=batch)),
+    ), max_size=12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(ops=operations(SPEC.batch, SPEC.max_seq))
+def test_length_updates_follow_the_reference(backend, ops):
+    cache, oracle = cupykv.KVCache(SPEC, backend=backend), reference.KVCache(SPEC)
+    for name, arg in ops:
+        if name == "truncate":  # a fraction of each current length: always a valid rollback
+            arg = [int(f * n) for f, n in zip(arg, oracle.lengths)]
+        getattr(cache, name)(arg)
+        getattr(oracle, name)(arg)
+        assert cache.lengths_host().tolist() == oracle.lengths.tolist(), (name, arg)
+        assert cache._backend.to_host(cache.overflow).astype(bool).tolist() == oracle.overflow.tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_truncate_that_would_grow_is_rejected_and_changes_nothing(backend):
+    cache = cupykv.KVCache(SPEC, backend=backend)
+    cache.advance([4, 2, 0])
+    with pytest.raises(ValueError, match=r"new_lengths\[1\] = 3 with lengths\[1\] = 2"):
+        cache.truncate([4, 3, 0])
+    assert cache.lengths_host().tolist() == [4, 2, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_advance_past_capacity_clamps_and_flags(backend):
+    cache = cupykv.KVCache(SPEC, backend=backend)
+    cache.advance([9, 10, 3])
+    cache.advance(1)
+    assert cache.lengths_host().tolist() == [10, 10, 4]
+    assert cache._backend.to_host(cache.overflow).tolist() == [0, 1, 0]
+    with pytest.raises(cupykv.CacheOverflowError, match=r"\[1\]"):
+        cache.check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_additive_mask_matches_reference(backend, q_len):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4, max_seq=300, batch=3)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    testing.fill(cache, oracle, [0, 299, 300], np.random.default_rng(0))
+    got = cache._backend.to_host(cache.additive_mask(q_len))
+    assert got.dtype == np.float32 and got.shape == (3, 1, q_len, 300)
+    assert np.array_equal(got, oracle.additive_mask(q_len))
+    out = cache._backend.zeros((3, 1, q_len, 300), np.float32)
+    assert cache.additive_mask(q_len, out=out) is out
+    assert np.array_equal(cache._backend.to_host(out), oracle.additive_mask(q_len))

@@ -1,0 +1,104 @@
+"""CacheSpec: validation, derived shapes and sizes checked against NumPy's own."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cupykv import CacheSpec
+from cupykv.spec import DTYPES, LAYOUTS
+
+specs = st.builds(
+    CacheSpec,
+    n_layers=st.integers(1, 4),
+    n_kv_heads=st.integers(1, 8),
+    head_dim=st.integers(1, 256),
+    max_seq=st.integers(1, 64),
+    batch=st.integers(1, 4),
+    dtype=st.sampled_from(DTYPES),
+    layout=st.sampled_from(LAYOUTS),
+)
+
+
+def test_defaults():
+    spec = CacheSpec(n_layers=2, n_kv_heads=4, head_dim=64, max_seq=128)
+    assert (spec.batch, spec.dtype, spec.layout) == (1, "float32", "NHD")
+    assert spec.shape == (2, 1, 128, 4, 64)
+
+
+def test_layouts_order_axes():
+    nhd = CacheSpec(3, 4, 8, 16, batch=2, layout="NHD")
+    hnd = CacheSpec(3, 4, 8, 16, batch=2, layout="HND")
+    assert nhd.shape == (3, 2, 16, 4, 8) and nhd.seq_axis == 2
+    assert hnd.shape == (3, 2, 4, 16, 8) and hnd.seq_axis == 3
+    assert nhd.layer_shape == (2, 16, 4, 8) and hnd.layer_shape == (2, 4, 16, 8)
+
+
+def test_numpy_integers_are_normalised():
+    spec = CacheSpec(np.int64(2), np.int32(4), np.uint8(64), np.int16(16), batch=np.int64(3))
+    for name in ("n_layers", "n_kv_heads", "head_dim", "max_seq", "batch"):
+        assert type(getattr(spec, name)) is int
+    assert spec == CacheSpec(2, 4, 64, 16, batch=3)
+
+
+def test_frozen_and_hashable():
+    spec = CacheSpec(1, 1, 8, 8)
+    with pytest.raises(AttributeError):
+        spec.max_seq = 9
+    assert hash(spec) == hash(CacheSpec(1, 1, 8, 8))
+
+
+@given(specs)
+def test_derived_match_numpy(spec):
+    expected_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[spec.dtype]
+    assert spec.np_dtype == np.dtype(expected_dtype)
+    array = np.empty(spec.shape, dtype=spec.np_dtype)
+    assert spec.itemsize == array.itemsize
+    assert spec.strides == tuple(s // array.itemsize for s in array.strides)
+    assert spec.nbytes == 2 * array.nbytes
+    assert spec.shape == (spec.n_layers,) + spec.layer_shape
+    assert spec.shape[spec.seq_axis] == spec.max_seq
+
+
+GOOD = dict(n_layers=2, n_kv_heads=4, head_dim=64, max_seq=16, batch=2, dtype="float32", layout="NHD")
+
+BAD_FIELDS = [
+    # (field, bad value, exception, expected description, shown value)
+    ("n_layers", 0, ValueError, "an int >= 1", "0"),
+    ("n_layers", -3, ValueError, "an int >= 1", "-3"),
+    ("n_layers", 2.0, TypeError, "an int >= 1", "2.0"),
+    ("n_layers", True, TypeError, "an int >= 1", "True"),
+    ("n_layers", "2", TypeError, "an int >= 1", "'2'"),
+    ("n_kv_heads", 0, ValueError, "an int >= 1", "0"),
+    ("n_kv_heads", None, TypeError, "an int >= 1", "None"),
+    ("n_kv_heads", np.float32(4), TypeError, "an int >= 1", "4"),
+    ("head_dim", 300, ValueError, "an int in 1..256", "300"),
+    ("head_dim", 257, ValueError, "an int in 1..256", "257"),
+    ("head_dim", 0, ValueError, "an int in 1..256", "0"),
+    ("head_dim", np.bool_(True), TypeError, "an int in 1..256", "True"),
+    ("max_seq", 0, ValueError, "an int >= 1", "0"),
+    ("max_seq", 1.5, TypeError, "an int >= 1", "1.5"),
+    ("batch", 0, ValueError, "an int >= 1", "0"),
+    ("batch", [2], TypeError, "an int >= 1", "[2]"),
+    ("dtype", "float64", ValueError, "one of 'float32', 'float16', 'bfloat16'", "'float64'"),
+    ("dtype", "fp16", ValueError, "one of 'float32', 'float16', 'bfloat16'", "'fp16'"),
+    ("dtype", np.float16, TypeError, "one of 'float32', 'float16', 'bfloat16'", "float16"),
+    ("layout", "NDH", ValueError, "one of 'NHD', 'HND'", "'NDH'"),
+    ("layout", "nhd", ValueError, "one of 'NHD', 'HND'", "'nhd'"),
+    ("layout", 0, TypeError, "one of 'NHD', 'HND'", "0"),
+]
+
+
+@pytest.mark.parametrize("field, value, exc, expected, shown", BAD_FIELDS)
+def test_bad_field(field, value, exc, expected, shown):
+    with pytest.raises(exc) as info:
+        CacheSpec(**{**GOOD, field: value})
+    message = str(info.value)
+    assert message.startswith(f"CacheSpec.{field}: expected {expected}, got ")
+    assert shown in message.split(", got ", 1)[1]
+
+
+def test_head_dim_message_example():
+    with pytest.raises(ValueError, match=r"^CacheSpec\.head_dim: expected an int in 1\.\.256, got 300$"):
+        CacheSpec(**{**GOOD, "head_dim": 300})
