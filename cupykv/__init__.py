@@ -7,9 +7,12 @@ importing ``cupykv`` never imports it.
 from .attention import attention
 from .cache import KVCache
 from .errors import CacheOverflowError
+from .graph import CaptureError, Graph, capture
+from .ops import linear
 from .rope import Rope
 from .spec import MASK_VALUE, CacheSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheSpec", "KVCache", "attention", "CacheOverflowError", "Rope", "MASK_VALUE", "__version__"]
+__all__ = ["CacheSpec", "KVCache", "attention", "capture", "Graph", "CaptureError", "CacheOverflowError", "Rope",
+           "MASK_VALUE", "linear", "__version__"]

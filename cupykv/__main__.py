@@ -1,11 +1,14 @@
-"""Command line: ``python -m cupykv {demo,check}``.
+"""Command line: ``python -m cupykv {demo,check,bench}``.
 
-- ``demo``: a batched decode loop through the kernels on the default backend
-  (the GPU through CuPy, or the CPU emulator), checked step by step against
-  the NumPy reference, with a speculative-decoding rollback and an overflow
-  caught by ``check()``. Exits non-zero if anything disagrees.
+- ``demo``: greedy decoding with a small LLaMA-style model on the default
+  backend (the GPU through CuPy, or the CPU emulator), eagerly and through one
+  captured graph, checked against the NumPy reference model. Exits non-zero
+  if anything disagrees.
 - ``check``: compiles every kernel instance with NVRTC for sm_80 and sm_90 and
   fails on a compile error or a register spill (no GPU needed).
+- ``bench``: the performance harness (see ``cupykv.bench``); writes
+  ``bench.json`` and ``bench.png``. On the emulator it is a smoke run whose
+  timings are CPU emulation, not GPU figures.
 """
 from __future__ import annotations
 
@@ -14,20 +17,30 @@ import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupykv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m cupykv", description="cupykv command line")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="decode through the kernels and check against the reference")
     demo.add_argument("--backend", choices=("cupy", "emulator"), default=None,
                       help="default: cupy when a GPU is usable, else the emulator")
-    demo.add_argument("--steps", type=int, default=12, help="decode steps")
+    demo.add_argument("--steps", type=int, default=None, help="new tokens per prompt (default 16, 32 on a GPU)")
+    demo.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="bfloat16")
     demo.add_argument("--seed", type=int, default=0)
     commands.add_parser("check", help="NVRTC-compile every kernel for sm_80/sm_90; fail on spills")
+    bench = commands.add_parser("bench", help="time copy, attention, linear and decode; write bench.json/.png")
+    bench.add_argument("--backend", choices=("cupy", "emulator"), default=None,
+                       help="default: cupy when a GPU is usable, else the emulator (a smoke run)")
+    bench.add_argument("--out", default="bench_results", help="output folder (default: bench_results/)")
+    bench.add_argument("--quick", action="store_true", help="fewer points and repeats (GPU); the emulator "
+                                                            "always runs its smoke plan")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from cupykv.bench import main as bench_main
+        return bench_main(backend=args.backend, out=args.out, quick=args.quick)
     if args.command == "check":
         from cupykv.nvrtc_check import main as check_main
         return check_main()
     from cupykv.demo import run_demo
-    return run_demo(backend=args.backend, steps=args.steps, seed=args.seed)
+    return run_demo(backend=args.backend, steps=args.steps, seed=args.seed, dtype=args.dtype)
 
 
 if __name__ == "__main__":

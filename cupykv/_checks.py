@@ -20,7 +20,8 @@ def _got(value):
     return f"{value!r} ({type(value).__name__})"
 
 
-def _is_int(value):
+def is_int(value):
+    """Whether ``value`` is a python or NumPy integer (``bool`` is not)."""
     return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -35,7 +36,7 @@ def check_int(name, value, lo=None, hi=None):
         expected = f"an int >= {lo}"
     else:
         expected = "an int"
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name}: expected {expected}, got {_got(value)}")
     value = int(value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -172,7 +173,7 @@ def _per_sequence_ints(name, value, spec):
     back unchanged (``None`` is returned as the second item to say so).
     """
     expected = f"an int or an int array of shape ({spec.batch},) [batch]"
-    if _is_int(value):
+    if is_int(value):
         return np.full(spec.batch, int(value), dtype=np.int64), True
     if isinstance(value, (list, tuple, np.ndarray)):
         try:
@@ -234,7 +235,7 @@ def check_slots(slots, spec):
     expected = f"None, an int or distinct ints in 0..{spec.batch - 1}"
     if slots is None:
         return np.arange(spec.batch, dtype=np.int64)
-    if _is_int(slots):
+    if is_int(slots):
         return np.array([check_int("slots", slots, 0, spec.batch - 1)], dtype=np.int64)
     if not isinstance(slots, (list, tuple, np.ndarray)):
         raise TypeError(f"slots: expected {expected}, got {_got(slots)}")

@@ -118,17 +118,17 @@ def attention(q, cache: KVCache, layer, *, scale=None, window=None, softcap=None
     partial_out, partial_max, partial_sum = _workspace(cache, num_splits, rows, spec.head_dim)
     group = n_heads // spec.n_kv_heads
     grid = (num_splits, spec.batch * spec.n_kv_heads, math.ceil(q_len * group / TILE_ROWS))
-    cache._kernel("attention", attention_instance(spec.dtype, spec.head_dim))(
-        grid, (THREADS,),
+    cache._launch(
+        "attention", attention_instance(spec.dtype, spec.head_dim), grid, (THREADS,),
         (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, cache.lengths,
          *cache._layout_args(layer),
          np.int32(q_len), np.int32(n_heads), np.int32(spec.n_kv_heads), np.int32(spec.head_dim),
          np.int32(spec.max_seq), np.int32(num_splits), np.float32(scale), np.float32(softcap or 0.0),
          np.int32(window or 0), np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)),
-        shared_mem=shared_memory_bytes(spec.head_dim))
+        shared_memory_bytes(spec.head_dim))
     if num_splits > 1:
-        cache._kernel("attention", f"cupykv_attention_combine<{CUDA_TYPES[spec.dtype]}>")(
-            (rows,), (THREADS,),
+        cache._launch(
+            "attention", f"cupykv_attention_combine<{CUDA_TYPES[spec.dtype]}>", (rows,), (THREADS,),
             (out, partial_out, partial_max, partial_sum, np.int32(rows), np.int32(spec.head_dim),
              np.int32(num_splits)))
     return out

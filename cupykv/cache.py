@@ -77,8 +77,8 @@ class KVCache:
         """Committed lengths as a NumPy int32 ``[batch]`` (synchronises)."""
         return self._backend.to_host(self.lengths)
 
-    def _kernel(self, op: str, instance: str):
-        return self._backend.kernel(op, instance)
+    def _launch(self, op: str, instance: str, grid, block, args, shared_mem: int = 0) -> None:
+        self._backend.launch(op, instance, grid, block, args, shared_mem)
 
     def _layout_args(self, layer: int):
         strides = self.spec.strides
@@ -118,11 +118,11 @@ class KVCache:
         rope = _checks.check_rope(rope, spec)
         k = device_input("k", k, self._backend, spec.dtype)
         v = device_input("v", v, self._backend, spec.dtype)
-        kernel = self._kernel("append", f"cupykv_append<{CUDA_TYPES[spec.dtype]}>")
-        kernel((n_new, spec.batch), (_APPEND_THREADS,),
-               (self.k, self.v, k, v, self.lengths, self.overflow, *self._layout_args(layer),
-                np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
-                np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
+        self._launch(
+            "append", f"cupykv_append<{CUDA_TYPES[spec.dtype]}>", (n_new, spec.batch), (_APPEND_THREADS,),
+            (self.k, self.v, k, v, self.lengths, self.overflow, *self._layout_args(layer),
+             np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
+             np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
 
     # -- lengths -------------------------------------------------------------
     def advance(self, n=1) -> None:
@@ -130,68 +130,75 @@ class KVCache:
 
         Parameters
         ----------
-        n : int or int array ``[batch]``
-            Non-negative steps, one for all sequences or one per sequence (a
-            device int32 array is read on the device, which is graph-safe).
-            A sequence that would pass ``max_seq`` is clamped and flagged.
+        n : int, int sequence ``[batch]`` or device int32 array ``[batch]``
+            Non-negative steps, one for all sequences or one per sequence. An
+            int is a launch constant and a device array is read at run time:
+            both are graph-safe. A sequence that would pass ``max_seq`` is
+            clamped and flagged.
         """
         spec = self.spec
-        steps = _checks.check_advance(n, spec)
-        per_seq = not (isinstance(n, (int, np.integer)) and not isinstance(n, bool))
-        args_steps = self._device_ints("n", steps) if per_seq else self._per_seq
-        self._kernel("advance", "cupykv_advance")(
-            (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
-            (self.lengths, self.overflow, args_steps, np.int32(per_seq),
-             np.int32(0 if per_seq else int(n)), np.int32(spec.batch), np.int32(spec.max_seq)))
+        constant = _checks.is_int(n)
+        if constant:
+            _checks.check_int("n", n, lo=0)
+        steps = self._per_seq if constant else \
+            self._per_sequence_arg("n", n, lambda host: _checks.check_advance(host, spec))
+        self._launch(
+            "advance", "cupykv_advance", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
+            (self.lengths, self.overflow, steps, np.int32(not constant), np.int32(n if constant else 0),
+             np.int32(spec.batch), np.int32(spec.max_seq)))
 
     def truncate(self, new_lengths) -> None:
         """Roll sequences back to shorter lengths (speculative-decoding rollback).
 
         Parameters
         ----------
-        new_lengths : int or int array ``[batch]``
+        new_lengths : int, int sequence ``[batch]`` or device int32 array ``[batch]``
             ``0 <= new_lengths[b] <= lengths[b]``. Host values are checked
-            against the current lengths (a synchronising read); a device int32
-            array is clamped on the device so it can only shorten.
+            against the current lengths (a synchronising read, so not inside a
+            captured step); a device array is clamped on the device so that
+            it can only shorten (graph-safe).
         """
         spec = self.spec
-        if self._is_device_int_array(new_lengths):
-            values = _checks.check_new_lengths(new_lengths, None, spec)
-        else:
-            values = _checks.check_new_lengths(new_lengths, self.lengths_host(), spec)
-        self._kernel("truncate", "cupykv_truncate")(
-            (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
-            (self.lengths, self._device_ints("new_lengths", values), np.int32(spec.batch)))
+        targets = self._per_sequence_arg(
+            "new_lengths", new_lengths, lambda host: _checks.check_new_lengths(host, self.lengths_host(), spec))
+        self._launch(
+            "truncate", "cupykv_truncate", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
+            (self.lengths, targets, np.int32(spec.batch)))
 
     def reset(self, slots=None) -> None:
         """Empty sequence slots: ``lengths[slots] = 0`` and their overflow flags cleared.
 
         Parameters
         ----------
-        slots : None, int or sequence of int
-            Slots to reset; ``None`` resets all of them.
+        slots : None, int, int sequence, or device int32 mask ``[batch]``
+            Slots to reset; ``None`` resets all of them. A device mask (nonzero
+            = reset) is read at run time (graph-safe).
         """
         spec = self.spec
-        chosen = _checks.check_slots(slots, spec)
-        mask = np.zeros(spec.batch, dtype=np.int64)
-        mask[chosen] = 1
-        use_mask = slots is not None
-        self._kernel("reset", "cupykv_reset")(
-            (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
-            (self.lengths, self.overflow, self._device_ints("slots", mask) if use_mask else self._per_seq,
-             np.int32(use_mask), np.int32(spec.batch)))
 
-    def _is_device_int_array(self, values) -> bool:
-        """Device arrays are read by the kernels; host values are checked and uploaded."""
-        return not isinstance(values, np.ndarray) and self._backend.is_device_array(values)
+        def host_mask(host):
+            mask = np.zeros(spec.batch, dtype=np.int64)
+            mask[_checks.check_slots(host, spec)] = 1
+            return mask
 
-    def _device_ints(self, name: str, values):
-        """A device int32 ``[batch]`` for checked per-sequence ``values``."""
-        if not isinstance(values, np.ndarray):
-            if values.dtype != np.int32:
-                raise TypeError(f"{name}: expected a device int32 array, got dtype {values.dtype}")
+        mask = self._per_seq if slots is None else self._per_sequence_arg("slots", slots, host_mask)
+        self._launch(
+            "reset", "cupykv_reset", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
+            (self.lengths, self.overflow, mask, np.int32(slots is not None), np.int32(spec.batch)))
+
+    def _per_sequence_arg(self, name: str, values, check_host):
+        """Device int32 ``[batch]`` for a per-sequence argument.
+
+        A device array is checked for shape and dtype and read by the kernel at
+        run time. Host values go through ``check_host`` (which returns them as
+        an int array ``[batch]``) and are copied into a staging buffer.
+        """
+        if self._backend.is_device_array(values):
+            if tuple(values.shape) != (self.spec.batch,) or values.dtype != np.int32:
+                raise ValueError(f"{name}: expected a device int32 array of shape ({self.spec.batch},) [batch], "
+                                 f"got dtype {values.dtype} and shape {tuple(values.shape)}")
             return values
-        self._backend.upload(self._per_seq, values.astype(np.int32))
+        self._backend.upload(self._per_seq, np.asarray(check_host(values)).astype(np.int32))
         return self._per_seq
 
     # -- reads ---------------------------------------------------------------
@@ -215,8 +222,8 @@ class KVCache:
             out = self._backend.zeros(shape, np.float32)
         else:
             out = device_input("out", out, self._backend, "float32", shape)
-        self._kernel("additive_mask", "cupykv_additive_mask")(
-            (_blocks(spec.max_seq, _SMALL_THREADS), q_len, spec.batch), (_SMALL_THREADS,),
+        self._launch(
+            "additive_mask", "cupykv_additive_mask", (_blocks(spec.max_seq, _SMALL_THREADS), q_len, spec.batch), (_SMALL_THREADS,),
             (out, self.lengths, np.int32(q_len), np.int32(spec.max_seq), np.float32(MASK_VALUE)))
         return out
 

@@ -6,16 +6,20 @@ Needs the ``test`` extra (hypothesis). The pieces:
 - :func:`to_numpy`, :func:`random_rows`: move data between host and a cache's backend;
 - :func:`fill`: give a backend cache and a reference cache the same committed rows;
 - :func:`poison_tail`: write NaN past the live rows, to prove a kernel never reads them;
-- :func:`assert_matches_reference`: lengths, overflow flags and the whole K/V cache.
+- :func:`assert_matches_reference`: lengths, overflow flags and the whole K/V cache;
+- :func:`assert_attention_close`: attention within the tolerance of :mod:`cupykv.tolerances`;
+- :class:`CacheMachine`: a hypothesis state machine that interleaves every
+  operation, capture and replay included, on a backend and on the reference.
 """
 from __future__ import annotations
 
 import numpy as np
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from cupykv import reference
 from cupykv.spec import DTYPES, LAYOUTS, CacheSpec
-from cupykv.tolerances import ulp_distance
+from cupykv.tolerances import assert_attention_close, ulp_distance  # noqa: F401 (re-exported)
 
 
 @st.composite
@@ -108,3 +112,129 @@ def assert_matches_reference(cache, oracle: "reference.KVCache", *, rope_used: b
             where = np.argwhere(bits(got) != bits(want))[:5].tolist()
             raise AssertionError(f"{name} differs from the reference (bitwise) at {where} "
                                  f"(indices into {spec.layout} shape {spec.shape})")
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Drives a backend ``KVCache`` and the reference side by side and checks they never diverge.
+
+    Rules: append (with and without rope, overflow included), advance (an int
+    or per sequence), attention (GQA, q_len 1..4, window, softcap), truncate,
+    reset, and capture-then-replay of a whole decode step. After every rule,
+    lengths and overflow flags must be equal and the whole K/V cache must match
+    (:func:`assert_matches_reference`); attention must be within the stated
+    tolerance.
+
+    Subclass it to choose the backend or the specs, and run it with
+    ``run_state_machine_as_test`` or ``TestCase = MyMachine.TestCase``::
+
+        class OnGPU(CacheMachine):
+            backend = "cupy"
+        TestOnGPU = OnGPU.TestCase
+    """
+
+    backend: str | None = "emulator"
+    spec_strategy = specs(max_seqs=(4, 9, 16), head_dims=(2, 8, 16, 64))
+
+    def __init__(self):
+        super().__init__()
+        self.cache = self.oracle = None
+        self.rope_used = False
+
+    @initialize(data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def create(self, data, seed):
+        from cupykv import KVCache  # the fast path is imported lazily: importing testing stays cheap
+
+        self.spec = spec = data.draw(self.spec_strategy, label="spec")
+        self.rng = np.random.default_rng(seed)
+        self.cache, self.oracle = KVCache(spec, backend=self.backend), reference.KVCache(spec)
+
+    # -- helpers ---------------------------------------------------------------
+    def _rows(self, n_new, heads=None):
+        spec = self.spec
+        return random_rows(self.rng, spec, (spec.batch, n_new, heads or spec.n_kv_heads, spec.head_dim))
+
+    def _rope(self, use):
+        from cupykv import Rope
+
+        if use and self.spec.head_dim % 2 == 0:
+            self.rope_used = True
+            return Rope(theta=1000.0)
+        return None
+
+    def _device(self, host):
+        return self.cache._backend.asarray(host)
+
+    # -- rules -----------------------------------------------------------------
+    @rule(layer=st.integers(0, 7), n_new=st.integers(1, 5), use_rope=st.booleans())
+    def append(self, layer, n_new, use_rope):
+        layer %= self.spec.n_layers
+        rope = self._rope(use_rope)
+        k, v = self._rows(n_new), self._rows(n_new)
+        self.cache.append(layer, self._device(k), self._device(v), rope=rope)
+        self.oracle.append(layer, k, v, rope=rope)
+
+    @rule(n=st.integers(0, 4) | st.lists(st.integers(0, 4), min_size=1, max_size=4))
+    def advance(self, n):
+        if isinstance(n, list):
+            n = (n * self.spec.batch)[: self.spec.batch]
+        self.cache.advance(n)
+        self.oracle.advance(n)
+
+    @rule(fractions=st.lists(st.floats(0, 1), min_size=4, max_size=4))
+    def truncate(self, fractions):
+        targets = [int(f * n) for f, n in zip(fractions, self.oracle.lengths)]
+        self.cache.truncate(targets)
+        self.oracle.truncate(targets)
+
+    @rule(slots=st.none() | st.lists(st.integers(0, 3), unique=True, max_size=3))
+    def reset(self, slots):
+        if slots is not None:
+            slots = [s for s in slots if s < self.spec.batch]
+        self.cache.reset(slots)
+        self.oracle.reset(slots)
+
+    @rule(layer=st.integers(0, 7), q_len=st.integers(1, 4), group=st.sampled_from((1, 2, 4)),
+          window=st.none() | st.integers(1, 6), softcap=st.none() | st.just(5.0), use_rope=st.booleans())
+    def attention(self, layer, q_len, group, window, softcap, use_rope):
+        from cupykv import attention
+
+        layer %= self.spec.n_layers
+        rope = self._rope(use_rope)
+        q = self._rows(q_len, heads=group * self.spec.n_kv_heads)
+        got = attention(self._device(q), self.cache, layer, window=window, softcap=softcap, rope=rope)
+        want = reference.attention(q, self.oracle, layer, window=window, softcap=softcap, rope=rope)
+        scale = float(np.abs(self.oracle.v[layer].astype(np.float64)).max())
+        assert_attention_close(to_numpy(got, self.spec), want, self.spec.dtype, scale)
+
+    @rule(replays=st.integers(0, 3))
+    def capture_and_replay(self, replays):
+        """Capture a decode step (append to every layer, attention, advance(1)) and replay it."""
+        from cupykv import attention, capture
+
+        spec, backend = self.spec, self.cache._backend
+        ks = [self._rows(1) for _ in range(spec.n_layers)]
+        vs = [self._rows(1) for _ in range(spec.n_layers)]
+        q = self._rows(1, heads=spec.n_kv_heads)
+        k_dev, v_dev, q_dev = [self._device(x) for x in ks], [self._device(x) for x in vs], self._device(q)
+        out = backend.zeros(q.shape, backend.storage_dtype(spec.dtype))
+
+        def step():
+            for layer in range(spec.n_layers):
+                self.cache.append(layer, k_dev[layer], v_dev[layer])
+                attention(q_dev, self.cache, layer, out=out)
+            self.cache.advance(1)
+
+        graph = capture(step)
+        graph.replay(replays)
+        for _ in range(replays + 1):
+            for layer in range(spec.n_layers):
+                self.oracle.append(layer, ks[layer], vs[layer])
+                want = reference.attention(q, self.oracle, layer)
+            self.oracle.advance(1)
+        scale = float(np.abs(self.oracle.v[spec.n_layers - 1].astype(np.float64)).max())
+        assert_attention_close(to_numpy(out, spec), want, spec.dtype, scale)
+
+    @invariant()
+    def matches_reference(self):
+        if self.cache is not None:
+            assert_matches_reference(self.cache, self.oracle, rope_used=self.rope_used)

@@ -80,3 +80,18 @@ def ulp_distance(a, b) -> np.ndarray:
     distance = np.abs(ordered(a) - ordered(b))
     nan = np.isnan(a.astype(np.float32)) | np.isnan(b.astype(np.float32))
     return np.where(nan, np.iinfo(np.int64).max, distance)
+
+
+def logits_tolerance(dtype: str, logit_scale: float, n_layers: int) -> float:
+    """Largest allowed absolute difference between model logits and the reference model's.
+
+    Both models round every op's output to the storage dtype at the same
+    points; where their fp32 and float64 values straddle a rounding boundary
+    they differ by one unit there, and that difference travels through the
+    rest of the network. Per layer there are eight rounding points on the
+    residual path (norm, q/k/v, attention, o, add, MLP); allowing each of them
+    one unit (2u relative) plus fp32 accumulation gives
+    ``logit_scale * n_layers * (8 * 2 u(dtype) + FP32_ACCUMULATION)``, with
+    ``logit_scale = max |logit|``.
+    """
+    return float(logit_scale) * max(1, n_layers) * (16 * UNIT_ROUNDOFF[dtype] + FP32_ACCUMULATION)

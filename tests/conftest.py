@@ -1,50 +1,39 @@
 """Shared test setup: hypothesis profiles and the ``gpu`` marker.
 
-Profiles: ``dev`` (default, 50 examples) and ``ci`` (200 examples); pick one
-with ``HYPOTHESIS_PROFILE=ci``. Tests marked ``gpu`` are skipped, with the
-reason, unless CuPy imports and can use a CUDA device.
+Profiles: ``dev`` (50 examples per property, the default on a workstation)
+and ``ci`` (200 examples, the default when the ``CI`` environment variable is
+set, as on the CI machine); ``HYPOTHESIS_PROFILE`` overrides both. Tests marked
+``gpu`` are skipped, with the reason, unless CuPy can use a CUDA device.
 """
-
-import functools
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from cupykv.backends import cuda_available
+
+sys.path.insert(0, os.path.dirname(__file__))   # tests/backends.py and friends
 
 settings.register_profile(
     "ci",
     max_examples=200,
     deadline=None,
-    derandomize=False,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.register_profile("dev", max_examples=50, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+settings.register_profile("dev", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
-@functools.lru_cache(maxsize=None)
-def gpu_skip_reason():
-    """``None`` when a CUDA GPU is usable through CuPy, else why not."""
-    try:
-        import cupy
-    except Exception as exc:  # not installed, or a broken install
-        return f"no usable CUDA GPU (cupy is not importable: {type(exc).__name__}: {exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return f"no usable CUDA GPU (cupy.cuda.runtime.getDeviceCount() failed: {exc})"
-    if count < 1:
-        return "no usable CUDA GPU (cupy.cuda.runtime.getDeviceCount() returned 0)"
-    try:
-        cupy.arange(4).sum().item()
-    except Exception as exc:
-        return f"no usable CUDA GPU (a tiny CuPy computation failed: {type(exc).__name__}: {exc})"
-    return None
+def pytest_report_header(config):
+    available, reason = cuda_available()
+    return [f"hypothesis: {settings.default.max_examples} examples per property",
+            f"gpu tests: {'run' if available else 'skipped: ' + reason}"]
 
 
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") is not None:
-        reason = gpu_skip_reason()
-        if reason is not None:
-            pytest.skip(reason)
+        available, reason = cuda_available()
+        if not available:
+            pytest.skip(f"no usable CUDA GPU: {reason}")

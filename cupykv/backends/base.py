@@ -5,6 +5,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from cupykv import graph
 from cupykv.kernels import KERNELS
 
 
@@ -22,6 +23,15 @@ class Backend:
         self._modules: dict[str, Any] = {}
 
     # -- kernels -------------------------------------------------------------
+    def launch(self, op: str, instance: str, grid, block, args, shared_mem: int = 0) -> None:
+        """Launch ``instance`` of ``kernels/<op>.cu``, or hand it to the capture in progress."""
+        fn = self.kernel(op, instance)
+        recorder = graph.active_capture()
+        if recorder is None:
+            fn(grid, block, args, shared_mem=shared_mem)
+        else:
+            recorder.launch(self, fn, grid, block, args, shared_mem)
+
     def kernel(self, op: str, instance: str) -> Callable:
         """The launchable kernel ``instance`` of ``kernels/<op>.cu``.
 
@@ -36,27 +46,48 @@ class Backend:
         raise NotImplementedError
 
     # -- arrays --------------------------------------------------------------
+    # Public array methods refuse to run inside a captured step; subclasses implement _zeros etc.
+    def zeros(self, shape, dtype) -> Any:
+        """A zero-filled device array."""
+        graph.refuse_in_capture(f"allocating a {tuple(shape)} {np.dtype(dtype)} array",
+                                "preallocate it outside the step and pass it in (out=...)")
+        return self._zeros(shape, dtype)
+
+    def asarray(self, host_array) -> Any:
+        """A device copy of a NumPy array (bfloat16 as this backend stores it)."""
+        graph.refuse_in_capture("copying a host array to the device", "upload it before capture")
+        return self._asarray(host_array)
+
+    def to_host(self, array) -> np.ndarray:
+        """A NumPy copy of a device array (synchronising)."""
+        graph.refuse_in_capture("reading a device array on the host (a synchronisation)",
+                                "read it after replay()")
+        return self._to_host(array)
+
+    def upload(self, device_array, host_values) -> None:
+        """Copy host values into an existing device array."""
+        graph.refuse_in_capture("copying host values to the device",
+                                "pass a device int32 array, filled before capture, instead of host values")
+        self._upload(device_array, host_values)
+
     def storage_dtype(self, dtype: str) -> np.dtype:
         """The array dtype that holds cache dtype ``dtype`` on this backend."""
         raise NotImplementedError
 
-    def zeros(self, shape, dtype) -> Any:
+    def _zeros(self, shape, dtype) -> Any:
         raise NotImplementedError
 
     def is_device_array(self, array) -> bool:
         """Whether ``array`` lives where this backend's kernels can read it."""
         raise NotImplementedError
 
-    def asarray(self, host_array) -> Any:
-        """A device copy of a NumPy array (bfloat16 as this backend stores it)."""
+    def _asarray(self, host_array) -> Any:
         raise NotImplementedError
 
-    def to_host(self, array) -> np.ndarray:
-        """A NumPy copy of a device array (synchronising)."""
+    def _to_host(self, array) -> np.ndarray:
         raise NotImplementedError
 
-    def upload(self, device_array, host_values) -> None:
-        """Copy host values into an existing device array (outside graph capture only)."""
+    def _upload(self, device_array, host_values) -> None:
         raise NotImplementedError
 
     def synchronize(self) -> None:

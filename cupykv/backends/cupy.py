@@ -30,22 +30,22 @@ class CupyBackend(Backend):
     def storage_dtype(self, dtype):
         return _STORAGE[dtype]
 
-    def zeros(self, shape, dtype):
+    def _zeros(self, shape, dtype):
         return cupy.zeros(shape, dtype)
 
     def is_device_array(self, array):
         return isinstance(array, cupy.ndarray)
 
-    def asarray(self, host_array):
+    def _asarray(self, host_array):
         host_array = np.ascontiguousarray(host_array)
         if host_array.dtype == ml_dtypes.bfloat16:
             host_array = host_array.view(np.uint16)
         return cupy.asarray(host_array)
 
-    def to_host(self, array):
+    def _to_host(self, array):
         return cupy.asnumpy(array)
 
-    def upload(self, device_array, host_values):
+    def _upload(self, device_array, host_values):
         device_array.set(np.ascontiguousarray(host_values, dtype=device_array.dtype))
 
     def synchronize(self):

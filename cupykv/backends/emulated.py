@@ -4,12 +4,41 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from cupykv import graph
 from cupykv.backends import emulator
 from cupykv.backends.base import Backend
 from cupykv.kernels import KERNEL_DIR
 
 _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
             "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+_HOST_MATH = "it would run once, at capture, not at every replay; use cupykv ops"
+
+
+class DeviceArray(np.ndarray):
+    """A NumPy array in the emulator's guarded memory: the emulator's device array.
+
+    It behaves as a NumPy array, except inside a captured step, where host-side
+    NumPy computation on it raises (a GPU graph would not replay it either).
+    """
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        graph.refuse_in_capture(f"numpy.{ufunc.__name__} on an emulator device array", _HOST_MATH)
+        plain = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in inputs)
+        if "out" in kwargs:
+            kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in kwargs["out"])
+        return getattr(ufunc, method)(*plain, **kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        graph.refuse_in_capture(f"numpy.{func.__name__} on an emulator device array", _HOST_MATH)
+        return super().__array_function__(func, types, args, kwargs)
+
+    def __getitem__(self, index):
+        graph.refuse_in_capture("reading an emulator device array on the host", _HOST_MATH)
+        return super().__getitem__(index)
+
+    def __setitem__(self, index, value):
+        graph.refuse_in_capture("writing an emulator device array from the host", _HOST_MATH)
+        super().__setitem__(index, value)
 
 
 class EmulatorBackend(Backend):
@@ -24,20 +53,20 @@ class EmulatorBackend(Backend):
     def storage_dtype(self, dtype):
         return _STORAGE[dtype]
 
-    def zeros(self, shape, dtype):
-        return emulator.zeros(shape, dtype)
+    def _zeros(self, shape, dtype):
+        return emulator.zeros(shape, dtype).view(DeviceArray)
 
     def is_device_array(self, array):
-        return isinstance(array, np.ndarray)
+        return isinstance(array, DeviceArray)
 
-    def asarray(self, host_array):
-        return emulator.asarray(np.ascontiguousarray(host_array))
+    def _asarray(self, host_array):
+        return emulator.asarray(np.ascontiguousarray(host_array)).view(DeviceArray)
 
-    def to_host(self, array):
+    def _to_host(self, array):
         return np.array(array, copy=True)
 
-    def upload(self, device_array, host_values):
-        device_array[...] = host_values
+    def _upload(self, device_array, host_values):
+        np.copyto(device_array.view(np.ndarray), host_values, casting="unsafe")
 
     def synchronize(self):
         emulator.synchronize()

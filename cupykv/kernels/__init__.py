@@ -17,6 +17,9 @@ CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat1
 #: head sizes with a compile-time attention specialisation; others use HEAD_DIM = 0.
 ATTENTION_HEAD_DIMS = (64, 128)
 
+#: rows a linear warp accumulates at once; one instance each (see kernels/linear.cu).
+LINEAR_ROW_TILES = (1, 2, 4, 8, 16)
+
 
 @dataclass(frozen=True)
 class KernelFile:
@@ -45,6 +48,15 @@ KERNELS: dict[str, KernelFile] = {
         tuple(f"cupykv_attention<{t}, {hd}>" for t in CUDA_TYPES.values() for hd in (0,) + ATTENTION_HEAD_DIMS)
         + _per_type("cupykv_attention_combine<{t}>"),
     ),
+    # decoder ops (cupykv.ops): everything a LLaMA-style decode step needs besides attention
+    "linear": KernelFile(
+        "linear.cu", tuple(f"cupykv_linear<{t}, {tile}>" for t in CUDA_TYPES.values() for tile in LINEAR_ROW_TILES)
+    ),
+    "embedding": KernelFile("embedding.cu", _per_type("cupykv_embedding<{t}>")),
+    "rmsnorm": KernelFile("rmsnorm.cu", _per_type("cupykv_rmsnorm<{t}>")),
+    "silu_mul": KernelFile("silu_mul.cu", _per_type("cupykv_silu_mul<{t}>")),
+    "add": KernelFile("add.cu", _per_type("cupykv_add<{t}>")),
+    "argmax": KernelFile("argmax.cu", _per_type("cupykv_argmax<{t}>")),
 }
 
 

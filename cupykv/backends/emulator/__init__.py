@@ -1,0 +1,25 @@
+"""CUDA-on-CPU emulator: runs cupykv's unmodified .cu kernels with g++ and checks them.
+
+Every CUDA thread is a fiber, so ``__syncthreads`` and the warp intrinsics have their
+real semantics; the emulator raises on divergent barriers, bad warp masks, deadlocks,
+out-of-bounds global or dynamic shared memory accesses, failed device asserts and
+launches that break CUDA's limits or the kernel's signature.
+
+    mod = Module(code, ["cupykv_append<float>"])
+    fn = mod.get_function("cupykv_append<float>")
+    fn((blocks,), (128,), (k_cache, k_new, np.int32(n)), shared_mem=0)
+
+Arrays are numpy arrays; ``empty``/``zeros``/``asarray`` put them in guarded memory
+(other numpy arrays are copied into guarded memory for the launch and back).
+"""
+
+from .errors import (BarrierError, CompileError, DeviceAssertError, EmulatorError,
+                     EmulatorFault, LaunchError)
+from .launch import Function, Module, synchronize
+from .memory import asarray, asnumpy, empty, is_device_array, zeros
+
+__all__ = [
+    "Module", "Function", "empty", "zeros", "asarray", "asnumpy", "is_device_array",
+    "synchronize", "EmulatorError", "CompileError", "LaunchError", "EmulatorFault",
+    "BarrierError", "DeviceAssertError",
+]

@@ -1,0 +1,222 @@
+"""Compiling kernels for the emulator: g++ into shared libraries, cached on disk.
+
+The runtime (runtime.cpp) is one library loaded once with RTLD_GLOBAL; each module
+is the kernel source (rewritten) plus a registry, linked against nothing and resolving
+the runtime's symbols at load time. Libraries are cached under
+``$CUPYKV_CACHE_DIR/emulator`` (default ``~/.cache/cupykv/emulator``), keyed by the
+sha256 of everything that can change the binary, and written atomically so that
+concurrent processes can share the cache.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from . import source
+from .errors import CompileError
+
+HERE = Path(__file__).resolve().parent
+INCLUDE_DIR = HERE / "include"
+RUNTIME_SOURCE = HERE / "runtime.cpp"
+CXX = os.environ.get("CUPYKV_EMULATOR_CXX", "g++")
+COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
+                "-fno-strict-aliasing", "-fno-math-errno", "-ffp-contract=off")
+MODULE_FLAGS = COMMON_FLAGS + ("-fstack-clash-protection", "-Wno-attributes", "-include", "cuemu.h",
+                               "-Wl,--wrap=__assert_fail")
+_HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".cuh", ".inc", ".inl", ".cu")
+
+#: Counters for tests and curiosity: g++ runs, disk-cache hits, in-process hits.
+stats = {"compiles": 0, "disk_hits": 0, "memory_hits": 0}
+_lock = threading.Lock()
+_modules = {}  # cache key -> (CDLL, path)
+
+
+def cache_dir():
+    root = os.environ.get("CUPYKV_CACHE_DIR", "~/.cache/cupykv")
+    return Path(root).expanduser() / "emulator"
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_version():
+    try:
+        out = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise CompileError(f"emulator: cannot run the host compiler {CXX!r}: {e}") from None
+    return out.stdout
+
+
+def _header_files(directory):
+    for root, dirs, files in os.walk(directory):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith(_HEADER_SUFFIXES):
+                yield Path(root) / f
+
+
+def _digest(parts):
+    h = hashlib.sha256()
+    for p in parts:
+        b = p if isinstance(p, bytes) else str(p).encode()
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def _dir_parts(directory):
+    parts = [str(directory)]
+    for f in _header_files(directory):
+        parts += [str(f.relative_to(directory)), f.read_bytes()]
+    return parts
+
+
+def _compile(sources, flags, out_path, what):
+    """Runs g++ on ``sources`` into ``out_path`` atomically."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out_path.stem + ".", suffix=".tmp.so", dir=out_path.parent)
+    os.close(fd)
+    cmd = [CXX, *flags, *map(str, sources), "-o", tmp]
+    stats["compiles"] += 1
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise CompileError(f"emulator: g++ failed to compile {what}", proc.stderr or proc.stdout)
+    os.replace(tmp, out_path)
+
+
+# ---- runtime -------------------------------------------------------------------------
+class _LaunchParams(ctypes.Structure):
+    _fields_ = [("invoke", ctypes.c_void_p), ("args", ctypes.c_void_p),
+                ("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3),
+                ("dyn_smem", ctypes.c_void_p), ("dyn_smem_size", ctypes.c_uint64),
+                ("poison", ctypes.c_uint32), ("reserved", ctypes.c_uint32)]
+
+
+class _Result(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("has_thread", ctypes.c_int32),
+                ("block_idx", ctypes.c_uint32 * 3), ("thread_idx", ctypes.c_uint32 * 3),
+                ("addr", ctypes.c_uint64), ("is_write", ctypes.c_int32),
+                ("signo", ctypes.c_int32), ("msg", ctypes.c_char * 8192)]
+
+
+class _Entry(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("invoke", ctypes.c_void_p),
+                ("nparams", ctypes.c_uint), ("sizes", ctypes.POINTER(ctypes.c_ulonglong)),
+                ("kinds", ctypes.c_char_p), ("type_names", ctypes.POINTER(ctypes.c_char_p))]
+
+
+@functools.lru_cache(maxsize=None)
+def runtime():
+    """The loaded runtime library (built on first use)."""
+    flags = COMMON_FLAGS + ("-I", str(INCLUDE_DIR))
+    key = _digest([RUNTIME_SOURCE.read_bytes(), *_dir_parts(INCLUDE_DIR), *flags,
+                   compiler_version()])
+    path = cache_dir() / f"cuemu-runtime-{key[:32]}.so"
+    if path.exists():
+        stats["disk_hits"] += 1
+    else:
+        _compile([RUNTIME_SOURCE], flags, path, "the emulator runtime")
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    lib.cuemu_launch.argtypes = [ctypes.POINTER(_LaunchParams), ctypes.POINTER(_Result)]
+    lib.cuemu_launch.restype = ctypes.c_int
+    return lib
+
+
+# ---- modules -------------------------------------------------------------------------
+def _host_options(options):
+    """The -D/-U/-I options of an NVRTC option list; the others are ignored."""
+    out, it = [], iter(options)
+    for opt in it:
+        if opt in ("-D", "-U", "-I", "--define-macro", "--undefine-macro", "--include-path"):
+            out += [opt[:2] if opt.startswith("-") and len(opt) == 2 else
+                    {"--define-macro": "-D", "--undefine-macro": "-U",
+                     "--include-path": "-I"}[opt], next(it, "")]
+        elif opt.startswith(("-D", "-U", "-I")):
+            out.append(opt)
+        elif opt.startswith(("--define-macro=", "--include-path=")):
+            flag = "-D" if opt.startswith("--define") else "-I"
+            out.append(flag + opt.split("=", 1)[1])
+    return out
+
+
+def _mirror_includes(include_dirs, work):
+    """Include dirs whose headers declare ``extern __shared__`` are copied (rewritten)
+    under ``work``; returns the -I list to use."""
+    result = []
+    for n, d in enumerate(include_dirs):
+        files = list(_header_files(d))
+        if not any(source.needs_rewrite(f.read_text(errors="replace")) for f in files):
+            result.append(str(d))
+            continue
+        mirror = work / f"include{n}"
+        for f in files:
+            dst = mirror / f.relative_to(d)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            text = f.read_text(errors="replace")
+            if source.needs_rewrite(text):
+                quoted = str(f).replace("\\", "\\\\").replace('"', '\\"')
+                text = f'#line 1 "{quoted}"\n' + source.rewrite_dynamic_shared(text)
+            dst.write_text(text)
+        result.append(str(mirror))
+    return result
+
+
+def load_module(code, name_expressions, include_dirs=(), options=(), filename="kernel.cu"):
+    """Builds (or finds in a cache) and loads a module; returns ``(lib, entries)``
+    where ``entries`` maps each name expression to its ``_Entry``."""
+    runtime()  # the module resolves the runtime's symbols when loaded
+    include_dirs = [Path(d).resolve() for d in include_dirs]
+    quoted = str(filename).replace("\\", "\\\\").replace('"', '\\"')
+    text = (f'#line 1 "{quoted}"\n' + source.rewrite_dynamic_shared(code)
+            + source.registry_source(list(name_expressions)))
+    host_opts = _host_options(options)
+    key_parts = [text, *host_opts, *MODULE_FLAGS, compiler_version(), RUNTIME_SOURCE.read_bytes(),
+                 *_dir_parts(INCLUDE_DIR)]
+    for d in include_dirs:
+        key_parts += _dir_parts(d)
+    key = _digest(key_parts)
+    with _lock:
+        if key in _modules:
+            stats["memory_hits"] += 1
+            return _modules[key]
+        path = cache_dir() / f"mod-{key[:32]}.so"
+        if path.exists():
+            stats["disk_hits"] += 1
+        else:
+            work = Path(tempfile.mkdtemp(prefix="cuemu-", dir=_ensure(cache_dir())))
+            try:
+                src = work / "kernel.cpp"
+                src.write_text(text)
+                incs = _mirror_includes(include_dirs, work)
+                flags = [*MODULE_FLAGS, "-I", str(INCLUDE_DIR)]
+                for d in incs:
+                    flags += ["-I", d]
+                _compile([src], [*flags, *host_opts], path, filename)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+        lib.cuemu_module_entries.argtypes = [ctypes.POINTER(ctypes.c_uint)]
+        lib.cuemu_module_entries.restype = ctypes.POINTER(_Entry)
+        count = ctypes.c_uint()
+        table = lib.cuemu_module_entries(ctypes.byref(count))
+        entries = {}
+        for i, name in enumerate(name_expressions):
+            entries[name] = table[i]
+        _modules[key] = (lib, entries)
+        return _modules[key]
+
+
+def _ensure(directory):
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def clear_memory_cache():
+    """Forgets loaded modules (the disk cache stays); used by tests."""
+    with _lock:
+        _modules.clear()

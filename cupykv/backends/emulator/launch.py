@@ -1,0 +1,385 @@
+"""Module / Function: CuPy's RawModule / RawKernel interface, run on the CPU.
+
+``Module(code, name_expressions).get_function(name)(grid, block, args, shared_mem)``
+checks the launch (geometry, launch bounds, shared memory, argument count and sizes),
+packs the arguments the way CUDA does (one pointer per argument value), runs every
+block on the emulator runtime, then checks canaries and maps faults to arguments.
+"""
+
+import ctypes
+import struct
+import threading
+
+import numpy as np
+
+from . import build, memory, source
+from .errors import (BarrierError, DeviceAssertError, EmulatorError, EmulatorFault,
+                     LaunchError)
+
+MAX_THREADS = 1024
+MAX_BLOCK = (1024, 1024, 64)
+MAX_GRID = (2**31 - 1, 65535, 65535)
+MAX_DYNAMIC_SMEM = 49152  # without cudaFuncAttributeMaxDynamicSharedMemorySize
+POISON = 0xFF             # byte written over dynamic shared memory before each block
+
+_launch_lock = threading.Lock()
+_smem_pool = {}  # size -> Allocation (reused; the runtime poisons it per block)
+_KIND_WORDS = {"p": "pointer", "f": "floating-point", "i": "signed integer",
+               "u": "unsigned integer", "b": "bool", "o": "struct/other"}
+
+
+class Module:
+    """Mirror of ``cupy.RawModule(code=..., name_expressions=[...])``.
+
+    Args:
+        code: CUDA C++ source, compiled unmodified by g++ through the emulation
+            headers.
+        name_expressions: kernel names to instantiate, e.g. ``'cupykv_append<float>'``.
+            ``extern "C" __global__`` kernels are also found without one.
+        include_dirs: directories for ``#include``; their headers are hashed into the
+            cache key.
+        options: NVRTC-style options; ``-D``, ``-U`` and ``-I`` are honoured, the rest
+            ignored.
+        filename: the name used in ``__FILE__`` and error messages.
+
+    Raises:
+        CompileError: g++ failed (its output is in the message).
+    """
+
+    def __init__(self, code, name_expressions=(), *, include_dirs=(), options=(),
+                 filename="kernel.cu"):
+        names = list(dict.fromkeys([*name_expressions, *source.extern_c_kernels(code)]))
+        self.code = code
+        self.name_expressions = names
+        self.launch_bounds = source.parse_launch_bounds(code)
+        self._lib, self._entries = build.load_module(code, names, include_dirs, options,
+                                                     filename)
+        self._functions = {}
+
+    def get_function(self, name):
+        """The kernel instance ``name`` (one of the name expressions) as a Function."""
+        fn = self._functions.get(name)
+        if fn is None:
+            entry = self._entries.get(name)
+            if entry is None:
+                compact = {n.replace(" ", ""): n for n in self._entries}
+                entry = self._entries.get(compact.get(name.replace(" ", "")))
+            if entry is None:
+                raise EmulatorError(f"emulator: no kernel {name!r} in this module; its name "
+                                    f"expressions are {sorted(self._entries)}")
+            bound = self.launch_bounds.get(source.base_name(name))
+            fn = self._functions[name] = Function(self, name, entry, bound)
+        return fn
+
+
+def _type_name(pretty):
+    s = pretty.decode() if isinstance(pretty, bytes) else pretty
+    i = s.find("[with T = ")
+    return s[i + 10:].rstrip("]").split(";")[0] if i >= 0 else s
+
+
+def _dims(value, what, limits):
+    if isinstance(value, (int, np.integer)):
+        value = (int(value),)
+    try:
+        dims = tuple(int(v) for v in value)
+    except TypeError:
+        raise LaunchError(f"{what} must be an int or a tuple of up to 3 ints, got {value!r}") \
+            from None
+    if not 1 <= len(dims) <= 3:
+        raise LaunchError(f"{what} must have 1 to 3 dimensions, got {value!r}")
+    dims += (1,) * (3 - len(dims))
+    for axis, (d, lim) in enumerate(zip(dims, limits)):
+        if d < 1:
+            raise LaunchError(f"{what} dimension {'xyz'[axis]} is {d}; it must be >= 1 (CuPy "
+                              f"would silently clamp 0 to 1 and still run a block)")
+        if d > lim:
+            raise LaunchError(f"{what} dimension {'xyz'[axis]} is {d}, above CUDA's limit {lim}")
+    return dims
+
+
+class Function:
+    """One kernel instance; call as ``fn(grid, block, args, shared_mem=0)``."""
+
+    def __init__(self, module, name, entry, launch_bound):
+        self.module = module
+        self.name = name
+        self._invoke = entry.invoke
+        n = entry.nparams
+        self.param_sizes = tuple(entry.sizes[i] for i in range(n))
+        self.param_kinds = entry.kinds.decode()[:n]
+        self.param_types = tuple(_type_name(entry.type_names[i]) for i in range(n))
+        self.launch_bound = launch_bound  # (expression, int or None) or None
+        self.max_threads = launch_bound[1] if launch_bound else None
+        offsets, off = [], 0
+        for size in self.param_sizes:
+            offsets.append(off)
+            off += -(-max(size, 1) // 16) * 16
+        self._offsets = tuple(offsets)
+        self._argbuf = ctypes.create_string_buffer(max(off, 16) + 16)
+        base = -(-ctypes.addressof(self._argbuf) // 16) * 16
+        self._argbase = base
+        self._argv = (ctypes.c_void_p * max(n, 1))(*[base + o for o in offsets])
+        self._view = (ctypes.c_char * off).from_address(base) if off else None
+        self._params = build._LaunchParams()
+        self._params.invoke = self._invoke
+        self._params.args = ctypes.addressof(self._argv)
+        self._params.poison = POISON
+        self._result = build._Result()
+
+    def __repr__(self):
+        return f"<emulator Function {self.name!r}({', '.join(self.param_types)})>"
+
+    # ---- checks and packing ----------------------------------------------------------
+    def _err(self, msg):
+        return LaunchError(f"kernel {self.name!r}: {msg}")
+
+    def _check_geometry(self, grid, block, shared_mem):
+        grid = _dims(grid, "grid", MAX_GRID)
+        block = _dims(block, "block", MAX_BLOCK)
+        threads = block[0] * block[1] * block[2]
+        if threads > MAX_THREADS:
+            raise self._err(f"block {block} has {threads} threads, above CUDA's limit of "
+                            f"{MAX_THREADS}")
+        if self.max_threads is not None and threads > self.max_threads:
+            raise self._err(f"block {block} has {threads} threads, above the kernel's "
+                            f"__launch_bounds__({self.launch_bound[0]}) = {self.max_threads}")
+        shared_mem = int(shared_mem)
+        if shared_mem < 0:
+            raise self._err(f"shared_mem is negative ({shared_mem})")
+        if shared_mem > MAX_DYNAMIC_SMEM:
+            raise self._err(f"{shared_mem} bytes of dynamic shared memory requested; the "
+                            f"limit without opting in is {MAX_DYNAMIC_SMEM} bytes (48 KiB)")
+        return grid, block, shared_mem
+
+    def _arg_error(self, i, got, hint=""):
+        return self._err(f"argument {i} is {got}, but parameter {i} is "
+                         f"'{self.param_types[i]}' ({self.param_sizes[i]} bytes, "
+                         f"{_KIND_WORDS[self.param_kinds[i]]})" + (f"; {hint}" if hint else ""))
+
+    def _pack(self, args):
+        """Writes the argument values; returns [(index, array, pointer)] of array args."""
+        n = len(self.param_sizes)
+        if not isinstance(args, (tuple, list)):
+            raise self._err(f"args must be a tuple or list, got {type(args).__name__}")
+        if len(args) != n:
+            raise self._err(f"takes {n} argument{'s' * (n != 1)} "
+                            f"({', '.join(self.param_types) or 'none'}) but {len(args)} "
+                            f"{'was' if len(args) == 1 else 'were'} passed")
+        view, arrays = self._view, []
+        for i, a in enumerate(args):
+            size, kind, off = self.param_sizes[i], self.param_kinds[i], self._offsets[i]
+            if isinstance(a, np.ndarray):
+                if kind != "p":
+                    raise self._arg_error(i, f"a {a.dtype} array (passed as a pointer)")
+                arrays.append((i, a))
+                continue
+            if a is None:
+                if kind != "p":
+                    raise self._arg_error(i, "None (a null pointer)")
+                struct.pack_into("<Q", view, off, 0)
+                continue
+            if isinstance(a, (bool, np.bool_)):
+                data, desc = bytes([bool(a)]), "a bool (1 byte)"
+                if kind not in "bui" or size != 1:
+                    raise self._arg_error(i, desc)
+            elif isinstance(a, int):
+                if not -2**63 <= a < 2**64:
+                    raise self._err(f"argument {i} ({a}) does not fit in 64 bits")
+                data = (a & (2**64 - 1)).to_bytes(8, "little")
+                desc = "a Python int, which CuPy packs as an 8-byte long long"
+                if kind in "fbo":
+                    raise self._arg_error(i, desc)
+                if size != 8:
+                    np_type = f"numpy.{'u' * (kind == 'u')}int{8 * size}"
+                    raise self._arg_error(i, desc, f"pass {np_type}(...)")
+            elif isinstance(a, float):
+                data, desc = struct.pack("<d", a), "a Python float, packed as an 8-byte double"
+                if kind != "f":
+                    raise self._arg_error(i, desc)
+                if size != 8:
+                    raise self._arg_error(i, desc, "pass numpy.float32(...)")
+            elif isinstance(a, np.generic):
+                data = a.tobytes()
+                dk = a.dtype.kind
+                if kind == "f" and dk not in "f" or kind in "iu" and dk not in "iub" \
+                        or kind == "p" and dk not in "iu" or kind == "b" and dk != "b" \
+                        or len(data) != size:
+                    raise self._arg_error(i, f"a numpy {a.dtype} scalar ({len(data)} bytes)")
+            else:
+                raise self._arg_error(i, f"a {type(a).__name__}, which cannot be passed to a "
+                                      f"kernel")
+            view[off:off + len(data)] = data
+        return arrays
+
+    # ---- launch ----------------------------------------------------------------------
+    def __call__(self, grid, block, args, shared_mem=0):
+        """Runs the kernel on ``grid`` x ``block`` threads (ints or tuples of up to 3
+        ints) with ``args`` packed as CuPy packs them, and ``shared_mem`` bytes of
+        dynamic shared memory.
+
+        Raises:
+            LaunchError: bad geometry, shared memory size or arguments (nothing ran).
+            EmulatorFault: out-of-bounds access or stack overflow.
+            BarrierError: divergent barrier, bad warp-intrinsic mask, deadlock.
+            DeviceAssertError: failed device assert or trap.
+        """
+        grid, block, shared_mem = self._check_geometry(grid, block, shared_mem)
+        with _launch_lock:  # one launch at a time: the runtime and the buffers are shared
+            self._launch(grid, block, args, shared_mem)
+
+    def _launch(self, grid, block, args, shared_mem):
+        array_args = self._pack(args)
+        bindings, shadows = self._bind_arrays(array_args)
+        smem = _smem_pool.get(shared_mem)
+        if smem is None:
+            if len(_smem_pool) >= 32:
+                _smem_pool.pop(next(iter(_smem_pool)))
+            smem = _smem_pool[shared_mem] = memory.Allocation(shared_mem, "dynamic shared memory")
+        p, r = self._params, self._result
+        p.grid[0], p.grid[1], p.grid[2] = grid
+        p.block[0], p.block[1], p.block[2] = block
+        p.dyn_smem = smem.start
+        p.dyn_smem_size = shared_mem
+        lib = build.runtime()
+        try:
+            rc = lib.cuemu_launch(ctypes.byref(p), ctypes.byref(r))
+        finally:
+            canary_errors = self._check_canaries(bindings, shadows, smem)
+            for sh in shadows:
+                sh.copy_back()
+        if rc:
+            raise self._launch_error(r, bindings, smem, shared_mem)
+        if canary_errors:
+            raise EmulatorFault(f"kernel {self.name!r}: " + "; ".join(canary_errors) +
+                                " (found in the canary bytes after the launch; the thread "
+                                "is unknown)")
+        for sh in shadows:
+            sh.check_read_only(self.name)
+
+    def _bind_arrays(self, array_args):
+        """Passes guarded arrays directly and shadows the others in guarded copies
+        (overlapping host arrays share one shadow). Returns (bindings, shadows) where
+        bindings are (index, array, pointer, allocation)."""
+        bindings, host = [], []
+        for i, a in array_args:
+            alloc = memory.guarded_allocation(a)
+            if alloc is None:
+                host.append((i, a))
+            else:
+                ptr = memory.data_ptr(a)
+                struct.pack_into("<Q", self._view, self._offsets[i], ptr)
+                bindings.append((i, a, ptr, alloc))
+        shadows = []
+        if host:
+            spans = sorted((memory.byte_extent(a), i, a) for i, a in host)
+            groups = []
+            for (lo, hi), i, a in spans:
+                if groups and lo < groups[-1][1]:
+                    groups[-1][1] = max(groups[-1][1], hi)
+                    groups[-1][2].append((i, a, lo))
+                else:
+                    groups.append([lo, hi, [(i, a, lo)]])
+            for lo, hi, members in groups:
+                sh = _Shadow(lo, hi, members)
+                shadows.append(sh)
+                for i, a, _ in members:
+                    ptr = sh.alloc.start + (memory.data_ptr(a) - lo)
+                    struct.pack_into("<Q", self._view, self._offsets[i], ptr)
+                    bindings.append((i, a, ptr, sh.alloc))
+        return bindings, shadows
+
+    def _check_canaries(self, bindings, shadows, smem):
+        errors, seen = [], set()
+        for i, a, ptr, alloc in bindings:
+            if id(alloc) in seen:
+                continue
+            seen.add(id(alloc))
+            bad = alloc.check_canaries()
+            if bad:
+                alloc.restore_canaries()
+                errors.append(f"a write landed {bad} of argument {i} ({_describe(a)})")
+        bad = smem.check_canaries()
+        if bad:
+            smem.restore_canaries()
+            errors.append(f"a write landed {bad} of dynamic shared memory ({smem.nbytes} bytes)")
+        return errors
+
+    def _launch_error(self, r, bindings, smem, shared_mem):
+        where = f"kernel {self.name!r} block ({r.block_idx[0]},{r.block_idx[1]},{r.block_idx[2]})"
+        if r.has_thread:
+            where += f" thread ({r.thread_idx[0]},{r.thread_idx[1]},{r.thread_idx[2]})"
+        msg = r.msg.decode(errors="replace")
+        kind = r.kind
+        if kind == 1:
+            return EmulatorFault(f"{where}: " + _describe_fault(r, bindings, smem, shared_mem))
+        if kind == 5:
+            return EmulatorFault(f"{where}: {msg}")
+        if kind == 2:
+            return BarrierError(f"{where}: {msg}")
+        if kind in (3, 4):
+            return DeviceAssertError(f"{where}: {msg}")
+        return EmulatorError(f"{where}: {msg or 'launch failed'}")
+
+
+class _Shadow:
+    """A guarded copy of a host memory range for one launch."""
+
+    def __init__(self, lo, hi, members):
+        self.lo, self.hi, self.members = lo, hi, members
+        self.alloc = memory.Allocation(hi - lo, "shadow of a host array")
+        if hi > lo:
+            ctypes.memmove(self.alloc.start, lo, hi - lo)
+        self.writeable = all(a.flags.writeable for _, a, _ in members)
+        self.original = None if self.writeable else ctypes.string_at(lo, hi - lo)
+
+    def copy_back(self):
+        if self.writeable and self.hi > self.lo:
+            ctypes.memmove(self.lo, self.alloc.start, self.hi - self.lo)
+
+    def check_read_only(self, name):
+        if not self.writeable and ctypes.string_at(self.alloc.start, self.hi - self.lo) \
+                != self.original:
+            idx = ", ".join(str(i) for i, _, _ in self.members)
+            raise EmulatorFault(f"kernel {name!r} wrote to argument {idx}, a read-only "
+                                f"numpy array (the changes were discarded)")
+
+
+def _describe(a):
+    return (f"{a.dtype} array of shape {a.shape}: {a.size} elements, "
+            f"{a.size * a.itemsize} bytes")
+
+
+def _describe_fault(r, bindings, smem, shared_mem):
+    addr = r.addr
+    access = {1: "write", 0: "read"}.get(r.is_write, "access")
+    for i, a, ptr, alloc in bindings:
+        if alloc.map_addr <= addr < alloc.map_addr + alloc.map_len:
+            nbytes = a.size * a.itemsize
+            if addr >= ptr + nbytes:
+                off, past = addr - ptr, addr - ptr - nbytes
+                where = "the first byte past the end" if not past else \
+                    f"{past} bytes past the end"
+                return (f"out-of-bounds {access} of argument {i} at element "
+                        f"{off // a.itemsize} (byte offset {off}, {where}; {_describe(a)})")
+            if addr < ptr:
+                return (f"out-of-bounds {access} {ptr - addr} bytes before the start of "
+                        f"argument {i} ({_describe(a)})")
+            return f"invalid {access} inside argument {i} ({_describe(a)}) at 0x{addr:x}"
+    if smem.map_addr <= addr < smem.map_addr + smem.map_len:
+        off = addr - smem.start
+        side = "past the end" if off >= shared_mem else "before the start"
+        return (f"out-of-bounds dynamic shared memory {access} at byte offset {off} "
+                f"({side}; the launch has {shared_mem} bytes of dynamic shared memory)")
+    other = memory.find(addr)
+    if other is not None:
+        off = addr - other.start
+        return (f"out-of-bounds {access} at byte offset {off} of a guarded allocation "
+                f"({other.what}, {other.nbytes} bytes) that is not an argument")
+    if addr < 65536:
+        return f"{access} through a null (or nearly null) pointer: address 0x{addr:x}"
+    return f"invalid {access} at address 0x{addr:x}, outside every emulator buffer"
+
+
+def synchronize():
+    """No-op: emulated kernels run synchronously."""

@@ -1,0 +1,218 @@
+"""Guarded "device" memory for the emulator: numpy arrays whose end touches a guard page.
+
+Layout of one allocation of ``nbytes`` (``span`` = ``nbytes`` rounded up to 16)::
+
+    [guard page][slack (canary) | buffer (nbytes) | pad (canary)][guard page]
+                ^ page start     ^ start, 16-aligned           ^ end of span
+
+Reads or writes from ``start + span`` on, or below the first data page, fault at
+once (the launch reports the thread). Writes into the slack or the pad (at most
+``pad`` bytes past the end, or before the start) are found by checking the canaries
+after each launch; reads there are not detected.
+"""
+
+import bisect
+import ctypes
+import mmap
+import threading
+import weakref
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+CANARY = 0xCD   # slack and padding around each buffer
+POISON = 0xFF   # contents of empty() arrays
+_PROT_NONE, _PROT_RW = 0, 3
+_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_long]
+_mmap.restype = ctypes.c_void_p
+_mprotect = _libc.mprotect
+_mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+_lock = threading.RLock()
+_bases = []    # sorted map addresses of live allocations
+_live = {}     # map address -> weakref to Allocation (arrays own their allocation)
+
+
+class Allocation:
+    """One guarded mapping; frees itself when the last array viewing it is collected."""
+
+    __slots__ = ("map_addr", "map_len", "start", "nbytes", "span", "what", "freed",
+                 "__weakref__")
+
+    def __init__(self, nbytes, what="buffer"):
+        nbytes = int(nbytes)
+        span = -(-nbytes // 16) * 16
+        data_pages = -(-span // PAGE)
+        map_len = (data_pages + 2) * PAGE
+        addr = _mmap(None, map_len, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE,
+                     -1, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            raise MemoryError(f"emulator: cannot map {map_len} bytes")
+        if data_pages and _mprotect(addr + PAGE, data_pages * PAGE, _PROT_RW) != 0:
+            _munmap(addr, map_len)
+            raise MemoryError(f"emulator: mprotect failed (errno {ctypes.get_errno()})")
+        self.map_addr, self.map_len, self.freed = addr, map_len, False
+        self.span, self.nbytes, self.what = span, nbytes, what
+        self.start = addr + PAGE + data_pages * PAGE - span
+        if self.start > addr + PAGE:
+            ctypes.memset(addr + PAGE, CANARY, self.start - addr - PAGE)
+        if span > nbytes:
+            ctypes.memset(self.start + nbytes, CANARY, span - nbytes)
+        with _lock:
+            i = bisect.bisect(_bases, addr)
+            _bases.insert(i, addr)
+            _live[addr] = weakref.ref(self)
+
+    @property
+    def __array_interface__(self):
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.start, False),
+                "version": 3}
+
+    @property
+    def slack(self):
+        """Bytes between the first data page and ``start``."""
+        return self.start - self.map_addr - PAGE
+
+    def check_canaries(self):
+        """Returns a description of overwritten canary bytes, or None when intact."""
+        bad = []
+        pre = self.slack
+        if pre:
+            data = ctypes.string_at(self.map_addr + PAGE, pre)
+            if data.count(CANARY) != pre:
+                first = next(i for i, b in enumerate(data) if b != CANARY)
+                bad.append(f"{pre - first} bytes before the start")
+        pad = self.span - self.nbytes
+        if pad:
+            data = ctypes.string_at(self.start + self.nbytes, pad)
+            if data.count(CANARY) != pad:
+                last = max(i for i, b in enumerate(data) if b != CANARY)
+                bad.append(f"{last + 1} bytes past the end")
+        return " and ".join(bad) or None
+
+    def restore_canaries(self):
+        if self.slack:
+            ctypes.memset(self.map_addr + PAGE, CANARY, self.slack)
+        if self.span > self.nbytes:
+            ctypes.memset(self.start + self.nbytes, CANARY, self.span - self.nbytes)
+
+    def free(self):
+        with _lock:
+            if self.freed:
+                return
+            self.freed = True
+            del _live[self.map_addr]
+            del _bases[bisect.bisect_left(_bases, self.map_addr)]
+        _munmap(self.map_addr, self.map_len)
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def find(addr):
+    """The live allocation whose mapping (guard pages included) holds ``addr``."""
+    with _lock:
+        i = bisect.bisect(_bases, addr) - 1
+        if i >= 0:
+            a = _live[_bases[i]]()
+            if a is not None and addr < a.map_addr + a.map_len:
+                return a
+    return None
+
+
+def _owner(array):
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base if isinstance(base, Allocation) else None
+
+
+def data_ptr(array):
+    return array.__array_interface__["data"][0]
+
+
+def byte_extent(array):
+    """(lowest address, highest address + 1) that ``array`` can touch."""
+    ptr = data_ptr(array)
+    if array.size == 0:
+        return ptr, ptr
+    lo = hi = ptr
+    for n, s in zip(array.shape, array.strides):
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return lo, hi + array.itemsize
+
+
+def guarded_allocation(array):
+    """The Allocation that ``array``'s bytes lie in entirely, else None."""
+    owner = _owner(array)
+    lo, hi = byte_extent(array)
+    if owner is None:
+        owner = find(lo)
+    if owner is not None and owner.start <= lo and hi <= owner.start + owner.nbytes:
+        return owner
+    return None
+
+
+def is_device_array(a):
+    """True when ``a`` is a numpy array living in emulator device memory."""
+    return isinstance(a, np.ndarray) and guarded_allocation(a) is not None
+
+
+def _shape(shape):
+    if isinstance(shape, (int, np.integer)):
+        return (int(shape),)
+    return tuple(int(s) for s in shape)
+
+
+def empty(shape, dtype=np.float32):
+    """An uninitialised array in guarded memory. Its bytes are 0xFF (NaN for float
+    types, -1 for signed integers) so that reading unwritten elements shows.
+
+    Args:
+        shape: int or tuple of ints.
+        dtype: any numpy dtype, ``ml_dtypes.bfloat16`` included.
+    """
+    dtype = np.dtype(dtype)
+    shape = _shape(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    alloc = Allocation(nbytes, f"{dtype.name} array of shape {shape}")
+    flat = np.asarray(alloc)
+    flat[...] = POISON
+    return flat.view(dtype).reshape(shape)
+
+
+def zeros(shape, dtype=np.float32):
+    """A zero-filled array in guarded memory."""
+    a = empty(shape, dtype)
+    a.view(np.uint8)[...] = 0
+    return a
+
+
+def asarray(a, dtype=None):
+    """``a`` as an array in guarded memory: returned as is when it already lives
+    there (and has ``dtype``), copied otherwise."""
+    if isinstance(a, np.ndarray) and (dtype is None or a.dtype == np.dtype(dtype)) \
+            and is_device_array(a):
+        return a
+    host = np.asarray(a, dtype=dtype)
+    out = empty(host.shape, host.dtype)
+    out[...] = host
+    return out
+
+
+def asnumpy(a):
+    """A plain numpy copy of ``a`` (an emulator or host array)."""
+    return np.array(a, copy=True)

@@ -1,0 +1,804 @@
+// runtime.cpp: the cupykv CUDA emulator runtime (fibers, scheduler, checks, faults).
+//
+// Every CUDA thread of a block is a fiber with its own stack. Fibers run one at a
+// time on the launching OS thread and switch only at __syncthreads, warp intrinsics
+// and exit, with a hand-written x86-64 context switch (no system call). Blocks run
+// one after another. The scheduler checks the synchronisation rules: every thread
+// reaches the same __syncthreads, warp intrinsics are reached by all lanes of their
+// mask at the same call site, no lane reads from outside the mask. Memory faults and
+// fiber stack overflows are turned into error reports with siglongjmp.
+//
+// Build: g++ -std=c++17 -O2 -fPIC -shared runtime.cpp -I include (done by build.py).
+#include <setjmp.h>
+#include <stddef.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "cuemu_abi.h"
+
+#define CUEMU_HIDDEN __attribute__((visibility("hidden")))
+#define CUEMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+enum : uint8_t { READY = 0, RUNNING = 1, AT_BARRIER = 2, AT_WARP = 3, EXITED = 4 };
+
+struct Fiber {
+  void* sp;
+  uint32_t tid;  // linear thread id in the block
+  uint8_t state;
+  uint8_t op;    // barrier kind or warp op code while waiting
+  uint8_t vsize;
+  uint3 idx;
+  const char* file;
+  int line;
+  uint32_t mask;
+  int32_t arg;
+  int32_t width;
+  uint64_t value;
+  uint64_t result;
+};
+
+struct Warp {
+  uint32_t present;  // lanes that exist in this block
+  uint32_t exited;
+  uint32_t waiting;  // lanes waiting at a warp op
+};
+
+struct Stacks {
+  char* base = nullptr;
+  size_t count = 0;
+  size_t size = 0;   // usable bytes per stack
+  size_t stride = 0; // guard page + usable bytes
+  size_t page = 4096;
+};
+
+Stacks g_stacks;
+Fiber* g_fibers = nullptr;
+uint32_t* g_queue = nullptr;
+uint32_t g_capacity = 0;
+
+struct Sched {
+  uint32_t n;
+  uint32_t qhead, qcount;
+  uint32_t alive, exited;
+  uint32_t nwarps;
+  Warp warps[32];
+  uint32_t bar_count, bar_acc;
+  const char* bar_file;
+  int bar_line;
+  int bar_kind;
+  bool bar_mismatch;
+  void* sched_sp;
+  int err;
+  uint32_t init_csr[2];
+};
+
+Sched S;
+Fiber* g_cur = nullptr;
+Fiber* g_err_fiber = nullptr;  // the thread an error is about, if any
+std::string g_msg;
+void (*g_invoke)(void**) = nullptr;
+void** g_args = nullptr;
+
+// Fault state (written by the signal handler, read after siglongjmp).
+sigjmp_buf g_jb;
+thread_local bool t_in_launch = false;
+volatile sig_atomic_t g_fault_sig = 0;
+uint64_t g_fault_addr = 0;
+int g_fault_write = -1;
+Fiber* g_fault_fiber = nullptr;
+struct sigaction g_old_act[4];
+const int g_sigs[4] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+char* g_altstack = nullptr;
+const size_t kAltStackSize = 256 * 1024;
+
+}  // namespace
+
+extern "C" {
+cuemu_ctx_t cuemu_ctx __attribute__((visibility("default")));
+CUEMU_HIDDEN void cuemu_switch_ctx(void** save_sp, void* load_sp);
+CUEMU_HIDDEN void cuemu_fiber_trampoline();
+CUEMU_HIDDEN void cuemu_fiber_main(Fiber* f);
+}
+
+// ---- context switch ---------------------------------------------------------------
+// Saves the callee-saved registers, MXCSR and the x87 control word on the current
+// stack, stores rsp in *save_sp, loads load_sp and restores the same from there.
+#if defined(__x86_64__)
+asm(R"(
+    .text
+    .p2align 4
+    .globl cuemu_switch_ctx
+    .hidden cuemu_switch_ctx
+    .type cuemu_switch_ctx, @function
+cuemu_switch_ctx:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cuemu_switch_ctx, .-cuemu_switch_ctx
+
+    .p2align 4
+    .globl cuemu_fiber_trampoline
+    .hidden cuemu_fiber_trampoline
+    .type cuemu_fiber_trampoline, @function
+cuemu_fiber_trampoline:
+    movq %r12, %rdi
+    call cuemu_fiber_main
+    ud2
+    .size cuemu_fiber_trampoline, .-cuemu_fiber_trampoline
+)");
+
+// Lays out a frame that cuemu_switch_ctx "returns" from into the trampoline.
+static void* init_frame(char* top, Fiber* f) {
+  uint64_t* sp = reinterpret_cast<uint64_t*>(top) - 10;  // top is 16-aligned
+  // ldmxcsr/fldcw read sp[0], six pops, ret to sp[7]: then rsp = top - 16, aligned as
+  // before a call, so the trampoline can call cuemu_fiber_main.
+  sp[0] = (uint64_t)S.init_csr[0] | ((uint64_t)S.init_csr[1] << 32);  // mxcsr | fpcw
+  sp[1] = 0;                                  // r15
+  sp[2] = 0;                                  // r14
+  sp[3] = 0;                                  // r13
+  sp[4] = reinterpret_cast<uint64_t>(f);     // r12 -> fiber
+  sp[5] = 0;                                  // rbx
+  sp[6] = 0;                                  // rbp
+  sp[7] = reinterpret_cast<uint64_t>(&cuemu_fiber_trampoline);
+  sp[8] = 0;
+  sp[9] = 0;
+  return sp;
+}
+static void capture_csr() {
+  uint32_t mxcsr;
+  uint16_t fpcw;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpcw));
+  S.init_csr[0] = mxcsr;
+  S.init_csr[1] = fpcw;
+}
+#else
+#error "the cupykv emulator runtime supports x86-64 only"
+#endif
+
+// ---- stacks and fibers ------------------------------------------------------------
+static bool ensure_fibers(uint32_t need) {
+  if (need <= g_capacity) return true;
+  uint32_t n = 64;  // grow in powers of two: each growth remaps every stack
+  while (n < need) n *= 2;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  size_t size = 64 * 1024;
+  if (const char* env = getenv("CUPYKV_EMULATOR_STACK_KIB")) {
+    long kib = atol(env);
+    if (kib >= 16) size = (size_t)kib * 1024;
+  }
+  size = (size + page - 1) / page * page;
+  if (g_stacks.base) munmap(g_stacks.base, g_stacks.count * g_stacks.stride);
+  free(g_fibers);
+  free(g_queue);
+  g_stacks = Stacks();
+  g_capacity = 0;
+  size_t stride = size + page;
+  void* base = mmap(nullptr, stride * n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) return false;
+  for (uint32_t i = 0; i < n; ++i) mprotect((char*)base + i * stride, page, PROT_NONE);
+  g_stacks.base = (char*)base;
+  g_stacks.count = n;
+  g_stacks.size = size;
+  g_stacks.stride = stride;
+  g_stacks.page = page;
+  g_fibers = (Fiber*)calloc(n, sizeof(Fiber));
+  g_queue = (uint32_t*)calloc(n, sizeof(uint32_t));
+  if (!g_fibers || !g_queue) return false;
+  g_capacity = n;
+  return true;
+}
+static inline char* stack_top(uint32_t i) { return g_stacks.base + (size_t)(i + 1) * g_stacks.stride; }
+
+static inline void push_ready(Fiber* f) {
+  f->state = READY;
+  uint32_t slot = S.qhead + S.qcount;
+  if (slot >= S.n) slot -= S.n;
+  g_queue[slot] = f->tid;
+  ++S.qcount;
+}
+static inline Fiber* pop_ready() {
+  if (!S.qcount) return nullptr;
+  Fiber* f = &g_fibers[g_queue[S.qhead]];
+  S.qhead = (S.qhead + 1 == S.n) ? 0 : S.qhead + 1;
+  --S.qcount;
+  return f;
+}
+static inline void enter(Fiber* f) {
+  g_cur = f;
+  f->state = RUNNING;
+  cuemu_ctx.thread_idx = f->idx;
+}
+
+// The current fiber stops running (its state says why) and the next ready fiber, or
+// the scheduler, takes over. Returns when some fiber makes this one ready again.
+static void yield_blocked(Fiber* me) {
+  Fiber* next = pop_ready();
+  if (next) {
+    enter(next);
+    cuemu_switch_ctx(&me->sp, next->sp);
+  } else {
+    g_cur = nullptr;
+    cuemu_switch_ctx(&me->sp, S.sched_sp);
+  }
+}
+
+// ---- messages ---------------------------------------------------------------------
+static void msgf(std::string& out, const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  out += buf;
+}
+static const char* op_name(int op) {
+  switch (op) {
+    case CUEMU_SHFL_IDX: return "__shfl_sync";
+    case CUEMU_SHFL_UP: return "__shfl_up_sync";
+    case CUEMU_SHFL_DOWN: return "__shfl_down_sync";
+    case CUEMU_SHFL_XOR: return "__shfl_xor_sync";
+    case CUEMU_BALLOT: return "__ballot_sync";
+    case CUEMU_ALL: return "__all_sync";
+    case CUEMU_ANY: return "__any_sync";
+    case CUEMU_SYNCWARP: return "__syncwarp";
+    case CUEMU_ACTIVEMASK: return "__activemask";
+    case CUEMU_MATCH_ANY: return "__match_any_sync";
+    case CUEMU_REDUCE_ADD: return "__reduce_add_sync";
+    case CUEMU_REDUCE_MIN: case CUEMU_REDUCE_UMIN: return "__reduce_min_sync";
+    case CUEMU_REDUCE_MAX: case CUEMU_REDUCE_UMAX: return "__reduce_max_sync";
+    case CUEMU_REDUCE_AND: return "__reduce_and_sync";
+    case CUEMU_REDUCE_OR: return "__reduce_or_sync";
+    case CUEMU_REDUCE_XOR: return "__reduce_xor_sync";
+  }
+  return "warp operation";
+}
+static const char* bar_name(int kind) {
+  switch (kind) {
+    case CUEMU_BAR_COUNT: return "__syncthreads_count";
+    case CUEMU_BAR_AND: return "__syncthreads_and";
+    case CUEMU_BAR_OR: return "__syncthreads_or";
+  }
+  return "__syncthreads";
+}
+static std::string lane_list(uint32_t lanes, uint32_t warp) {
+  std::string s;
+  for (int l = 0; l < 32;) {
+    if (!(lanes >> l & 1)) { ++l; continue; }
+    int e = l;
+    while (e + 1 < 32 && (lanes >> (e + 1) & 1)) ++e;
+    if (!s.empty()) s += ", ";
+    if (e == l) msgf(s, "%d (thread %u)", l, warp * 32 + l);
+    else msgf(s, "%d-%d (threads %u-%u)", l, e, warp * 32 + l, warp * 32 + e);
+    l = e + 1;
+  }
+  return s;
+}
+static bool same_site(const char* f1, int l1, const char* f2, int l2) {
+  return l1 == l2 && (f1 == f2 || strcmp(f1, f2) == 0);
+}
+
+// Stops the launch from inside a fiber (`who` is the thread to blame); never returns.
+[[noreturn]] static void fail(int kind, Fiber* who) {
+  S.err = kind;
+  g_err_fiber = who;
+  Fiber* me = g_cur;
+  g_cur = nullptr;
+  void* dummy;
+  cuemu_switch_ctx(me ? &me->sp : &dummy, S.sched_sp);
+  __builtin_unreachable();
+}
+
+// ---- barriers ---------------------------------------------------------------------
+CUEMU_EXPORT int cuemu_barrier(int kind, int pred, const char* file, int line) {
+  Fiber* me = g_cur;
+  if (S.bar_count == 0) {
+    S.bar_file = file;
+    S.bar_line = line;
+    S.bar_kind = kind;
+    S.bar_acc = 0;
+    S.bar_mismatch = false;
+  } else if (kind != S.bar_kind || !same_site(file, line, S.bar_file, S.bar_line)) {
+    S.bar_mismatch = true;
+  }
+  S.bar_acc += pred != 0;
+  ++S.bar_count;
+  me->file = file;
+  me->line = line;
+  me->op = (uint8_t)kind;
+  if (S.bar_count == S.n && !S.bar_mismatch) {  // everybody is here, nobody exited
+    int res = 0;
+    switch (kind) {
+      case CUEMU_BAR_COUNT: res = (int)S.bar_acc; break;
+      case CUEMU_BAR_AND: res = S.bar_acc == S.n; break;
+      case CUEMU_BAR_OR: res = S.bar_acc != 0; break;
+    }
+    S.bar_count = 0;
+    for (uint32_t i = 0; i < S.n; ++i) {
+      Fiber* f = &g_fibers[i];
+      if (f != me) {
+        f->result = (uint64_t)(int64_t)res;
+        push_ready(f);
+      }
+    }
+    return res;
+  }
+  me->state = AT_BARRIER;
+  yield_blocked(me);
+  return (int)(int64_t)me->result;
+}
+
+// ---- warp operations --------------------------------------------------------------
+[[noreturn]] static void warp_fail(Fiber* who, const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  g_msg.clear();
+  msgf(g_msg, "%s at %s:%d (mask 0x%08x) in warp %u: %s", op_name(who->op), who->file, who->line,
+       who->mask, who->tid / 32, buf);
+  fail(CUEMU_ERR_SYNC, who);
+}
+
+static inline bool is_shfl(int op) { return op <= CUEMU_SHFL_XOR; }
+
+// Computes the result of every lane of a complete group and makes them ready.
+static void release_group(Warp& W, uint32_t base, uint32_t mask, int op, Fiber* me) {
+  Fiber* F = &g_fibers[base];
+  uint64_t acc = 0;
+  switch (op) {
+    case CUEMU_BALLOT:
+      for (uint32_t l = 0; l < 32; ++l)
+        if ((mask >> l & 1) && F[l].value) acc |= 1u << l;
+      break;
+    case CUEMU_ALL:
+      acc = 1;
+      for (uint32_t l = 0; l < 32; ++l)
+        if ((mask >> l & 1) && !F[l].value) acc = 0;
+      break;
+    case CUEMU_ANY:
+      for (uint32_t l = 0; l < 32; ++l)
+        if ((mask >> l & 1) && F[l].value) acc = 1;
+      break;
+    case CUEMU_REDUCE_ADD: case CUEMU_REDUCE_MIN: case CUEMU_REDUCE_MAX: case CUEMU_REDUCE_UMIN:
+    case CUEMU_REDUCE_UMAX: case CUEMU_REDUCE_AND: case CUEMU_REDUCE_OR: case CUEMU_REDUCE_XOR: {
+      bool first = true;
+      uint32_t a = 0;
+      for (uint32_t l = 0; l < 32; ++l) {
+        if (!(mask >> l & 1)) continue;
+        uint32_t v = (uint32_t)F[l].value;
+        if (first) { a = v; first = false; continue; }
+        switch (op) {
+          case CUEMU_REDUCE_ADD: a += v; break;
+          case CUEMU_REDUCE_MIN: a = (int32_t)v < (int32_t)a ? v : a; break;
+          case CUEMU_REDUCE_MAX: a = (int32_t)v > (int32_t)a ? v : a; break;
+          case CUEMU_REDUCE_UMIN: a = v < a ? v : a; break;
+          case CUEMU_REDUCE_UMAX: a = v > a ? v : a; break;
+          case CUEMU_REDUCE_AND: a &= v; break;
+          case CUEMU_REDUCE_OR: a |= v; break;
+          case CUEMU_REDUCE_XOR: a ^= v; break;
+        }
+      }
+      acc = a;
+      break;
+    }
+    default: break;
+  }
+  for (uint32_t l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1)) continue;
+    Fiber& f = F[l];
+    if (is_shfl(op)) {
+      // PTX shfl.sync: c = ((32 - width) << 8) | clamp; segmask = 32 - width.
+      const uint32_t seg = 32u - (uint32_t)f.width;
+      const uint32_t b = (uint32_t)f.arg & 31u;
+      const uint32_t min_lane = l & seg;
+      const uint32_t max_lane = op == CUEMU_SHFL_UP ? min_lane : (min_lane | (31u & ~seg));
+      int32_t j;
+      bool ok;
+      switch (op) {
+        case CUEMU_SHFL_UP: j = (int32_t)l - (int32_t)b; ok = j >= (int32_t)max_lane; break;
+        case CUEMU_SHFL_DOWN: j = (int32_t)(l + b); ok = j <= (int32_t)max_lane; break;
+        case CUEMU_SHFL_XOR: j = (int32_t)(l ^ b); ok = j <= (int32_t)max_lane; break;
+        default: j = (int32_t)(min_lane | (b & ~seg)); ok = j <= (int32_t)max_lane; break;
+      }
+      if (!ok) j = (int32_t)l;
+      if (!(mask >> j & 1))
+        warp_fail(&f, "lane %u (thread %u) reads lane %d (thread %u), which is not in the mask",
+                  l, base + l, j, base + (uint32_t)j);
+      f.result = F[j].value;
+    } else if (op == CUEMU_MATCH_ANY) {
+      uint32_t m = 0;
+      for (uint32_t k = 0; k < 32; ++k)
+        if ((mask >> k & 1) && F[k].value == f.value) m |= 1u << k;
+      f.result = m;
+    } else if (op == CUEMU_ACTIVEMASK) {
+      f.result = mask;
+    } else {
+      f.result = acc;
+    }
+  }
+  W.waiting &= ~mask;
+  for (uint32_t l = 0; l < 32; ++l)
+    if ((mask >> l & 1) && &F[l] != me) push_ready(&F[l]);
+}
+
+// True when every lane of `mask` waits at the same operation as `me`.
+static bool group_complete(const Warp& W, uint32_t base, uint32_t mask, const Fiber* me) {
+  if ((W.waiting & mask) != mask) return false;
+  for (uint32_t l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1)) continue;
+    const Fiber& f = g_fibers[base + l];
+    if (f.op != me->op || f.mask != mask) return false;
+    if (me->op != CUEMU_SYNCWARP && !same_site(f.file, f.line, me->file, me->line)) return false;
+    if (is_shfl(me->op) && (f.width != me->width || f.vsize != me->vsize)) return false;
+  }
+  return true;
+}
+
+CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value,
+                                              int size, int arg, int width, const char* file,
+                                              int line) {
+  Fiber* me = g_cur;
+  const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
+  Warp& W = S.warps[w];
+  me->op = (uint8_t)op;
+  me->file = file;
+  me->line = line;
+  me->mask = mask;
+  me->value = value;
+  me->vsize = (uint8_t)size;
+  me->arg = arg;
+  me->width = width;
+  if (op == CUEMU_ACTIVEMASK) {
+    me->mask = 0;
+    W.waiting |= 1u << lane;
+    uint32_t live = W.present & ~W.exited, same = 0;
+    for (uint32_t l = 0; l < 32; ++l) {
+      const Fiber& f = g_fibers[base + l];
+      if ((W.waiting >> l & 1) && f.op == CUEMU_ACTIVEMASK && same_site(f.file, f.line, file, line))
+        same |= 1u << l;
+    }
+    if (same == live) {
+      for (uint32_t l = 0; l < 32; ++l)
+        if (same >> l & 1) g_fibers[base + l].mask = same;
+      me->mask = same;
+      release_group(W, base, same, op, me);
+      return me->result;
+    }
+  } else {
+    if (!(mask >> lane & 1))
+      warp_fail(me, "the calling lane %u (thread %u) is not in the mask", lane, me->tid);
+    if (mask & ~W.present)
+      warp_fail(me, "the mask names lanes %s that do not exist (the block has %u threads)",
+                lane_list(mask & ~W.present, w).c_str(), S.n);
+    if (mask & W.exited)
+      warp_fail(me, "the mask names lanes %s that have exited",
+                lane_list(mask & W.exited, w).c_str());
+    if (is_shfl(op) && (width < 1 || width > 32 || (width & (width - 1))))
+      warp_fail(me, "width %d is not a power of two in 1..32", width);
+    W.waiting |= 1u << lane;
+    if (group_complete(W, base, mask, me)) {
+      release_group(W, base, mask, op, me);
+      return me->result;
+    }
+  }
+  me->state = AT_WARP;
+  yield_blocked(me);
+  return me->result;
+}
+
+// Releases __activemask() callers that no other lane can join any more: each group of
+// lanes waiting at the same __activemask() site gets the mask of that group.
+static bool release_activemasks() {
+  bool any = false;
+  for (uint32_t w = 0; w < S.nwarps; ++w) {
+    Warp& W = S.warps[w];
+    const uint32_t base = w * 32u;
+    for (uint32_t l = 0; l < 32; ++l) {
+      Fiber& f = g_fibers[base + l];
+      if (!(W.waiting >> l & 1) || f.op != CUEMU_ACTIVEMASK) continue;
+      uint32_t same = 0;
+      for (uint32_t k = l; k < 32; ++k) {
+        const Fiber& g = g_fibers[base + k];
+        if ((W.waiting >> k & 1) && g.op == CUEMU_ACTIVEMASK && same_site(g.file, g.line, f.file, f.line))
+          same |= 1u << k;
+      }
+      for (uint32_t k = 0; k < 32; ++k)
+        if (same >> k & 1) g_fibers[base + k].mask = same;
+      release_group(W, base, same, CUEMU_ACTIVEMASK, nullptr);
+      any = true;
+    }
+  }
+  return any;
+}
+
+// ---- thread exit ------------------------------------------------------------------
+[[noreturn]] static void fiber_exit(Fiber* me) {
+  me->state = EXITED;
+  --S.alive;
+  ++S.exited;
+  const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
+  Warp& W = S.warps[w];
+  W.exited |= 1u << lane;
+  for (uint32_t l = 0; l < 32; ++l) {
+    Fiber& f = g_fibers[base + l];
+    if ((W.waiting >> l & 1) && f.op != CUEMU_ACTIVEMASK && (f.mask >> lane & 1)) {
+      warp_fail(&f, "lane %u (thread %u) waits for lane %u (thread %u), which exited", l,
+                base + l, lane, me->tid);
+    }
+  }
+  yield_blocked(me);
+  __builtin_unreachable();
+}
+
+extern "C" CUEMU_HIDDEN void cuemu_fiber_main(Fiber* f) {
+  g_invoke(g_args);
+  fiber_exit(f);
+}
+
+// ---- deadlock report --------------------------------------------------------------
+static std::string describe(const Fiber& f) {
+  std::string s;
+  switch (f.state) {
+    case EXITED: return "exited";
+    case AT_BARRIER: msgf(s, "waiting at %s() %s:%d", bar_name(f.op), f.file, f.line); return s;
+    case AT_WARP:
+      if (f.op == CUEMU_ACTIVEMASK) msgf(s, "waiting at __activemask() %s:%d", f.file, f.line);
+      else msgf(s, "waiting at %s(mask 0x%08x) %s:%d", op_name(f.op), f.mask, f.file, f.line);
+      return s;
+    case READY: return "ready";
+  }
+  return "running";
+}
+
+static void report_stuck() {
+  uint32_t at_bar = 0, at_warp = 0;
+  for (uint32_t i = 0; i < S.n; ++i) {
+    at_bar += g_fibers[i].state == AT_BARRIER;
+    at_warp += g_fibers[i].state == AT_WARP;
+  }
+  g_msg.clear();
+  if (at_bar && S.exited && !at_warp)
+    msgf(g_msg, "divergent %s(): %u threads wait at a barrier that %u exited threads never reach "
+         "(every thread of the block must reach the same barrier)", bar_name(S.bar_kind), at_bar, S.exited);
+  else if (at_bar && S.bar_mismatch)
+    msgf(g_msg, "divergent barriers: threads wait at different __syncthreads() call sites "
+         "(every thread of the block must reach the same barrier)");
+  else if (at_warp)
+    msgf(g_msg, "deadlock: warp-synchronous operations cannot complete (lanes of a mask must reach "
+         "the same call site with the same mask, and no lane may wait at a barrier meanwhile)");
+  else
+    msgf(g_msg, "deadlock: no thread of the block can make progress");
+  g_msg += "; thread states (linear ids):";
+  int lines = 0;
+  for (uint32_t i = 0; i < S.n;) {
+    std::string d = describe(g_fibers[i]);
+    uint32_t e = i;
+    while (e + 1 < S.n && describe(g_fibers[e + 1]) == d) ++e;
+    if (++lines > 24) { g_msg += "\n  ..."; break; }
+    const uint3& a = g_fibers[i].idx;
+    const uint3& b = g_fibers[e].idx;
+    if (e == i) msgf(g_msg, "\n  thread %u (%u,%u,%u): %s", i, a.x, a.y, a.z, d.c_str());
+    else msgf(g_msg, "\n  threads %u-%u (%u,%u,%u)..(%u,%u,%u): %s", i, e, a.x, a.y, a.z, b.x, b.y, b.z, d.c_str());
+    i = e + 1;
+  }
+}
+
+// ---- running a block --------------------------------------------------------------
+static int run_block(const uint32_t bd[3]) {
+  const uint32_t n = S.n;
+  S.qhead = 0;
+  S.qcount = 0;
+  S.alive = n;
+  S.exited = 0;
+  S.bar_count = 0;
+  S.bar_mismatch = false;
+  S.err = 0;
+  for (uint32_t w = 0; w < S.nwarps; ++w) {
+    uint32_t lanes = n - w * 32u;
+    S.warps[w].present = lanes >= 32 ? 0xffffffffu : ((1u << lanes) - 1u);
+    S.warps[w].exited = 0;
+    S.warps[w].waiting = 0;
+  }
+  uint32_t t = 0;
+  for (uint32_t z = 0; z < bd[2]; ++z)
+    for (uint32_t y = 0; y < bd[1]; ++y)
+      for (uint32_t x = 0; x < bd[0]; ++x, ++t) {
+        Fiber& f = g_fibers[t];
+        f.tid = t;
+        f.idx = uint3{x, y, z};
+        f.op = 0;
+        f.mask = 0;
+        f.sp = init_frame(stack_top(t), &f);
+        push_ready(&f);
+      }
+  for (;;) {
+    Fiber* f = pop_ready();
+    if (f) {
+      enter(f);
+      cuemu_switch_ctx(&S.sched_sp, f->sp);
+      if (S.err) return S.err;
+      continue;
+    }
+    if (S.alive == 0) return CUEMU_OK;
+    if (release_activemasks()) continue;
+    report_stuck();
+    return CUEMU_ERR_SYNC;
+  }
+}
+
+// ---- device assert, traps ---------------------------------------------------------
+CUEMU_EXPORT void cuemu_device_assert(const char* expr, const char* file, unsigned line,
+                                      const char* func) {
+  g_msg.clear();
+  msgf(g_msg, "device assertion `%s` failed at %s:%u in %s", expr, file, line, func);
+  fail(CUEMU_ERR_ASSERT, g_cur);
+}
+CUEMU_EXPORT void cuemu_trap(const char* what, const char* file, int line) {
+  g_msg.clear();
+  msgf(g_msg, "%s at %s:%d", what, file, line);
+  fail(CUEMU_ERR_TRAP, g_cur);
+}
+CUEMU_EXPORT long long cuemu_clock64(void) { return (long long)__builtin_ia32_rdtsc(); }
+
+// ---- signals ----------------------------------------------------------------------
+static void on_fault(int sig, siginfo_t* si, void* uc_) {
+  if (!t_in_launch) {  // not ours: fall back to the previous handler and re-fault
+    for (int i = 0; i < 4; ++i)
+      if (g_sigs[i] == sig) sigaction(sig, &g_old_act[i], nullptr);
+    return;
+  }
+  ucontext_t* uc = (ucontext_t*)uc_;
+  g_fault_sig = sig;
+  g_fault_addr = (uint64_t)si->si_addr;
+  g_fault_write = -1;
+  if (sig == SIGSEGV) g_fault_write = (uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0;
+  g_fault_fiber = g_cur;
+  siglongjmp(g_jb, 1);
+}
+
+static void describe_fault(cuemu_result* r) {
+  g_msg.clear();
+  Fiber* f = g_fault_fiber;
+  uint64_t a = g_fault_addr;
+  if ((g_fault_sig == SIGSEGV || g_fault_sig == SIGBUS) && f && g_stacks.base) {
+    char* guard = g_stacks.base + (size_t)f->tid * g_stacks.stride;
+    // A probe can land anywhere in the guard page, or below it in the stack of the
+    // thread before (stack-clash probes stride by one page).
+    if (a >= (uint64_t)guard - g_stacks.size && a < (uint64_t)guard + g_stacks.page) {
+      r->kind = CUEMU_ERR_STACK;
+      msgf(g_msg, "stack overflow: the thread used more than its %zu KiB fiber stack (large "
+           "local arrays?); set CUPYKV_EMULATOR_STACK_KIB to enlarge it", g_stacks.size / 1024);
+      return;
+    }
+  }
+  switch (g_fault_sig) {
+    case SIGFPE:
+      r->kind = CUEMU_ERR_TRAP;
+      msgf(g_msg, "arithmetic exception (SIGFPE, e.g. integer division by zero; the GPU would "
+           "return an unspecified value instead)");
+      return;
+    case SIGILL:
+      r->kind = CUEMU_ERR_TRAP;
+      msgf(g_msg, "illegal instruction (SIGILL, e.g. __builtin_trap or reaching unreachable code)");
+      return;
+  }
+  r->kind = CUEMU_ERR_FAULT;
+  msgf(g_msg, "invalid memory access at 0x%llx", (unsigned long long)a);
+}
+
+static void install_handlers() {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  for (int i = 0; i < 4; ++i) sigaction(g_sigs[i], &sa, &g_old_act[i]);
+}
+static void restore_handlers() {
+  for (int i = 0; i < 4; ++i) sigaction(g_sigs[i], &g_old_act[i], nullptr);
+}
+
+// ---- launch -----------------------------------------------------------------------
+CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
+  memset(r, 0, offsetof(cuemu_result, msg));
+  r->msg[0] = 0;
+  r->is_write = -1;
+  const uint32_t n = p->block[0] * p->block[1] * p->block[2];
+  if (n == 0 || n > 1024 || !ensure_fibers(n)) {
+    r->kind = CUEMU_ERR_SETUP;
+    snprintf(r->msg, sizeof r->msg, "cannot prepare %u fibers", n);
+    return r->kind;
+  }
+  if (!g_altstack) {
+    void* m = mmap(nullptr, kAltStackSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) { r->kind = CUEMU_ERR_SETUP; return r->kind; }
+    g_altstack = (char*)m;
+  }
+  S.n = n;
+  S.nwarps = (n + 31) / 32;
+  capture_csr();
+  g_invoke = p->invoke;
+  g_args = p->args;
+  cuemu_ctx.block_dim = uint3{p->block[0], p->block[1], p->block[2]};
+  cuemu_ctx.grid_dim = uint3{p->grid[0], p->grid[1], p->grid[2]};
+  cuemu_ctx.dyn_smem = p->dyn_smem;
+  g_fault_sig = 0;
+  g_fault_fiber = nullptr;
+  g_err_fiber = nullptr;
+  g_cur = nullptr;
+
+  stack_t ss, old_ss;
+  ss.ss_sp = g_altstack;
+  ss.ss_size = kAltStackSize;
+  ss.ss_flags = 0;
+  sigaltstack(&ss, &old_ss);
+  install_handlers();
+  volatile int rc = CUEMU_OK;  // survives siglongjmp
+  if (sigsetjmp(g_jb, 1) == 0) {
+    t_in_launch = true;
+    for (uint32_t bz = 0; bz < p->grid[2] && rc == CUEMU_OK; ++bz)
+      for (uint32_t by = 0; by < p->grid[1] && rc == CUEMU_OK; ++by)
+        for (uint32_t bx = 0; bx < p->grid[0] && rc == CUEMU_OK; ++bx) {
+          cuemu_ctx.block_idx = uint3{bx, by, bz};
+          if (p->dyn_smem_size && p->poison <= 255) memset(p->dyn_smem, (int)p->poison, p->dyn_smem_size);
+          rc = run_block(p->block);
+          if (rc != CUEMU_OK) r->kind = rc;
+        }
+    t_in_launch = false;
+  } else {
+    t_in_launch = false;
+    r->addr = g_fault_addr;
+    r->is_write = g_fault_write;
+    r->signo = g_fault_sig;
+    describe_fault(r);
+    rc = r->kind;
+    g_err_fiber = g_fault_fiber;
+  }
+  if (rc != CUEMU_OK) {
+    snprintf(r->msg, sizeof r->msg, "%s", g_msg.c_str());
+    if (g_err_fiber) {
+      r->has_thread = 1;
+      r->thread_idx[0] = g_err_fiber->idx.x;
+      r->thread_idx[1] = g_err_fiber->idx.y;
+      r->thread_idx[2] = g_err_fiber->idx.z;
+    }
+  }
+  restore_handlers();
+  if (!(old_ss.ss_flags & SS_DISABLE)) sigaltstack(&old_ss, nullptr);
+  else { ss.ss_flags = SS_DISABLE; sigaltstack(&ss, nullptr); }
+  fflush(stdout);
+  r->block_idx[0] = cuemu_ctx.block_idx.x;
+  r->block_idx[1] = cuemu_ctx.block_idx.y;
+  r->block_idx[2] = cuemu_ctx.block_idx.z;
+  return rc;
+}

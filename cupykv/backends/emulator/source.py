@@ -1,0 +1,258 @@
+"""Source-text work for the emulator: dynamic shared memory rewrite, launch bounds,
+and the registry translation unit appended to every module.
+
+Every rewrite keeps the line count, so compiler errors and runtime reports point at
+the real line of the .cu file.
+"""
+
+import ast
+import operator
+import re
+
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+
+def _fill(out, a, b):
+    for k in range(a, b):
+        if out[k] != "\n":
+            out[k] = " "
+
+
+def blank(text, keep_strings=False):
+    """``text`` with comments (and the insides of string/char literals unless
+    ``keep_strings``) replaced by spaces; newlines and length are kept, so offsets
+    into the result are offsets into ``text``."""
+    out = list(text)
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            _fill(out, i, j)
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            _fill(out, i, j)
+            i = j
+        elif c == '"' or (c == "'" and not (i and text[i - 1].isalnum())):
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            j = min(j, n)
+            if not keep_strings:
+                _fill(out, i + 1, j)
+            i = j + 1
+        else:
+            i += 1
+    return "".join(out)
+
+
+# ---- extern __shared__ ---------------------------------------------------------------
+_EXTERN_SHARED = re.compile(
+    r"\bextern\s+__shared__\s+(?P<decl>[^;\[\]{}()]*(?:\([^()]*\)[^;\[\]{}()]*)*?)"
+    r"\s*\b(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
+_ALIGN = re.compile(r"__align__\s*\([^()]*\)|alignas\s*\([^()]*\)|__attribute__\s*\(\(.*?\)\)")
+_NAMESPACE_OPEN = re.compile(r"(?:\bnamespace\b[\w\s:]*|\bextern\s*(?:\"C\"|\s))\s*$")
+
+
+def _in_function(blanked, pos):
+    """True when ``pos`` lies inside braces other than namespace / extern "C" ones."""
+    stack = []
+    last = 0
+    for m in re.finditer(r"[{};]", blanked[:pos]):
+        ch = m.group()
+        if ch == "{":
+            head = blanked[last:m.start()]
+            stack.append(bool(_NAMESPACE_OPEN.search(head)))
+        elif ch == "}" and stack:
+            stack.pop()
+        last = m.end()
+    return not all(stack)
+
+
+def rewrite_dynamic_shared(text):
+    """Turns ``extern __shared__ [align] T name[];`` into a pointer to the launch's
+    dynamic shared memory, on the same line(s)."""
+    blanked = blank(text)
+    pieces, last = [], 0
+    for m in _EXTERN_SHARED.finditer(blanked):
+        decl = _ALIGN.sub(" ", text[m.start("decl"):m.end("decl")])
+        type_ = " ".join(decl.split())
+        name = m.group("name")
+        if not type_:
+            continue
+        if _in_function(blanked, m.start()):
+            repl = (f"{type_}* const {name} = "
+                    f"reinterpret_cast<{type_}*>(::cuemu::dynamic_shared());")
+        else:
+            repl = (f"{type_}* const& {name} = "
+                    f"reinterpret_cast<{type_}* const&>(::cuemu_ctx.dyn_smem);")
+        repl += "\n" * text.count("\n", m.start(), m.end())
+        pieces += [text[last:m.start()], repl]
+        last = m.end()
+    pieces.append(text[last:])
+    return "".join(pieces)
+
+
+def needs_rewrite(text):
+    return "__shared__" in text and bool(_EXTERN_SHARED.search(blank(text)))
+
+
+# ---- __launch_bounds__ ---------------------------------------------------------------
+_LB = re.compile(r"\b__launch_bounds__\s*\(")
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]+?)[ \t]*$", re.M)
+_CONST = re.compile(
+    r"\b(?:static\s+)?(?:constexpr|const)\s+(?:static\s+)?(?:unsigned\s+|signed\s+)?"
+    r"(?:int|long|long\s+long|short|size_t|int32_t|uint32_t|int64_t|uint64_t|unsigned)?\s*"
+    r"([A-Za-z_]\w*)\s*(?:=\s*([^;{}]+?)|\{([^;{}]+?)\})\s*;")
+_INT_LIT = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]*\b")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.LShift: operator.lshift,
+        ast.RShift: operator.rshift, ast.BitOr: operator.or_, ast.BitAnd: operator.and_}
+
+
+def _eval_int(expr):
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = ev(node.operand)
+            return -v if isinstance(node.op, ast.USub) else v
+        raise ValueError(expr)
+    return ev(ast.parse(expr.replace("/", "//"), mode="eval"))
+
+
+def _resolve(expr, consts, depth=0):
+    """Integer value of a C expression over literals and known constants, or None."""
+    if depth > 8:
+        return None
+    expr = _INT_LIT.sub(lambda m: str(int(m.group(1), 0)), expr)
+
+    def sub(m):
+        name = m.group()
+        if name not in consts:
+            raise KeyError(name)
+        v = _resolve(consts[name], consts, depth + 1)
+        if v is None:
+            raise KeyError(name)
+        return f"({v})"
+    try:
+        expr = _IDENT.sub(sub, expr)
+        return int(_eval_int(expr.replace("&&", "and").strip()))
+    except (KeyError, ValueError, SyntaxError, ZeroDivisionError, TypeError):
+        return None
+
+
+def _balanced(text, open_pos):
+    """Index just past the parenthesis matching the one at ``open_pos``."""
+    depth = 0
+    for i in range(open_pos, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
+def _split_top(args):
+    parts, depth, cur = [], 0, []
+    for ch in args:
+        if ch in "(<[":
+            depth += 1
+        elif ch in ")>]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts]
+
+
+def parse_launch_bounds(text):
+    """{kernel base name: (expression text, int or None)} from ``__launch_bounds__``.
+
+    The expression may be a literal or use ``#define`` / ``constexpr`` constants of the
+    same source; anything else (a template parameter) is kept with value None.
+    """
+    blanked = blank(text)
+    consts = {m.group(1): m.group(2) for m in _DEFINE.finditer(blanked)}
+    for m in _CONST.finditer(blanked):
+        consts.setdefault(m.group(1), m.group(2) or m.group(3))
+    found = {}
+    for m in _LB.finditer(blanked):
+        line_start = blanked.rfind("\n", 0, m.start()) + 1
+        if blanked[line_start:m.start()].lstrip().startswith("#"):
+            continue  # inside a macro definition: cannot tell which kernel
+        end = _balanced(blanked, m.end() - 1)
+        expr = _split_top(blanked[m.end():end - 1])[0]
+        paren = blanked.find("(", end)
+        names = _IDENT.findall(blanked[end:paren]) if paren > 0 else []
+        if names:
+            found[names[-1]] = (expr, _resolve(expr, consts))
+    return found
+
+
+def base_name(name_expression):
+    """``'ns::k<float, 4>'`` -> ``'k'``."""
+    s = name_expression.strip().lstrip("&").strip()
+    out, depth = [], 0
+    for ch in s:
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out).split("::")[-1].strip()
+
+
+_EXTERN_C_KERNEL = re.compile(
+    r"\bextern\s+\"C\"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^()]*\)\s*)?"
+    r"([A-Za-z_]\w*)\s*\(")
+
+
+def extern_c_kernels(text):
+    """Names of ``extern "C" __global__`` kernels (registered without name expressions)."""
+    return _EXTERN_C_KERNEL.findall(blank(text, keep_strings=True))
+
+
+# ---- registry translation unit ----------------------------------------------------------
+def _c_string(s):
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def registry_source(name_expressions):
+    """C++ appended after the kernel source: one type-erased entry per name expression,
+    the module's exported table, and the device-assert hook."""
+    lines = ['\n#line 1 "<cupykv emulator registry>"',
+             "static const cuemu_entry cuemu_registry_table[] = {"]
+    for name in name_expressions:
+        expr = name.strip()
+        if not expr.startswith("&"):
+            expr = "&" + expr
+        lines.append(f"  ::cuemu::reg::entry<{expr} >({_c_string(name)}),")
+    lines.append("  cuemu_entry{nullptr, nullptr, 0, nullptr, nullptr, nullptr},")
+    lines += [
+        "};",
+        'extern "C" __attribute__((visibility("default")))',
+        "const cuemu_entry* cuemu_module_entries(unsigned* count) {",
+        f"  *count = {len(name_expressions)}u;",
+        "  return cuemu_registry_table;",
+        "}",
+        'extern "C" __attribute__((visibility("default"), noreturn))',
+        "void __wrap___assert_fail(const char* e, const char* f, unsigned l, const char* fn) {",
+        "  cuemu_device_assert(e, f, l, fn);",
+        "}",
+        "",
+    ]
+    return "\n".join(lines)

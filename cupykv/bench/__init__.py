@@ -1,0 +1,165 @@
+"""``python -m cupykv bench``: the performance harness (meant for a GPU).
+
+Sections, all measured in one run so that every ratio compares figures taken
+side by side:
+
+- ``copy``: device-to-device copy of a large buffer, bytes read plus written
+  per second: the yardstick.
+- ``attention_decode``: :func:`cupykv.attention` at q_len 1, GQA 64/8, head
+  dim 128, bf16, per batch and live length; live K+V bytes per second and as
+  a percentage of the copy bandwidth.
+- ``full_axis``: at a fixed large ``max_seq``, cupykv.attention against the
+  whole-axis attention of other static caches (matmul over every position,
+  plus the additive mask, softmax, matmul), per live length.
+- ``linear``: :func:`cupykv.linear` for 1..16 rows; bytes of W per second.
+- ``model_decode``: eager against graph-replayed decode step of
+  ``cupykv.models.llama`` (skipped, with the reason, while unavailable).
+
+On CuPy, times come from CUDA events around one call, after warm-up, with an
+L2 flush before each timed call; the median is kept with min and max. On the
+emulator a smoke version (small shapes, a couple of points per section) runs
+on the host clock and every output says "emulator timings: CPU emulation, NOT
+GPU figures". Results go to ``bench.json`` and ``bench.png`` in ``--out``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cupykv.backends import get_backend
+from cupykv.bench import model, report, sections
+from cupykv.bench.timing import make_timer
+
+SCHEMA = "cupykv-bench/1"
+GiB, MiB = 2**30, 2**20
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and repeat counts of one bench mode."""
+
+    mode: str
+    warmup: int
+    repeat: int
+    copy_bytes: int
+    decode_batches: tuple
+    decode_lives: tuple
+    decode_max_seq: int
+    full_axis_max_seq: int
+    full_axis_batch: int
+    full_axis_divisors: tuple    # live lengths are max_seq // divisor
+    linear_rows: tuple
+    linear_shapes: tuple         # (out_features, in_features)
+    model_config: tuple          # LlamaConfig keyword arguments, as (name, value) pairs
+    model_batch: int
+    model_max_seq: int
+    n_heads: int = 64
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    full_axis_check_divisor: int = 8
+
+
+_LLAMA_8B = (("hidden_size", 4096), ("intermediate_size", 14336), ("num_hidden_layers", 32),
+             ("num_attention_heads", 32), ("num_key_value_heads", 8), ("vocab_size", 128256))
+
+PLANS = {
+    "full": Plan(
+        mode="full", warmup=5, repeat=30, copy_bytes=1 * GiB,
+        decode_batches=(1, 8, 32), decode_lives=(512, 1024, 2048, 4096, 8192, 16384, 32768), decode_max_seq=32768,
+        full_axis_max_seq=32768, full_axis_batch=8, full_axis_divisors=(64, 32, 16, 8, 4, 2, 1),
+        linear_rows=(1, 2, 4, 8, 16), linear_shapes=((4096, 4096), (14336, 4096)),
+        model_config=_LLAMA_8B, model_batch=1, model_max_seq=4096),
+    "quick": Plan(
+        mode="quick", warmup=3, repeat=10, copy_bytes=256 * MiB,
+        decode_batches=(1, 32), decode_lives=(512, 4096, 32768), decode_max_seq=32768,
+        full_axis_max_seq=32768, full_axis_batch=8, full_axis_divisors=(64, 8, 1),
+        linear_rows=(1, 16), linear_shapes=((4096, 4096), (14336, 4096)),
+        model_config=tuple((k, 4) if k == "num_hidden_layers" else (k, v) for k, v in _LLAMA_8B),
+        model_batch=1, model_max_seq=1024),
+    # The emulator's smoke run: the real head configuration, tiny lengths and weights.
+    "smoke": Plan(
+        mode="smoke", warmup=1, repeat=3, copy_bytes=32 * MiB,
+        decode_batches=(1, 2), decode_lives=(128, 512), decode_max_seq=512,
+        full_axis_max_seq=1024, full_axis_batch=1, full_axis_divisors=(64, 8, 1),
+        linear_rows=(1, 16), linear_shapes=((512, 512), (1024, 512)),
+        model_config=(("hidden_size", 256), ("intermediate_size", 512), ("num_hidden_layers", 2),
+                      ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 1000)),
+        model_batch=1, model_max_seq=64),
+}
+
+#: section name -> function of a Context, in run order (copy first: the others divide by it).
+SECTIONS = (("copy", sections.copy_bandwidth), ("attention_decode", sections.attention_decode),
+            ("full_axis", sections.full_axis), ("linear", sections.linear), ("model_decode", model.model_decode))
+
+
+def plan_for(backend_name: str, quick: bool) -> Plan:
+    """The emulator always runs the smoke plan; CuPy runs ``quick`` or ``full``."""
+    if backend_name == "emulator":
+        return PLANS["smoke"]
+    return PLANS["quick" if quick else "full"]
+
+
+def run(backend=None, out="bench_results", quick=False, echo=print) -> dict:
+    """Run every section, write ``bench.json`` and ``bench.png`` into ``out``, return the JSON data.
+
+    Parameters
+    ----------
+    backend : {"cupy", "emulator"} or None
+        ``None`` picks CuPy when a GPU is usable, else the emulator.
+    out : str or Path
+        Output folder, created if needed.
+    quick : bool
+        On CuPy, fewer points and repeats. The emulator always runs its smoke plan.
+    echo : callable
+        Receives progress lines and the final table.
+    """
+    backend = get_backend(backend)
+    plan = plan_for(backend.name, quick)
+    env = report.environment(backend)
+    is_gpu = backend.name == "cupy"
+    label = f"GPU figures: {env['device']}" if is_gpu else report.EMULATOR_LABEL
+    timer = make_timer(backend, plan.warmup, plan.repeat, env.get("l2_bytes") or 0)
+    ctx = sections.Context(backend=backend, plan=plan, timer=timer)
+    echo(f"cupykv bench ({plan.mode}) on {backend.name}: {env['device']}")
+    echo(label)
+    started = time.perf_counter()
+    results = {}
+    for name, section in SECTIONS:
+        section_started = time.perf_counter()
+        results[name] = section(ctx)
+        echo(f"  {name}: {results[name]['status']} ({time.perf_counter() - section_started:.1f} s)")
+    data = {
+        "schema": SCHEMA,
+        "label": label,
+        "is_gpu_figures": is_gpu,
+        "backend": backend.name,
+        "mode": plan.mode,
+        "environment": env,
+        "timing": {"method": timer.method, "warmup": plan.warmup, "repeat": plan.repeat,
+                   "statistic": "median of the timed calls; min and max kept as *_min / *_max",
+                   "l2_flush_bytes": timer.flush_bytes,
+                   "l2_flush": ("a buffer of l2_flush_bytes is overwritten before each timed attention/linear call, "
+                                "outside the timed region") if is_gpu else "none (host timing)"},
+        "bandwidth_unit": "GB/s = 1e9 bytes per second",
+        "plan": asdict(plan),
+        "wall_s": time.perf_counter() - started,
+        "sections": results,
+    }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+    report.write_png(data, out / "bench.png")
+    echo(report.table(data))
+    echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return data
+
+
+def main(backend=None, out="bench_results", quick=False) -> int:
+    """CLI entry: run the bench; exit status 1 if a correctness check failed."""
+    data = run(backend=backend, out=out, quick=quick)
+    return 0 if all(check["passed"] for check in report.all_checks(data)) else 1
+
+
+__all__ = ["Plan", "PLANS", "SECTIONS", "plan_for", "run", "main", "SCHEMA"]

@@ -1,0 +1,259 @@
+"""A compact LLaMA-architecture decoder built only from cupykv ops.
+
+Token embedding, RMSNorm, rotary GQA attention through a :class:`KVCache`,
+SwiGLU MLP, ``cupykv.linear`` projections and a greedy argmax on the device.
+Every op of a decode step is a cupykv kernel writing preallocated buffers, so
+the whole step (every layer) is captured once with :func:`cupykv.capture`:
+the next token's id is written by argmax into the buffer the embedding reads
+on the next replay, and positions come from the cache's device lengths.
+
+Prompts of different lengths are prefilled in one batched pass (padded to the
+longest; each sequence then advances by its own length), then decoded
+greedily, eagerly or through the graph; both give identical tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from cupykv import _checks, ops
+from cupykv.attention import attention
+from cupykv.cache import KVCache
+from cupykv.graph import capture
+from cupykv.models.config import LlamaConfig
+from cupykv.rope import Rope
+from cupykv.spec import CacheSpec
+
+__all__ = ["LlamaConfig", "Llama"]
+
+
+class _Activations:
+    """Preallocated activations for ``rows`` tokens (rows = batch * tokens per sequence)."""
+
+    def __init__(self, backend, config: LlamaConfig, storage, batch: int, tokens: int):
+        rows = batch * tokens
+        hd = config.head_dim
+        zeros = backend.zeros
+        self.ids = zeros((rows,), np.int32)
+        self.hidden = zeros((rows, config.hidden_size), storage)        # residual stream
+        self.normed = zeros((rows, config.hidden_size), storage)
+        self.q = zeros((rows, config.num_attention_heads * hd), storage)
+        self.k = zeros((rows, config.num_key_value_heads * hd), storage)
+        self.v = zeros((rows, config.num_key_value_heads * hd), storage)
+        self.attn = zeros((batch, tokens, config.num_attention_heads, hd), storage)
+        self.proj = zeros((rows, config.hidden_size), storage)
+        self.gate = zeros((rows, config.intermediate_size), storage)
+        self.up = zeros((rows, config.intermediate_size), storage)
+        self.act = zeros((rows, config.intermediate_size), storage)
+        # views in attention's [batch, tokens, heads, head_dim] shape
+        self.q4 = self.q.reshape(batch, tokens, config.num_attention_heads, hd)
+        self.k4 = self.k.reshape(batch, tokens, config.num_key_value_heads, hd)
+        self.v4 = self.v.reshape(batch, tokens, config.num_key_value_heads, hd)
+        self.attn2 = self.attn.reshape(rows, config.num_attention_heads * hd)
+
+
+class Llama:
+    """Greedy LLaMA decoding on a cupykv cache.
+
+    Parameters
+    ----------
+    config : LlamaConfig
+    weights : mapping of str to array
+        Hugging Face parameter names (``model.embed_tokens.weight``,
+        ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``)
+        to host arrays; converted to ``dtype`` and moved to the backend.
+    dtype : {"float32", "float16", "bfloat16"}, default "float32"
+        Storage type of weights, activations and the cache.
+    max_seq : int, default 256
+        Cache capacity per sequence (prompt plus new tokens).
+    batch : int, default 1
+        Sequence slots; ``generate`` takes up to ``batch`` prompts.
+    backend : {"cupy", "emulator"} or None
+    """
+
+    def __init__(self, config: LlamaConfig, weights, *, dtype="float32", max_seq=256, batch=1, backend=None):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
+        self.config = config
+        self.cache = KVCache(CacheSpec(n_layers=config.num_hidden_layers, n_kv_heads=config.num_key_value_heads,
+                                       head_dim=config.head_dim, max_seq=max_seq, batch=batch, dtype=dtype),
+                             backend=backend)
+        backend = self.cache._backend
+        self.backend = backend
+        self.rope = Rope(theta=config.rope_theta)
+        storage = backend.storage_dtype(dtype)
+        host_dtype = self.cache.spec.np_dtype
+        self.weights = {name: backend.asarray(np.asarray(array, dtype=np.float32).astype(host_dtype))
+                        for name, array in config.check_weights(weights).items()}
+        if config.tie_word_embeddings:
+            self.weights["lm_head.weight"] = self.weights["model.embed_tokens.weight"]
+        self._storage = storage
+        self._decode = _Activations(backend, config, storage, batch, 1)
+        self._logits = backend.zeros((batch, config.vocab_size), storage)
+        self._embedding_error = backend.zeros((1,), np.int32)
+        self._graph = None
+
+    # -- constructors ----------------------------------------------------------
+    @classmethod
+    def random(cls, config: LlamaConfig, *, seed: int = 0, **kwargs) -> "Llama":
+        """A model with seeded random weights (see :meth:`LlamaConfig.random_weights`)."""
+        return cls(config, config.random_weights(seed), **kwargs)
+
+    @classmethod
+    def from_safetensors(cls, config_path_or_dict, path, **kwargs) -> "Llama":
+        """Load HF-named weights from a ``.safetensors`` (or ``.npz``) file and a config.json path or dict."""
+        return cls(_load_config(config_path_or_dict), load_weights(path), **kwargs)
+
+    # -- the forward pass ------------------------------------------------------
+    def _w(self, layer: int, name: str):
+        return self.weights[f"model.layers.{layer}.{name}.weight"]
+
+    def _forward(self, act: _Activations) -> None:
+        """Embed ``act.ids``, run every layer (appending K/V at the pending positions), leave ``act.hidden``.
+
+        Launches only; allocates nothing, so it can be captured.
+        """
+        eps = self.config.rms_norm_eps
+        ops.embedding(act.ids, self.weights["model.embed_tokens.weight"], out=act.hidden,
+                      error_flag=self._embedding_error)
+        for layer in range(self.config.num_hidden_layers):
+            ops.rmsnorm(act.hidden, self._w(layer, "input_layernorm"), eps, out=act.normed)
+            ops.linear(act.normed, self._w(layer, "self_attn.q_proj"), out=act.q)
+            ops.linear(act.normed, self._w(layer, "self_attn.k_proj"), out=act.k)
+            ops.linear(act.normed, self._w(layer, "self_attn.v_proj"), out=act.v)
+            self.cache.append(layer, act.k4, act.v4, rope=self.rope)
+            attention(act.q4, self.cache, layer, rope=self.rope, out=act.attn)
+            ops.linear(act.attn2, self._w(layer, "self_attn.o_proj"), out=act.proj)
+            ops.add(act.hidden, act.proj, out=act.hidden)
+            ops.rmsnorm(act.hidden, self._w(layer, "post_attention_layernorm"), eps, out=act.normed)
+            ops.linear(act.normed, self._w(layer, "mlp.gate_proj"), out=act.gate)
+            ops.linear(act.normed, self._w(layer, "mlp.up_proj"), out=act.up)
+            ops.silu_mul(act.gate, act.up, out=act.act)
+            ops.linear(act.act, self._w(layer, "mlp.down_proj"), out=act.proj)
+            ops.add(act.hidden, act.proj, out=act.hidden)
+
+    def _head(self, hidden) -> None:
+        """Final norm, LM head and greedy argmax into the decode ids (the next step's input)."""
+        act = self._decode
+        ops.rmsnorm(hidden, self.weights["model.norm.weight"], self.config.rms_norm_eps, out=act.normed)
+        ops.linear(act.normed, self.weights["lm_head.weight"], out=self._logits)
+        ops.argmax(self._logits, out=act.ids)
+
+    def _decode_step(self) -> None:
+        """One token for every sequence: reads ``ids``, writes the next ``ids`` and logits, advances."""
+        self._forward(self._decode)
+        self._head(self._decode.hidden)
+        self.cache.advance(1)
+
+    def _prefill(self, prompts: list[list[int]]) -> None:
+        """Run every prompt (padded to the longest) through the model; leaves the first new token in ids."""
+        batch, longest = self.cache.spec.batch, max(len(p) for p in prompts)
+        act = _Activations(self.backend, self.config, self._storage, batch, longest)
+        ids = np.zeros((batch, longest), np.int32)
+        for b, prompt in enumerate(prompts):
+            ids[b, : len(prompt)] = prompt
+        self.backend.upload(act.ids, ids.reshape(-1))
+        self.cache.reset()
+        self._forward(act)
+        lengths = np.array([len(p) for p in prompts], np.int64)
+        last_rows = np.arange(batch) * longest + lengths - 1   # each sequence's last prompt token
+        self._head(act.hidden[self.backend.asarray(last_rows)])
+        self.cache.advance(lengths)
+
+    # -- generation --------------------------------------------------------------
+    def _check_prompts(self, prompts, max_new_tokens) -> list[list[int]]:
+        spec = self.cache.spec
+        max_new_tokens = _checks.check_int("max_new_tokens", max_new_tokens, lo=1)
+        if not isinstance(prompts, (list, tuple)) or not 1 <= len(prompts) <= spec.batch:
+            raise ValueError(f"prompts: expected a list of 1..{spec.batch} token lists, got {prompts!r:.80}")
+        checked = []
+        for b, prompt in enumerate(prompts):
+            tokens = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+            if not tokens or not all(_checks.is_int(t) and 0 <= t < self.config.vocab_size for t in tokens):
+                raise ValueError(f"prompts[{b}]: expected a non-empty list of token ids in "
+                                 f"0..{self.config.vocab_size - 1}, got {prompt!r:.80}")
+            if len(tokens) + max_new_tokens > spec.max_seq:
+                raise ValueError(f"prompts[{b}]: expected len(prompt) + max_new_tokens <= max_seq={spec.max_seq}, "
+                                 f"got {len(tokens)} + {max_new_tokens}")
+            checked.append([int(t) for t in tokens])
+        # unused slots decode a one-token dummy prompt; their tokens are dropped
+        return checked + [[0]] * (spec.batch - len(checked))
+
+    def generate(self, prompts, max_new_tokens: int, *, use_graph: bool = True, return_logits: bool = False,
+                 progress=None):
+        """Greedy decoding of a batch of prompts.
+
+        Parameters
+        ----------
+        prompts : list of list of int
+            1..batch prompts of token ids, of any lengths >= 1.
+        max_new_tokens : int
+            Tokens to generate per prompt (the first comes from the prefill).
+        use_graph : bool, default True
+            Replay one captured decode step (every layer) instead of launching eagerly.
+        return_logits : bool, default False
+            Also return the float32 logits of every generated step, ``[steps, batch, vocab]``.
+        progress : callable, optional
+            Called as ``progress(done, total)`` after each token.
+
+        Returns
+        -------
+        tokens : list of list of int
+            The new tokens, one list per prompt.
+        logits : np.ndarray float32 ``[max_new_tokens, len(prompts), vocab]``
+            Only with ``return_logits=True``.
+        """
+        n_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else 0
+        padded = self._check_prompts(prompts, max_new_tokens)
+        self._prefill(padded)
+        steps_ids, steps_logits = [], []
+
+        def collect(done):
+            steps_ids.append(self.backend.to_host(self._decode.ids))
+            if return_logits:
+                steps_logits.append(self._host_logits())
+            if progress is not None:
+                progress(done, max_new_tokens)
+
+        collect(1)
+        for step in range(1, max_new_tokens):
+            if not use_graph:
+                self._decode_step()
+            elif self._graph is None:
+                self._graph = capture(self._decode_step)   # the warm-up run is this step
+            else:
+                self._graph.replay()
+            collect(step + 1)
+        tokens = np.stack(steps_ids, axis=1)[:n_prompts].tolist()   # [prompts, steps]
+        if return_logits:
+            return tokens, np.stack(steps_logits)[:, :n_prompts]
+        return tokens
+
+    def _host_logits(self) -> np.ndarray:
+        host = self.backend.to_host(self._logits)
+        return host.view(self.cache.spec.np_dtype).astype(np.float32)
+
+
+def _load_config(config_path_or_dict) -> LlamaConfig:
+    if isinstance(config_path_or_dict, LlamaConfig):
+        return config_path_or_dict
+    if isinstance(config_path_or_dict, (str, os.PathLike)):
+        with open(config_path_or_dict, encoding="utf-8") as f:
+            return LlamaConfig.from_hf(json.load(f))
+    return LlamaConfig.from_hf(config_path_or_dict)
+
+
+def load_weights(path) -> dict[str, np.ndarray]:
+    """HF-named host arrays from a ``.safetensors`` file (needs the safetensors package) or an ``.npz``."""
+    path = os.fspath(path)
+    if path.endswith(".npz"):
+        with np.load(path) as archive:
+            return {name: archive[name] for name in archive.files}
+    try:
+        from safetensors.numpy import load_file
+    except ImportError as exc:
+        raise ImportError("path: reading .safetensors needs the safetensors package "
+                          "(pip install safetensors), or pass an .npz") from exc
+    return load_file(path)

@@ -1,0 +1,103 @@
+"""The NumPy oracle of :mod:`cupykv.ops`: same names, same signatures, host arrays.
+
+Plain on purpose: all arithmetic is float64 and each result is rounded once
+to the storage dtype of the inputs (round to nearest even), so it is the
+exact answer as that dtype can hold it. The fast path never imports this
+module. Inputs are NumPy arrays of float32, float16 or ``ml_dtypes.bfloat16``
+(ids int32); a rejected argument raises ``TypeError`` or ``ValueError`` naming it.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from cupykv._checks import check_positive_float
+from cupykv.reference import _to_storage
+
+__all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def _float(name, array, ndim=None, like=None):
+    """``array`` as a NumPy float array of a storage dtype (that of ``like`` when given)."""
+    array = np.asarray(array)
+    if array.dtype not in _FLOAT_DTYPES or (like is not None and array.dtype != like.dtype):
+        expected = f"{like.dtype}" if like is not None else "float32, float16 or bfloat16"
+        raise TypeError(f"{name}: expected dtype {expected}, got {array.dtype}")
+    if ndim is not None and array.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} axes, got shape {array.shape}")
+    return array
+
+
+def linear(x, weight):
+    """``x @ weight.T``: x ``[rows, in_features]``, weight ``[out_features, in_features]``.
+
+    Returns ``[rows, out_features]`` in the dtype of x.
+    """
+    x = _float("x", x, 2)
+    weight = _float("weight", weight, 2, like=x)
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight: expected shape (out_features, {x.shape[1]}) [out_features, in_features], "
+                         f"got {weight.shape}")
+    return _to_storage(x.astype(np.float64) @ weight.astype(np.float64).T, x.dtype)
+
+
+def embedding(ids, table, *, error_flag=None):
+    """``table[ids]``; ids int32 ``[rows]``, table ``[vocab, hidden]`` -> ``[rows, hidden]``.
+
+    Rows of ids outside ``0..vocab-1`` are zeros, and ``error_flag[0]`` (a
+    NumPy int32 ``[1]``, when given) is set to 1.
+    """
+    ids = np.asarray(ids)
+    if ids.dtype != np.int32:
+        raise TypeError(f"ids: expected dtype int32, got {ids.dtype}")
+    if ids.ndim != 1:
+        raise ValueError(f"ids: expected shape (rows,), got {ids.shape}")
+    table = _float("table", table, 2)
+    valid = (ids >= 0) & (ids < table.shape[0])
+    out = np.zeros((ids.shape[0], table.shape[1]), table.dtype)
+    out[valid] = table[ids[valid]]
+    if error_flag is not None and not valid.all():
+        error_flag[0] = 1
+    return out
+
+
+def rmsnorm(x, weight, eps):
+    """``x / sqrt(mean(x**2) + eps) * weight`` per row; x ``[rows, hidden]``, weight ``[hidden]``."""
+    x = _float("x", x, 2)
+    weight = _float("weight", weight, 1, like=x)
+    if weight.shape != x.shape[1:]:
+        raise ValueError(f"weight: expected shape ({x.shape[1]},) [hidden], got {weight.shape}")
+    eps = check_positive_float("eps", eps)
+    x64 = x.astype(np.float64)
+    inv_rms = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)  # [rows, 1]
+    return _to_storage(x64 * inv_rms * weight.astype(np.float64), x.dtype)
+
+
+def _same_shape(name_a, a, name_b, b):
+    a = _float(name_a, a)
+    b = _float(name_b, b, like=a)
+    if a.shape != b.shape:
+        raise ValueError(f"{name_b}: expected the shape of {name_a} {a.shape}, got {b.shape}")
+    return a, b
+
+
+def silu_mul(gate, up):
+    """``gate / (1 + exp(-gate)) * up``, elementwise (same shape and dtype)."""
+    gate, up = _same_shape("gate", gate, "up", up)
+    g = gate.astype(np.float64)
+    with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g: silu -> -0
+        return _to_storage(g / (1.0 + np.exp(-g)) * up.astype(np.float64), gate.dtype)
+
+
+def add(a, b):
+    """``a + b``, elementwise (same shape and dtype)."""
+    a, b = _same_shape("a", a, "b", b)
+    return _to_storage(a.astype(np.float64) + b.astype(np.float64), a.dtype)
+
+
+def argmax(logits):
+    """Index of each row's maximum of logits ``[rows, vocab]`` as int32 ``[rows]``, the lowest on ties."""
+    logits = _float("logits", logits, 2)
+    return np.argmax(logits.astype(np.float64), axis=-1).astype(np.int32)

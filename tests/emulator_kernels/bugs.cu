@@ -1,0 +1,92 @@
+// bugs.cu: kernels with planted bugs; the emulator must report each one clearly
+// (tests/test_emulator.py). They compile for NVRTC too: the bugs are run-time bugs.
+// assert needs no include: NVRTC provides it, and so does the emulator.
+
+// (a) __syncthreads inside a branch taken by the first warp only.
+__global__ void barrier_in_branch(float* y) {
+  if (threadIdx.x < 32) {
+    __syncthreads();
+  }
+  y[threadIdx.x] = 1.f;
+}
+
+// (b) early return by some threads, then a barrier.
+__global__ void early_return(float* y, int n) {
+  if ((int)threadIdx.x >= n) return;
+  __syncthreads();
+  y[threadIdx.x] = 1.f;
+}
+
+// Two barriers at different call sites in the two halves of an if/else.
+__global__ void split_barriers(float* y) {
+  if (threadIdx.x % 2) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  y[threadIdx.x] = 1.f;
+}
+
+// (c) reads one element past the end of x (the last thread).
+__global__ void read_past_end(const float* x, float* y) {
+  y[threadIdx.x] = x[threadIdx.x + 1];
+}
+
+// (d) writes one element past the end of y.
+__global__ void write_past_end(float* y) { y[threadIdx.x + 1] = 2.f; }
+
+// (e) writes just before the start of y (caught by the canary after the launch).
+__global__ void write_before_start(float* y) {
+  if (threadIdx.x == 3) y[-1] = 3.f;
+}
+
+// (f) dynamic shared memory indexed one past its end.
+__global__ void smem_past_end(float* y) {
+  extern __shared__ float s[];
+  s[threadIdx.x + 1] = 1.f;
+  __syncthreads();
+  y[threadIdx.x] = s[threadIdx.x];
+}
+
+// (g) declares at most 64 threads per block.
+__global__ void __launch_bounds__(64) small_blocks(float* y) { y[threadIdx.x] = 0.f; }
+
+// (i) takes an int: a Python int (8-byte long long) does not fit.
+__global__ void takes_int(float* y, int n) {
+  if ((int)threadIdx.x < n) y[threadIdx.x] = 4.f;
+}
+
+// (j) a device assert that fails for thread 5.
+__global__ void failing_assert(const int* x) { assert(x[threadIdx.x] != 5); }
+
+// (k) lanes 16-31 exit, lanes 0-15 then shuffle with a full mask.
+__global__ void shuffle_exited_lane(float* y) {
+  if (threadIdx.x >= 16) return;
+  y[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+}
+
+// A shuffle that reads lane 16 while the mask names lanes 0-15 only.
+__global__ void shuffle_outside_mask(int* y) {
+  if (threadIdx.x < 16) y[threadIdx.x] = __shfl_down_sync(0x0000ffffu, (int)threadIdx.x, 8);
+}
+
+// Lanes of one mask at different shuffle call sites.
+__global__ void shuffle_split_sites(int* y) {
+  int v = threadIdx.x;
+  if (threadIdx.x % 2) v = __shfl_xor_sync(0xffffffffu, v, 1);
+  else v = __shfl_xor_sync(0xffffffffu, v, 1);
+  y[threadIdx.x] = v;
+}
+
+// (l) a huge local array: overflows the fiber stack.
+__global__ void huge_local(float* y, int n) {
+  volatile float big[200000];
+  for (int i = 0; i < n; ++i) big[i] = (float)i;
+  y[threadIdx.x] = big[n - 1];
+}
+
+// A null pointer dereference.
+__global__ void null_deref(float* y) { y[threadIdx.x] = 1.f; }
+
+// Integer division by zero (the GPU returns garbage; the emulator reports it).
+__global__ void divide_by_zero(int* y, int d) { y[threadIdx.x] = 100 / d; }

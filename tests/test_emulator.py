@@ -1,0 +1,543 @@
+"""Self-tests of the CUDA emulator (cupykv.backends.emulator).
+
+The kernels live in tests/emulator_kernels/: good.cu (correct kernels, each with a
+NumPy model here) and bugs.cu (planted bugs, each of which must be reported with a
+clear error, after which the emulator must still run a good launch correctly). Both
+files also compile with NVRTC when libnvrtc is installed: same source, two targets.
+"""
+
+import ctypes
+import glob
+import os
+import re
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupykv.backends import emulator as E
+from cupykv.backends.emulator import build
+
+KERNELS = Path(__file__).parent / "emulator_kernels"
+GOOD = KERNELS / "good.cu"
+BUGS = KERNELS / "bugs.cu"
+GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "reverse_chunks",
+              "reverse_float4", "indices3d", "axpy<float>", "axpy<__half>",
+              "axpy<__nv_bfloat16>", "convert", "barrier_preds", "scalars", "maybe_null",
+              "math", "hello", "busy", "intrinsics", "fp16_ops<__half>",
+              "fp16_ops<__nv_bfloat16>"]
+BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
+             "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
+             "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
+             "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero"]
+
+
+def line_of(path, needle, nth=0):
+    """1-based line number of the nth line of ``path`` containing ``needle``."""
+    hits = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if needle in line]
+    return hits[nth]
+
+
+@pytest.fixture(scope="module")
+def good():
+    return E.Module(GOOD.read_text(), GOOD_NAMES, include_dirs=[KERNELS], filename=str(GOOD))
+
+
+@pytest.fixture(scope="module")
+def bugs():
+    return E.Module(BUGS.read_text(), BUG_NAMES, filename=str(BUGS))
+
+
+def assert_still_works(good):
+    """A good launch after a caught bug gives the right answer."""
+    x = E.asarray(np.arange(1000, dtype=np.float32))
+    out = E.zeros(3, np.float32)
+    good.get_function("block_sum")((3,), (128,), (x, out, np.int32(1000)))
+    assert out.sum() == np.arange(1000).sum()
+
+
+# ---- correct kernels -------------------------------------------------------------------
+@pytest.mark.parametrize("n, blocks, threads", [(1, 1, 32), (1000, 3, 128), (4099, 5, 1024),
+                                                 (77, 2, 64)])
+def test_block_sum(good, n, blocks, threads):
+    x = E.asarray(np.random.default_rng(n).standard_normal(n).astype(np.float32))
+    out = E.zeros(blocks, np.float32)
+    good.get_function("block_sum")(blocks, threads, (x, out, np.int32(n)))
+    np.testing.assert_allclose(out.sum(dtype=np.float64), x.sum(dtype=np.float64), atol=1e-3)
+
+
+def _shuffle_model(offset, width):
+    """CUDA's documented results of the four shuffles of v = 100 + lane."""
+    lane = np.arange(32)
+    v = 100 + lane
+    group = lane // width
+    idx = v[group * width + offset % width]
+    up = np.where(lane % width >= offset, v[(lane - offset) % 32], v)
+    down = np.where(lane % width + offset < width, v[(lane + offset) % 32], v)
+    j = lane ^ offset
+    xor = np.where(j // width > group, v, v[j % 32])
+    return np.stack([idx, up, down, xor])
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("offset", [0, 1, 3, 8, 17, 31])
+def test_shuffle_widths(good, offset, width):
+    out = E.zeros((4, 32), np.int32)
+    good.get_function("shuffles")(1, 32, (out, np.int32(offset), np.int32(width)))
+    np.testing.assert_array_equal(out, _shuffle_model(offset, width))
+
+
+def test_votes_and_8_byte_shuffles(good):
+    d = E.zeros(32, np.float64)
+    u = E.zeros((4, 32), np.uint32)
+    good.get_function("warp_votes")(1, 32, (d, u))
+    lane = np.arange(32)
+    np.testing.assert_array_equal(d, np.where(lane < 31, 0.5 * (lane + 1), 0.5 * lane))
+    assert (u[0] == sum(1 << i for i in range(0, 32, 3))).all()
+    assert (u[1] == 1).all() and (u[2] == 0).all()
+    np.testing.assert_array_equal(u[3], [0xF << (4 * (i // 4)) for i in range(32)])
+
+
+def test_half_warp_mask(good):
+    out = E.zeros(32, np.int32)
+    good.get_function("half_warp")(1, 32, (out,))
+    lane = np.arange(32)
+    np.testing.assert_array_equal(out, np.where(lane < 8, lane + 8, lane))
+
+
+def test_atomics_from_many_blocks(good):
+    ints = E.asarray(np.array([0, -1, 0, 0, -1, 0, 0], np.int32))
+    f = E.zeros(1, np.float32)
+    u = E.zeros(1, np.uint64)
+    good.get_function("atomics")(8, 128, (ints, f, u))
+    t = np.arange(1024)
+    expect_and = np.bitwise_and.reduce(~(1 << (t % 7)))
+    np.testing.assert_array_equal(ints, [1024, 1023, -1023, 0x7FFFFFFF, expect_and, 2048, 7])
+    assert f[0] == 512.0 and u[0] == 1024 << 32
+
+
+def test_dynamic_shared_memory(good):
+    x = E.asarray(np.arange(4 * 96, dtype=np.float32))
+    y = E.zeros(4 * 96, np.float32)
+    good.get_function("reverse_chunks")(4, 96, (x, y), shared_mem=96 * 4)
+    np.testing.assert_array_equal(y.reshape(4, 96), x.reshape(4, 96)[:, ::-1])
+    x4 = E.asarray(np.arange(3 * 64 * 4, dtype=np.float32))
+    y4 = E.zeros(3 * 64 * 4, np.float32)
+    good.get_function("reverse_float4")(3, 64, (x4, y4), shared_mem=64 * 16)
+    np.testing.assert_array_equal(y4.reshape(3, 64, 4), x4.reshape(3, 64, 4)[:, ::-1])
+
+
+def test_3d_grid_and_block(good):
+    grid, block = (2, 3, 2), (4, 2, 3)
+    out = E.zeros((12 * 24, 12), np.int32)
+    good.get_function("indices3d")(grid, block, (out,))
+    rows = []
+    for bz in range(2):
+        for by in range(3):
+            for bx in range(2):
+                for tz in range(3):
+                    for ty in range(2):
+                        for tx in range(4):
+                            rows.append([bx, by, bz, tx, ty, tz, *block, *grid])
+    np.testing.assert_array_equal(out, rows)
+
+
+@pytest.mark.parametrize("name, dtype", [("axpy<float>", np.float32),
+                                         ("axpy<__half>", np.float16),
+                                         ("axpy<__nv_bfloat16>", ml_dtypes.bfloat16)])
+def test_templates_over_storage_types(good, name, dtype):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(300).astype(np.float32).astype(dtype)
+    y = rng.standard_normal(300).astype(np.float32).astype(dtype)
+    a = np.float32(0.37)
+    expect = (a * x.astype(np.float32) + y.astype(np.float32)).astype(dtype)
+    yd = E.asarray(y)
+    good.get_function(name)(3, 128, (E.asarray(x), yd, a, np.int32(300)))
+    np.testing.assert_array_equal(yd.view(np.uint16 if dtype != np.float32 else np.uint32),
+                                  expect.view(np.uint16 if dtype != np.float32 else np.uint32))
+
+
+@pytest.mark.parametrize("name, dtype", [("fp16_ops<__half>", np.float16),
+                                         ("fp16_ops<__nv_bfloat16>", ml_dtypes.bfloat16)])
+def test_fp16_operators_round_once(good, name, dtype):
+    rng = np.random.default_rng(3)
+    # bf16 operands in [0.5, 2): NumPy's reference then never rounds twice.
+    draw = rng.standard_normal if dtype == np.float16 else lambda n: rng.uniform(0.5, 2, n)
+    a, b = (draw(500).astype(np.float32).astype(dtype) for _ in range(2))
+    out = E.zeros((4, 500), dtype)
+    good.get_function(name)(4, 128, (E.asarray(a), E.asarray(b), out, np.int32(500)))
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    expect = np.stack([a64 + b64, a64 - b64, a64 * b64, a64 / b64]).astype(dtype)
+    np.testing.assert_array_equal(out.view(np.uint16)[:3], expect.view(np.uint16)[:3])
+    ulps = np.abs(out[3].view(np.uint16).astype(int) - expect[3].view(np.uint16).astype(int))
+    assert ulps.max() <= (0 if dtype == np.float16 else 1)
+
+
+def _conversion_inputs():
+    rng = np.random.default_rng(0)
+    random_bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    every_half = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    edges = np.array([
+        0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, 65536.0, -65520.0, 1e30, 3.4e38,
+        2.0**-14, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 3 * 2.0**-26, 2.0**-26, 1e-45,
+        1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8, 255.5, 256.5,
+        np.inf, -np.inf, np.nan, -np.nan], dtype=np.float32)
+    tie_bits = np.array([0x3F808000, 0x3F818000, 0x7F7F8000, 0x7F7FFFFF, 0x00008000,
+                         0x00018000, 0x7FC00001, 0xFF800001, 0x7F800001], np.uint32)
+    return np.concatenate([random_bits.view(np.float32), every_half.astype(np.float32), edges,
+                           tie_bits.view(np.float32)])
+
+
+def test_half_bf16_conversions_bit_exact(good):
+    x = _conversion_inputs()
+    n = x.size
+    h, b = E.zeros(n, np.uint16), E.zeros(n, np.uint16)
+    hf, bf = E.zeros(n, np.float32), E.zeros(n, np.float32)
+    good.get_function("convert")((n + 255) // 256, 256, (E.asarray(x), h, b, hf, bf,
+                                                        np.int32(n)))
+    nan = np.isnan(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        h_ref = x.astype(np.float16).view(np.uint16)
+        b_ref = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(h[~nan], h_ref[~nan])
+    np.testing.assert_array_equal(b[~nan], b_ref[~nan])
+    assert (h[nan] == 0x7FFF).all() and (b[nan] == 0x7FFF).all()  # CUDA's canonical NaN
+    # 16-bit -> float is exact.
+    np.testing.assert_array_equal(hf[~nan].view(np.uint32),
+                                  h_ref[~nan].view(np.float16).astype(np.float32).view(np.uint32))
+    np.testing.assert_array_equal(bf[~nan].view(np.uint32),
+                                  b_ref[~nan].view(ml_dtypes.bfloat16).astype(np.float32)
+                                  .view(np.uint32))
+    assert np.isnan(hf[nan]).all() and np.isnan(bf[nan]).all()
+
+
+def test_barrier_predicates_and_activemask(good):
+    out = E.zeros(4, np.int32)
+    good.get_function("barrier_preds")(2, 64, (out,))
+    np.testing.assert_array_equal(out, [32, 1, 1, 0xFF])
+
+
+def test_scalar_packing_rules(good):
+    out = E.zeros(4, np.float64)
+    good.get_function("scalars")(1, 1, (out, -(2**40), 2.5, True, np.float32(0.25)))
+    np.testing.assert_array_equal(out, [-(2.0**40), 2.5, 1.0, 0.25])
+    flag = E.zeros(1, np.float32)
+    good.get_function("maybe_null")(1, 1, (None, flag))
+    assert flag[0] == 1.0
+
+
+def test_math_functions(good):
+    x = np.linspace(0.05, 1.95, 100, dtype=np.float32)
+    y = E.zeros((100, 8), np.float32)
+    good.get_function("math")(1, 128, (E.asarray(x), y, np.int32(100)))
+    expect = np.stack([np.exp(x), np.exp(x), np.log(x), 1 / np.sqrt(x), np.tanh(x), np.sin(x),
+                       np.cos(x), np.maximum(np.minimum(x, 1.5), np.maximum(0.25, x * 0.5))], 1)
+    np.testing.assert_allclose(y, expect, rtol=2e-6)
+
+
+def test_intrinsics(good):
+    x = np.array([0.5, 2.0, -3.0, 7.0], np.float32)
+    out = E.zeros(32, np.float32)
+    good.get_function("intrinsics")(1, 32, (E.asarray(x), out))
+    a, b, c = (float(v) for v in x[:3])
+    expect = [np.exp(a), 4.0, np.exp(a), np.log(b), np.log(b), np.tanh(a), np.sqrt(b),
+              1 / np.sqrt(b), a, c, 3.0, a * b + c, b / a, 1 / b, -3.0, -2.0, 0.0, 0.0,
+              np.exp(a) + 8 + 2 + 5, a + b, -4 + 4 + 5 + a + b, a + b + 7 - 1 + 5 + a + b,
+              b + c + 1 + 2 + a + a + b + 1.5, 2 * a + 3, 32, 4 + 31, 0, 0, 0, 0, 0, 0]
+    np.testing.assert_allclose(out, np.array(expect, np.float32), rtol=1e-6)
+
+
+def test_printf(good, capfd):
+    good.get_function("hello")(2, 4, (np.int32(42),))
+    out = capfd.readouterr().out
+    assert "hello from block 0 thread 1 tag 42" in out
+    assert "hello from block 1 thread 1 tag 42" in out
+
+
+def test_host_arrays_are_shadowed(good):
+    x = np.arange(1000, dtype=np.float32)
+    out = np.zeros(3, np.float32)
+    good.get_function("block_sum")(3, 128, (x, out, np.int32(1000)))
+    assert out.sum() == x.sum()
+    # In place through overlapping host arguments: one shadow serves both.
+    z = np.arange(2 * 32, dtype=np.float32)
+    good.get_function("reverse_chunks")(2, 32, (z, z), shared_mem=32 * 4)
+    np.testing.assert_array_equal(z.reshape(2, 32), np.arange(64).reshape(2, 32)[:, ::-1])
+
+
+def test_device_arrays():
+    a = E.zeros((3, 5), ml_dtypes.bfloat16)
+    assert E.is_device_array(a) and E.is_device_array(a[1:, 2:])
+    assert not E.is_device_array(np.zeros(3))
+    assert E.asarray(a) is a
+    b = E.asarray(np.arange(6).reshape(2, 3))
+    assert E.is_device_array(b) and b.dtype == np.int64 and b.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert E.empty(0).size == 0 and E.is_device_array(E.empty((0, 4)))
+    E.synchronize()
+
+
+# ---- planted bugs ----------------------------------------------------------------------
+def test_a_barrier_inside_branch(good, bugs):
+    with pytest.raises(E.BarrierError) as e:
+        bugs.get_function("barrier_in_branch")(1, 64, (E.zeros(64),))
+    msg = str(e.value)
+    assert "'barrier_in_branch'" in msg and "block (0,0,0)" in msg
+    assert f"bugs.cu:{line_of(BUGS, '__syncthreads();', 0)}" in msg
+    assert "threads 0-31" in msg and "threads 32-63" in msg and "exited" in msg
+    assert_still_works(good)
+
+
+def test_b_early_return_before_barrier(good, bugs):
+    with pytest.raises(E.BarrierError, match=r"threads 0-39 .*waiting at __syncthreads\(\) "
+                                             r".*bugs\.cu:\d+.*\n.*threads 40-127.*exited"):
+        bugs.get_function("early_return")(1, 128, (E.zeros(128), np.int32(40)))
+    bugs.get_function("early_return")(1, 128, (E.zeros(128), np.int32(128)))  # no divergence
+    assert_still_works(good)
+
+
+def test_barriers_at_different_call_sites(good, bugs):
+    with pytest.raises(E.BarrierError, match="different __syncthreads"):
+        bugs.get_function("split_barriers")(1, 64, (E.zeros(64),))
+    assert_still_works(good)
+
+
+def test_c_read_past_end(good, bugs):
+    with pytest.raises(E.EmulatorFault) as e:
+        bugs.get_function("read_past_end")(1, 64, (E.zeros(64), E.zeros(64)))
+    msg = str(e.value)
+    assert "thread (63,0,0)" in msg and "read of argument 0 at element 64" in msg
+    assert "first byte past the end" in msg and "float32 array of shape (64,)" in msg
+    assert_still_works(good)
+
+
+def test_c_read_past_end_of_host_array(good, bugs):
+    with pytest.raises(E.EmulatorFault, match="read of argument 0 at element 64"):
+        bugs.get_function("read_past_end")(1, 64, (np.zeros(64, np.float32),
+                                                   np.zeros(64, np.float32)))
+    assert_still_works(good)
+
+
+def test_d_write_past_end(good, bugs):
+    with pytest.raises(E.EmulatorFault, match=r"thread \(63,0,0\): out-of-bounds write of "
+                                              r"argument 0 at element 64"):
+        bugs.get_function("write_past_end")(1, 64, (E.zeros(64),))
+    assert_still_works(good)
+
+
+def test_d_write_into_padding_is_caught_by_canary(good, bugs):
+    y = E.zeros(62)  # 248 bytes: 8 bytes of canary padding before the guard page
+    with pytest.raises(E.EmulatorFault, match="4 bytes past the end of argument 0"):
+        bugs.get_function("write_past_end")(1, 62, (y,))
+    assert_still_works(good)
+
+
+def test_e_write_before_start(good, bugs):
+    with pytest.raises(E.EmulatorFault, match="4 bytes before the start of argument 0"):
+        bugs.get_function("write_before_start")(1, 8, (E.zeros(8),))
+    assert_still_works(good)
+
+
+def test_f_dynamic_shared_memory_out_of_bounds(good, bugs):
+    with pytest.raises(E.EmulatorFault, match=r"thread \(63,0,0\): out-of-bounds dynamic shared "
+                                              r"memory write at byte offset 256 .*256 bytes"):
+        bugs.get_function("smem_past_end")(1, 64, (E.zeros(64),), shared_mem=256)
+    assert_still_works(good)
+
+
+def test_g_block_above_launch_bounds(good, bugs):
+    fn = bugs.get_function("small_blocks")
+    assert fn.max_threads == 64
+    with pytest.raises(E.LaunchError, match=r"128 threads, above the kernel's "
+                                            r"__launch_bounds__\(64\)"):
+        fn(1, 128, (E.zeros(128),))
+    fn(1, 64, (E.zeros(64),))
+    assert_still_works(good)
+
+
+def test_h_dynamic_shared_memory_above_48k(good, bugs):
+    with pytest.raises(E.LaunchError, match="49153 bytes of dynamic shared memory"):
+        bugs.get_function("smem_past_end")(1, 64, (E.zeros(64),), shared_mem=49153)
+    assert_still_works(good)
+
+
+def test_i_python_int_for_int_parameter(good, bugs):
+    fn = bugs.get_function("takes_int")
+    with pytest.raises(E.LaunchError, match=r"argument 1 is a Python int.*8-byte long long.*"
+                                            r"parameter 1 is 'int' \(4 bytes.*numpy\.int32"):
+        fn(1, 32, (E.zeros(32), 32))
+    with pytest.raises(E.LaunchError, match=r"takes 2 arguments \(float\*, int\) but 3 were"):
+        fn(1, 32, (E.zeros(32), np.int32(3), np.int32(4)))
+    with pytest.raises(E.LaunchError, match="Python float"):
+        fn(1, 32, (E.zeros(32), 3.0))
+    with pytest.raises(E.LaunchError, match="float32 array"):
+        fn(1, 32, (E.zeros(32), E.zeros(1)))
+    assert_still_works(good)
+
+
+def test_j_failing_device_assert(good, bugs):
+    x = E.asarray(np.arange(8, dtype=np.int32))
+    with pytest.raises(E.DeviceAssertError) as e:
+        bugs.get_function("failing_assert")(1, 8, (x,))
+    msg = str(e.value)
+    assert "thread (5,0,0)" in msg and "x[threadIdx.x] != 5" in msg
+    assert f"bugs.cu:{line_of(BUGS, 'assert(x[')}" in msg
+    assert_still_works(good)
+
+
+def test_k_shuffle_with_exited_lane(good, bugs):
+    with pytest.raises(E.BarrierError, match=r"__shfl_xor_sync at .*bugs\.cu:\d+ \(mask "
+                                             r"0xffffffff\).*lane 16 \(thread 16\), which exited"):
+        bugs.get_function("shuffle_exited_lane")(1, 32, (E.zeros(32),))
+    assert_still_works(good)
+
+
+def test_shuffle_reading_outside_mask(good, bugs):
+    with pytest.raises(E.BarrierError, match="reads lane 16 .*not in the mask"):
+        bugs.get_function("shuffle_outside_mask")(1, 32, (E.zeros(32, np.int32),))
+    assert_still_works(good)
+
+
+def test_shuffle_lanes_at_different_sites(good, bugs):
+    with pytest.raises(E.BarrierError, match=r"warp-synchronous operations cannot complete"):
+        bugs.get_function("shuffle_split_sites")(1, 32, (E.zeros(32, np.int32),))
+    assert_still_works(good)
+
+
+def test_l_stack_overflow(good, bugs):
+    with pytest.raises(E.EmulatorFault, match=r"thread \(0,0,0\): stack overflow"):
+        bugs.get_function("huge_local")(1, 4, (E.zeros(4), np.int32(200000)))
+    assert_still_works(good)
+
+
+def test_null_pointer_and_division_by_zero(good, bugs):
+    with pytest.raises(E.EmulatorFault, match="null"):
+        bugs.get_function("null_deref")(1, 4, (None,))
+    with pytest.raises(E.DeviceAssertError, match="division by zero"):
+        bugs.get_function("divide_by_zero")(1, 4, (E.zeros(4, np.int32), np.int32(0)))
+    assert_still_works(good)
+
+
+def test_read_only_host_array_written(good, bugs):
+    y = np.zeros(32, np.float32)
+    y.flags.writeable = False
+    with pytest.raises(E.EmulatorFault, match="read-only"):
+        bugs.get_function("takes_int")(1, 32, (y, np.int32(32)))
+    assert (y == 0).all()
+    assert_still_works(good)
+
+
+@pytest.mark.parametrize("grid, block, match", [
+    (1, 0, "block dimension x is 0"),
+    (0, 32, "grid dimension x is 0"),
+    (1, (33, 32), "1056 threads, above CUDA's limit of 1024"),
+    (1, (1, 1, 65), "above CUDA's limit 64"),
+    ((1, 70000), 32, "grid dimension y is 70000"),
+    (1, (1, 2, 3, 4), "1 to 3 dimensions"),
+])
+def test_bad_geometry(good, grid, block, match):
+    with pytest.raises(E.LaunchError, match=re.escape(match)):
+        good.get_function("block_sum")(grid, block, (E.zeros(4), E.zeros(1), np.int32(4)))
+
+
+# ---- build -----------------------------------------------------------------------------
+def test_compile_error_shows_gcc_output(tmp_path):
+    with pytest.raises(E.CompileError, match=r"broken\.cu:3.*error"):
+        E.Module("__global__ void k(float* x) {\n  x[0] = 1.f;\n  undefined_thing(x);\n}\n",
+                 ["k"], filename="broken.cu")
+
+
+def test_disk_cache_hit(tmp_path, monkeypatch):
+    build.runtime()  # built (or found) in the usual cache before switching
+    monkeypatch.setenv("CUPYKV_CACHE_DIR", str(tmp_path))
+    src = f"// {tmp_path}\n__global__ void k(int* x) {{ x[threadIdx.x] = threadIdx.x; }}\n"
+    compiles = build.stats["compiles"]
+    t0 = time.perf_counter()
+    E.Module(src, ["k"])
+    t_first = time.perf_counter() - t0
+    assert build.stats["compiles"] == compiles + 1
+    assert len(list((tmp_path / "emulator").glob("mod-*.so"))) == 1
+    E.Module(src, ["k"])  # in-process cache
+    build.clear_memory_cache()
+    hits = build.stats["disk_hits"]
+    t0 = time.perf_counter()
+    mod = E.Module(src, ["k"])
+    t_second = time.perf_counter() - t0
+    assert build.stats["compiles"] == compiles + 1 and build.stats["disk_hits"] == hits + 1
+    assert t_second < t_first
+    x = E.zeros(8, np.int32)
+    mod.get_function("k")(1, 8, (x,))
+    assert x.tolist() == list(range(8))
+
+
+def test_launch_bounds_parsing():
+    from cupykv.backends.emulator import source
+    src = ("#define NT 256\nconstexpr int W = NT / 32;\n"
+           "__global__ void __launch_bounds__(NT) a() {}\n"
+           "__launch_bounds__(W * 16, 2) __global__ void b() {}\n"
+           "template <int B> __global__ void __launch_bounds__(B) c() {}\n")
+    assert source.parse_launch_bounds(src) == {"a": ("NT", 256), "b": ("W * 16", 128),
+                                               "c": ("B", None)}
+
+
+def test_rewrite_keeps_line_numbers():
+    from cupykv.backends.emulator import source
+    src = ("// extern __shared__ float no[];\n__global__ void k() {\n"
+           "  extern __shared__ alignas(16)\n    float s[];\n  s[0] = 1.f;\n}\n")
+    out = source.rewrite_dynamic_shared(src)
+    assert out.count("\n") == src.count("\n")
+    assert "float* const s = reinterpret_cast<float*>(::cuemu::dynamic_shared());" in out
+    assert out.startswith("// extern __shared__ float no[];")
+
+
+def _nvrtc():
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for d in nvidia.__path__:
+        libs = [p for p in glob.glob(os.path.join(d, "*", "lib", "libnvrtc.so*"))
+                if "alt" not in p and "builtins" not in p]
+        builtins = glob.glob(os.path.join(d, "*", "lib", "libnvrtc-builtins.so*"))
+        if libs and builtins:
+            ctypes.CDLL(builtins[0], mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(libs[0]), os.path.join(os.path.dirname(libs[0]), "..", "include")
+    return None
+
+
+@pytest.mark.parametrize("path", [GOOD, BUGS], ids=["good.cu", "bugs.cu"])
+def test_same_source_compiles_with_nvrtc(path):
+    found = _nvrtc()
+    if found is None:
+        pytest.skip("libnvrtc (nvidia-cuda-nvrtc) is not installed")
+    nv, include = found
+    prog = ctypes.c_void_p()
+    assert nv.nvrtcCreateProgram(ctypes.byref(prog), path.read_bytes(), path.name.encode(), 0,
+                                 None, None) == 0
+    opts = [b"-arch=sm_80", b"-std=c++17", b"-I" + str(KERNELS).encode(),
+            b"-I" + include.encode()]
+    rc = nv.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    nv.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nv.nvrtcGetProgramLog(prog, log)
+    nv.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert rc == 0, log.value.decode()
+
+
+# ---- speed -----------------------------------------------------------------------------
+def test_speed_of_a_representative_launch(good):
+    """16 blocks x 128 threads, 256 iterations of 5 shuffles + 2 barriers (3.7 M fiber
+    switches): about 0.1 s on the 2-core CI machine."""
+    x = E.asarray(np.random.default_rng(1).random(4096, dtype=np.float32))
+    out = E.zeros(16, np.float32)
+    fn = good.get_function("busy")
+    fn(16, 128, (x, out, np.int32(256)))
+    t0 = time.perf_counter()
+    fn(16, 128, (x, out, np.int32(256)))
+    elapsed = time.perf_counter() - t0
+    idx = (np.arange(16)[:, None, None] * 128 + np.arange(128)[None, None, :]
+           + np.arange(256)[None, :, None]) & 4095
+    np.testing.assert_allclose(out, x[idx].sum(axis=(1, 2), dtype=np.float64), rtol=1e-5)
+    assert elapsed < 3.0, f"representative launch took {elapsed:.2f} s"

@@ -1,0 +1,192 @@
+"""capture / replay: replays equal eager steps equal the reference, with state advancing on the device."""
+import gc
+
+import numpy as np
+import pytest
+
+import cupykv
+from cupykv import reference, testing
+from backends import BACKENDS
+
+N_HEADS = 4
+
+
+class DecodeStep:
+    """One decode step over preallocated device buffers: append to every layer, attention, advance(1)."""
+
+    def __init__(self, cache, rng, rope=None):
+        spec = cache.spec
+        self.cache, self.rope = cache, rope
+        self.k_host = testing.random_rows(rng, spec, (spec.n_layers, spec.batch, 1, spec.n_kv_heads, spec.head_dim))
+        self.v_host = testing.random_rows(rng, spec, (spec.n_layers, spec.batch, 1, spec.n_kv_heads, spec.head_dim))
+        self.q_host = testing.random_rows(rng, spec, (spec.n_layers, spec.batch, 1, N_HEADS, spec.head_dim))
+        to_device = cache._backend.asarray
+        self.k = [to_device(x) for x in self.k_host]
+        self.v = [to_device(x) for x in self.v_host]
+        self.q = [to_device(x) for x in self.q_host]
+        self.out = [cache._backend.zeros((spec.batch, 1, N_HEADS, spec.head_dim), cache._backend.storage_dtype(spec.dtype))
+                    for _ in range(spec.n_layers)]
+
+    def __call__(self):
+        for layer in range(self.cache.spec.n_layers):
+            self.cache.append(layer, self.k[layer], self.v[layer], rope=self.rope)
+            cupykv.attention(self.q[layer], self.cache, layer, rope=self.rope, out=self.out[layer])
+        self.cache.advance(1)
+
+    def on_reference(self, oracle):
+        """The same step on the reference; returns the attention outputs per layer."""
+        outs = []
+        for layer in range(oracle.spec.n_layers):
+            oracle.append(layer, self.k_host[layer], self.v_host[layer], rope=self.rope)
+            outs.append(reference.attention(self.q_host[layer], oracle, layer, rope=self.rope))
+        oracle.advance(1)
+        return outs
+
+    def outputs(self):
+        return [testing.to_numpy(o, self.cache.spec) for o in self.out]
+
+
+def make(backend, dtype="float16", max_seq=16, lengths=(3, 0), layout="NHD", seed=0, rope=None):
+    spec = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=16, max_seq=max_seq, batch=2, dtype=dtype, layout=layout)
+    rng = np.random.default_rng(seed)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    testing.fill(cache, oracle, list(lengths), rng, rope=rope)
+    return cache, oracle, DecodeStep(cache, rng, rope=rope)
+
+
+def assert_outputs_match(step, want, oracle):
+    for layer, (got, expected) in enumerate(zip(step.outputs(), want)):
+        scale = float(np.abs(oracle.v[layer].astype(np.float64)).max())
+        testing.assert_attention_close(got, expected, oracle.spec.dtype, scale, context=f"layer {layer}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replays_equal_eager_steps_equal_the_reference(backend, dtype):
+    rope = cupykv.Rope(theta=10000.0)
+    graph_cache, oracle, graph_step = make(backend, dtype, rope=rope)
+    eager_cache, _, eager_step = make(backend, dtype, rope=rope)
+    graph = cupykv.capture(graph_step)          # warm-up: the first real step
+    want = graph_step.on_reference(oracle)
+    eager_step()
+    for _ in range(5):
+        graph.replay()                          # positions advance on the device only
+        eager_step()
+        want = graph_step.on_reference(oracle)
+    testing.assert_matches_reference(graph_cache, oracle, rope_used=True)
+    testing.assert_matches_reference(eager_cache, oracle, rope_used=True)
+    assert_outputs_match(graph_step, want, oracle)
+    for got, eager in zip(graph_step.outputs(), eager_step.outputs()):
+        assert np.array_equal(testing.bits(got), testing.bits(eager))  # same kernels, same inputs: bitwise
+    assert graph_cache.lengths_host().tolist() == [9, 6]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_n_runs_n_steps(backend):
+    cache, oracle, step = make(backend)
+    graph = cupykv.capture(step)
+    graph.replay(4)
+    for _ in range(5):
+        step.on_reference(oracle)
+    testing.assert_matches_reference(cache, oracle)
+    assert graph.num_launches == 2 * cache.spec.n_layers + 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overflow_during_replay_writes_nothing_past_capacity_and_check_raises(backend):
+    cache, oracle, step = make(backend, max_seq=8, lengths=(5, 0))
+    graph = cupykv.capture(step)
+    step.on_reference(oracle)
+    stored_before = testing.bits(testing.to_numpy(cache.k, cache.spec))[:, 0, :6].copy()
+    graph.replay(5)                             # sequence 0 reaches 8 after 2 replays, then overflows
+    for _ in range(5):
+        step.on_reference(oracle)
+    testing.assert_matches_reference(cache, oracle)     # whole cache: nothing written out of place
+    assert np.array_equal(testing.bits(testing.to_numpy(cache.k, cache.spec))[:, 0, :6], stored_before)
+    assert cache.lengths_host().tolist() == [8, 6]
+    with pytest.raises(cupykv.CacheOverflowError, match=r"sequences \[0\]"):
+        cache.check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_truncate_then_replay_continues_from_the_shorter_length(backend):
+    cache, oracle, step = make(backend, lengths=(6, 2))
+    graph = cupykv.capture(step)
+    step.on_reference(oracle)
+    graph.replay(3)
+    for _ in range(3):
+        step.on_reference(oracle)
+    cache.truncate([4, 5])                      # speculative rollback
+    oracle.truncate([4, 5])
+    graph.replay(2)
+    for _ in range(2):
+        want = step.on_reference(oracle)
+    testing.assert_matches_reference(cache, oracle)
+    assert cache.lengths_host().tolist() == [6, 7]
+    assert_outputs_match(step, want, oracle)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_keeps_its_buffers_alive(backend):
+    cache, oracle, step = make(backend)
+    graph = cupykv.capture(step)
+    step.on_reference(oracle)
+    del step
+    gc.collect()
+    graph.replay(2)
+    assert cache.lengths_host().tolist() == [6, 3]
+
+
+def _bad_steps(cache, step):
+    spec = cache.spec
+    host_lengths = [1] * spec.batch
+    return {
+        "allocation": (lambda: cupykv.attention(step.q[0], cache, 0), "allocat"),
+        "check": (lambda: (step(), cache.check()), "synchronisation"),
+        "lengths_host": (lambda: (step(), cache.lengths_host()), "synchronisation"),
+        "host advance": (lambda: (step(), cache.advance(host_lengths)), "host values"),
+        "host truncate": (lambda: (step(), cache.truncate(0)), "synchronisation"),
+        "host reset slots": (lambda: (step(), cache.reset([0])), "host values"),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["allocation", "check", "lengths_host", "host advance", "host truncate",
+                                  "host reset slots"])
+def test_capture_refuses_what_a_graph_cannot_replay(backend, case):
+    cache, _, step = make(backend)
+    bad, message = _bad_steps(cache, step)[case]
+    with pytest.raises(cupykv.CaptureError, match=message):
+        cupykv.capture(bad)
+
+
+def test_numpy_math_on_emulator_device_arrays_is_refused_in_capture():
+    cache, _, step = make("emulator")
+    with pytest.raises(cupykv.CaptureError, match="numpy.multiply"):
+        cupykv.capture(lambda: (step(), step.out[0] * 2))
+
+
+def test_a_step_without_cupykv_launches_cannot_be_captured():
+    with pytest.raises(cupykv.CaptureError, match="no cupykv kernel"):
+        cupykv.capture(lambda: None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_side_truncate_and_reset_are_graph_safe(backend):
+    cache, oracle, step = make(backend, lengths=(6, 4))
+    targets = cache._backend.asarray(np.array([2, 1], dtype=np.int32))
+    mask = cache._backend.asarray(np.array([0, 1], dtype=np.int32))
+
+    def rollback_then_step():
+        cache.truncate(targets)
+        cache.reset(mask)
+        step()
+
+    graph = cupykv.capture(rollback_then_step)
+    graph.replay(2)
+    for _ in range(3):
+        oracle.truncate(np.minimum(oracle.lengths, [2, 1]))
+        oracle.reset([1])
+        step.on_reference(oracle)
+    testing.assert_matches_reference(cache, oracle)
+    assert cache.lengths_host().tolist() == [3, 1]

@@ -1,0 +1,138 @@
+"""The LLaMA model: HF config and weights, eager == graph decoding, logits within tolerance of the reference model."""
+import json
+
+import numpy as np
+import pytest
+
+from cupykv.models import Llama, LlamaConfig
+from cupykv.models.llama import load_weights
+from cupykv.models.llama_reference import LlamaReference
+from cupykv.tolerances import logits_tolerance
+from backends import BACKENDS
+
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 200,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "max_position_embeddings": 4096,
+}
+PROMPTS = [[1, 5, 9, 2, 7], [3, 4, 4, 8, 120, 17, 11, 6, 2], [42, 43, 44]]   # three different lengths
+
+
+def test_from_hf_reads_the_older_and_the_current_rope_forms():
+    old = LlamaConfig.from_hf(HF_CONFIG)
+    current = dict(HF_CONFIG)
+    del current["rope_theta"]
+    current["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    assert LlamaConfig.from_hf(current) == old
+    assert old.rope_theta == 500000.0 and old.head_dim == 16 and old.num_key_value_heads == 2
+
+
+def test_from_hf_honours_head_dim_and_defaults_kv_heads():
+    config = dict(HF_CONFIG, head_dim=32)
+    del config["num_key_value_heads"]
+    parsed = LlamaConfig.from_hf(config)
+    assert parsed.head_dim == 32 and parsed.num_key_value_heads == 4
+    assert parsed.weight_shapes()["model.layers.0.self_attn.q_proj.weight"] == (128, 64)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, r"rope_parameters.rope_type: .*got 'llama3'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling.rope_type: .*got 'linear'"),
+    ({"hidden_act": "gelu"}, r"hidden_act: expected one of \('silu',\), got 'gelu'"),
+    ({"attention_bias": True}, r"attention_bias: expected false"),
+    ({"num_key_value_heads": 3}, r"num_key_value_heads: expected a divisor of num_attention_heads=4, got 3"),
+])
+def test_from_hf_rejects_what_it_does_not_implement(change, message):
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_hf(dict(HF_CONFIG, **change))
+
+
+def test_missing_or_misshapen_weights_are_named():
+    config = LlamaConfig.from_hf(HF_CONFIG)
+    weights = config.random_weights(0)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.up_proj.weight' of shape \(96, 64\), missing"):
+        Llama(config, weights, backend="emulator")
+    weights = config.random_weights(0)
+    weights["lm_head.weight"] = weights["lm_head.weight"][:10]
+    with pytest.raises(ValueError, match=r"weights\['lm_head.weight'\]: expected shape \(200, 64\), got \(10, 64\)"):
+        Llama(config, weights, backend="emulator")
+
+
+@pytest.fixture(scope="module")
+def config():
+    return LlamaConfig.from_hf(HF_CONFIG)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eager_graph_and_reference_agree(backend, dtype, config):
+    weights = config.random_weights(seed=3)
+    model = Llama(config, weights, dtype=dtype, max_seq=32, batch=3, backend=backend)
+    eager_tokens, eager_logits = model.generate(PROMPTS, 6, use_graph=False, return_logits=True)
+    graph_tokens, graph_logits = model.generate(PROMPTS, 6, use_graph=True, return_logits=True)
+    assert graph_tokens == eager_tokens                         # identical tokens
+    assert np.array_equal(graph_logits, eager_logits)           # same kernels, same inputs: bitwise
+    assert eager_logits.shape == (6, 3, config.vocab_size) and eager_logits.dtype == np.float32
+    want = LlamaReference(config, weights, dtype=dtype, max_seq=32).logits(PROMPTS, eager_tokens)
+    tolerance = logits_tolerance(dtype, np.abs(want).max(), config.num_hidden_layers)
+    error = np.abs(eager_logits - want).max()
+    assert error <= tolerance, f"max logit error {error:.3g} > tolerance {tolerance:.3g}"
+    # |logit error| <= error everywhere, so wherever the reference's best token wins by more than
+    # 2 * error, greedy decoding must pick it
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 2 * error                     # [steps, batch]
+    chosen = np.asarray(eager_tokens).T                                   # [steps, batch]
+    assert clear.sum() >= clear.size // 2
+    assert np.array_equal(chosen[clear], want.argmax(-1)[clear])
+
+
+def test_a_second_generate_replays_the_captured_step(config):
+    model = Llama.random(config, seed=1, max_seq=32, batch=2, backend="emulator")
+    first = model.generate(PROMPTS[:2], 4)
+    graph = model._graph
+    again = model.generate(PROMPTS[:2], 4)
+    fresh = Llama.random(config, seed=1, max_seq=32, batch=2, backend="emulator").generate(PROMPTS[:2], 4,
+                                                                                           use_graph=False)
+    assert model._graph is graph and first == again == fresh
+
+
+def test_fewer_prompts_than_slots_and_tied_embeddings():
+    config = LlamaConfig.from_hf(dict(HF_CONFIG, tie_word_embeddings=True))
+    weights = config.random_weights(0)
+    assert "lm_head.weight" not in weights
+    model = Llama(config, weights, max_seq=32, batch=3, backend="emulator")
+    tokens, logits = model.generate([[5, 6, 7]], 3, return_logits=True)
+    want = LlamaReference(config, weights, max_seq=32).logits([[5, 6, 7]], tokens)
+    assert len(tokens) == 1 and logits.shape == (3, 1, config.vocab_size)
+    assert np.abs(logits - want).max() <= logits_tolerance("float32", np.abs(want).max(), 2)
+
+
+def test_weights_load_from_npz_and_safetensors(tmp_path, config):
+    from safetensors import numpy as safetensors_numpy   # in the test extra
+    weights = config.random_weights(seed=2)
+    np.savez(tmp_path / "w.npz", **weights)
+    safetensors_numpy.save_file(weights, str(tmp_path / "w.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    direct = Llama(config, weights, max_seq=32, batch=1, backend="emulator").generate([PROMPTS[0]], 3)
+    for path in ("w.npz", "w.safetensors"):
+        assert set(load_weights(tmp_path / path)) == set(weights)
+        model = Llama.from_safetensors(tmp_path / "config.json", tmp_path / path, max_seq=32, batch=1,
+                                       backend="emulator")
+        assert model.generate([PROMPTS[0]], 3) == direct
+
+
+@pytest.mark.parametrize("prompts, new, message", [
+    ([], 2, r"^prompts: expected a list of 1\.\.2 token lists"),
+    ([[1], [2], [3]], 2, r"^prompts: expected a list of 1\.\.2"),
+    ([[1, 2], []], 2, r"^prompts\[1\]: expected a non-empty list of token ids in 0\.\.199"),
+    ([[1, 200]], 2, r"^prompts\[0\]: .*got \[1, 200\]"),
+    ([[1] * 30], 5, r"^prompts\[0\]: expected len\(prompt\) \+ max_new_tokens <= max_seq=32, got 30 \+ 5"),
+    ([[1]], 0, r"^max_new_tokens: expected an int >= 1, got 0"),
+])
+def test_bad_prompts_are_rejected_before_anything_runs(config, prompts, new, message):
+    model = Llama.random(config, max_seq=32, batch=2, backend="emulator")
+    with pytest.raises(ValueError, match=message):
+        model.generate(prompts, new)
+    assert model.cache.lengths_host().tolist() == [0, 0]

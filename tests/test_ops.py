@@ -1,0 +1,359 @@
+"""ops: linear, embedding, rmsnorm, silu_mul, add and argmax match ops_reference on every backend.
+
+Tolerances, per op (u = unit roundoff of the storage dtype, 2^-24 / 2^-11 /
+2^-8 for float32 / float16 / bfloat16; u32 = 2^-24). The reference is the
+exact result rounded once to the storage dtype; a kernel computes in fp32 and
+rounds once, so it may land one rounding step away, plus its fp32 error:
+
+- embedding, argmax: exact (bit for bit; the index of a unique maximum).
+- add: within 1 ulp. The fp32 sum of two storage values rounds like the
+  exact sum, so in practice it is bit-exact; 1 ulp is the contract.
+- silu_mul: within 1 ulp for float16 / bfloat16, whose ulp dwarfs the fp32
+  error. For float32 storage the fp32 math is the whole error: expf (up to
+  2 ulp on the GPU), 1 + e, the division and the product, about 7 u32
+  relative, so up to 8 ulp.
+- rmsnorm: 1 ulp plus the fp32 relative error in ulps of the storage dtype:
+  the sum of squares (hidden + 16 roundings of positive terms), halved by
+  the square root, rsqrtf (2 ulp on the GPU) and two products, at most
+  (hidden / 2 + 15) u32; that is 1 ulp for the 16-bit types.
+- linear: per element |got - want| <= 2u(1 + 2u)|want| + 2 * acc + tiny,
+  where acc = (in_features + 8) u32 * sum_k |x_k w_k| bounds fp32
+  accumulation (a sequential FMA chain of in_features / 32 terms per lane,
+  then a 5-level warp tree), 2u|want| is one storage ulp (the two roundings
+  of kernel and reference), and tiny is the subnormal spacing. Relative to
+  sum |x w|, not to |want|: cancellation makes relative output error
+  meaningless.
+
+On failure the message gives the max and mean error and the worst element.
+"""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import cupykv
+from cupykv import ops, ops_reference as reference
+from cupykv.backends import get_backend
+from cupykv.tolerances import UNIT_ROUNDOFF, ulp_distance
+from backends import BACKENDS
+
+DTYPES = ("float32", "float16", "bfloat16")
+NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+SUBNORMAL_SPACING = {"float32": 2.0 ** -149, "float16": 2.0 ** -24, "bfloat16": 2.0 ** -133}
+U32 = 2.0 ** -24
+IN_FEATURES = (1, 3, 8, 64, 100, 256)   # 1, 3 (and 100 for 16-bit types): scalar loads; others 16-byte vectors
+OUT_FEATURES = (1, 5, 32, 130)          # 5, 130: a warp with one valid output; 130: 17 blocks
+ROWS = (1, 2, 7, 16, 33)                # row tiles 1, 2, 8, 16, and 16 + 16 + 1
+
+
+# -- helpers -------------------------------------------------------------------
+def random(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(NP_DTYPES[dtype])
+
+
+def to_host(backend, array, dtype=None):
+    """NumPy copy of a backend array (bfloat16 bit patterns viewed as bfloat16)."""
+    host = np.asarray(get_backend(backend).to_host(array))
+    return host.view(NP_DTYPES[dtype]) if dtype is not None and host.dtype != NP_DTYPES[dtype] else host
+
+
+def device(backend, array):
+    return get_backend(backend).asarray(array)
+
+
+def report(got, want, error, bound, what):
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    return (f"{what}: max error {error.max():.3g}, mean error {error.mean():.3g}; worst at {worst}: "
+            f"got {got[worst]!r}, want {want[worst]!r}, allowed {np.broadcast_to(bound, error.shape)[worst]:.3g}")
+
+
+def assert_within_ulps(got, want, ulps, what):
+    distance = ulp_distance(got, want)
+    if distance.max(initial=0) > ulps:
+        worst = np.unravel_index(np.argmax(distance), distance.shape)
+        raise AssertionError(f"{what}: {int(distance.max())} ulp apart (allowed {ulps}), mean {distance.mean():.3g} "
+                             f"ulp; worst at {worst}: got {got[worst]!r}, want {want[worst]!r}")
+
+
+def fp32_error_ulps(dtype, roundings):
+    """Storage ulps a result may be off: 1 for the final rounding, plus ``roundings`` u32 of fp32 error.
+
+    ``|got - want| < ulp + roundings * u32 * |z|`` and ``u * |z| < ulp``, and
+    ``got - want`` is a whole number of ulps.
+    """
+    return 1 + math.floor(roundings * U32 / UNIT_ROUNDOFF[dtype])
+
+
+def assert_linear_close(got, x, weight, want, dtype, what=""):
+    u = UNIT_ROUNDOFF[dtype]
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(weight.astype(np.float64)).T   # sum_k |x_k w_k|
+    acc = (x.shape[1] + 8) * U32 * magnitude
+    want64, got64 = want.astype(np.float64), got.astype(np.float64)
+    bound = 2 * u * (1 + 2 * u) * np.abs(want64) + 2 * acc + SUBNORMAL_SPACING[dtype]
+    error = np.abs(got64 - want64)
+    if np.isnan(error).any() or (error > bound).any():
+        raise AssertionError(report(got64, want64, np.nan_to_num(error, nan=np.inf), bound, f"linear {what}"))
+
+
+# -- linear ----------------------------------------------------------------------
+def run_linear(backend, dtype, rows, in_features, out_features, seed, use_out=False):
+    rng = np.random.default_rng(seed)
+    x, weight = random(rng, (rows, in_features), dtype), random(rng, (out_features, in_features), dtype)
+    out = None
+    if use_out:  # poisoned, to prove every element is written
+        out = device(backend, np.full((rows, out_features), np.nan, NP_DTYPES[dtype]))
+    got = ops.linear(device(backend, x), device(backend, weight), out=out)
+    assert out is None or got is out
+    assert_linear_close(to_host(backend, got, dtype), x, weight, reference.linear(x, weight), dtype,
+                        f"({dtype}, rows {rows}, in {in_features}, out {out_features})")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(dtype=st.sampled_from(DTYPES), rows=st.sampled_from(ROWS), in_features=st.sampled_from(IN_FEATURES),
+       out_features=st.sampled_from(OUT_FEATURES), seed=st.integers(0, 2**32 - 1), use_out=st.booleans())
+def test_linear_matches_reference(backend, dtype, rows, in_features, out_features, seed, use_out):
+    run_linear(backend, dtype, rows, in_features, out_features, seed, use_out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, in_features, out_features", [(4, 4096, 1024), (64, 512, 96), (3, 4097, 33)])
+def test_linear_large(backend, dtype, rows, in_features, out_features):
+    # a decode projection; 64 rows = four 16-row tiles; an odd in_features on the scalar path
+    run_linear(backend, dtype, rows, in_features, out_features, seed=rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_on_misaligned_views_falls_back_to_scalar_loads(backend, dtype):
+    rng = np.random.default_rng(1)
+    x, weight = random(rng, (3, 64), dtype), random(rng, (10, 64), dtype)
+    # one element in: contiguous but not 16-byte aligned
+    x_buffer = device(backend, np.zeros(x.size + 1, x.dtype))
+    w_buffer = device(backend, np.zeros(weight.size + 1, x.dtype))
+    x_view, w_view = x_buffer[1:].reshape(x.shape), w_buffer[1:].reshape(weight.shape)
+    x_view[...], w_view[...] = device(backend, x), device(backend, weight)
+    got = ops.linear(x_view, w_view)
+    assert_linear_close(to_host(backend, got, dtype), x, weight, reference.linear(x, weight), dtype, "misaligned")
+
+
+def test_linear_is_exported():
+    assert cupykv.linear is ops.linear and "linear" in cupykv.__all__
+
+
+# -- embedding -------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(dtype=st.sampled_from(DTYPES), rows=st.sampled_from(ROWS), vocab=st.sampled_from((1, 5, 130)),
+       hidden=st.sampled_from(IN_FEATURES), bad=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_embedding_copies_rows_bit_for_bit(backend, dtype, rows, vocab, hidden, bad, seed):
+    rng = np.random.default_rng(seed)
+    table = random(rng, (vocab, hidden), dtype)
+    table.flat[rng.integers(table.size)] = np.nan   # a NaN and a -0 travel unchanged
+    table.flat[rng.integers(table.size)] = -0.0
+    ids = rng.integers(0, vocab, size=rows).astype(np.int32)
+    if bad:
+        ids[rng.integers(rows)] = rng.choice([-1, vocab, 2**31 - 1, -(2**31)])
+    flag, want_flag = device(backend, np.zeros(1, np.int32)), np.zeros(1, np.int32)
+    out = device(backend, np.full((rows, hidden), 7, NP_DTYPES[dtype]))   # bad rows must become zeros
+    got = ops.embedding(device(backend, ids), device(backend, table), out=out, error_flag=flag)
+    want = reference.embedding(ids, table, error_flag=want_flag)
+    assert got is out
+    np.testing.assert_array_equal(to_host(backend, got, dtype).view(f"u{table.itemsize}"),
+                                  want.view(f"u{table.itemsize}"))
+    assert to_host(backend, flag).tolist() == want_flag.tolist() == [int(bad)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_embedding_flag_is_sticky(backend):
+    table = device(backend, np.arange(12, dtype=np.float32).reshape(3, 4))
+    flag = device(backend, np.zeros(1, np.int32))
+    ops.embedding(device(backend, np.array([5], np.int32)), table, error_flag=flag)
+    ops.embedding(device(backend, np.array([1], np.int32)), table, error_flag=flag)
+    assert to_host(backend, flag).tolist() == [1]
+
+
+# -- rmsnorm -----------------------------------------------------------------------
+def run_rmsnorm(backend, dtype, rows, hidden, eps, seed, in_place=False):
+    rng = np.random.default_rng(seed)
+    x, weight = random(rng, (rows, hidden), dtype, scale=rng.choice([0.01, 1.0, 30.0])), random(rng, (hidden,), dtype)
+    x_device = device(backend, x)
+    got = ops.rmsnorm(x_device, device(backend, weight), eps, out=x_device if in_place else None)
+    assert not in_place or got is x_device
+    assert_within_ulps(to_host(backend, got, dtype), reference.rmsnorm(x, weight, eps),
+                       fp32_error_ulps(dtype, hidden / 2 + 15), f"rmsnorm ({dtype}, rows {rows}, hidden {hidden})")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(dtype=st.sampled_from(DTYPES), rows=st.sampled_from(ROWS), hidden=st.sampled_from(IN_FEATURES),
+       eps=st.sampled_from((1e-6, 1e-5, 0.5)), seed=st.integers(0, 2**32 - 1), in_place=st.booleans())
+def test_rmsnorm_matches_reference(backend, dtype, rows, hidden, eps, seed, in_place):
+    run_rmsnorm(backend, dtype, rows, hidden, eps, seed, in_place)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [4096, 4099])
+def test_rmsnorm_large(backend, dtype, hidden):
+    run_rmsnorm(backend, dtype, 3, hidden, 1e-5, seed=hidden)
+
+
+# -- silu_mul and add ------------------------------------------------------------------
+ELEMENTWISE_SHAPES = st.tuples(st.sampled_from(ROWS), st.sampled_from(IN_FEATURES)) | \
+    st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(dtype=st.sampled_from(DTYPES), shape=ELEMENTWISE_SHAPES, seed=st.integers(0, 2**32 - 1),
+       in_place=st.sampled_from((None, 0, 1)))
+def test_silu_mul_matches_reference(backend, dtype, shape, seed, in_place):
+    rng = np.random.default_rng(seed)
+    gate, up = random(rng, shape, dtype, scale=4.0), random(rng, shape, dtype)
+    args = [device(backend, gate), device(backend, up)]
+    got = ops.silu_mul(*args, out=None if in_place is None else args[in_place])
+    assert in_place is None or got is args[in_place]
+    assert_within_ulps(to_host(backend, got, dtype), reference.silu_mul(gate, up), fp32_error_ulps(dtype, 7),
+                       f"silu_mul ({dtype}, shape {shape})")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(dtype=st.sampled_from(DTYPES), shape=ELEMENTWISE_SHAPES, seed=st.integers(0, 2**32 - 1),
+       in_place=st.sampled_from((None, 0, 1)))
+def test_add_matches_reference(backend, dtype, shape, seed, in_place):
+    rng = np.random.default_rng(seed)
+    a, b = random(rng, shape, dtype), random(rng, shape, dtype, scale=rng.choice([1e-3, 1.0, 1e3]))
+    args = [device(backend, a), device(backend, b)]
+    got = ops.add(*args, out=None if in_place is None else args[in_place])
+    assert in_place is None or got is args[in_place]
+    assert_within_ulps(to_host(backend, got, dtype), reference.add(a, b), 1, f"add ({dtype}, shape {shape})")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elementwise_large(backend, dtype):
+    rng = np.random.default_rng(0)
+    a, b = random(rng, (4, 14336), dtype, scale=4.0), random(rng, (4, 14336), dtype)
+    assert_within_ulps(to_host(backend, ops.add(device(backend, a), device(backend, b)), dtype),
+                       reference.add(a, b), 1, "add")
+    assert_within_ulps(to_host(backend, ops.silu_mul(device(backend, a), device(backend, b)), dtype),
+                       reference.silu_mul(a, b), fp32_error_ulps(dtype, 7), "silu_mul")
+
+
+# -- argmax -------------------------------------------------------------------------------
+def logits_with_unique_max(rng, rows, vocab, dtype):
+    """Logits in [-8, 8] with one element per row raised to 16: a unique maximum in any dtype."""
+    logits = np.clip(rng.standard_normal((rows, vocab)) * 3, -8, 8)
+    winners = rng.integers(0, vocab, size=rows)
+    logits[np.arange(rows), winners] = 16.0
+    return logits.astype(NP_DTYPES[dtype]), winners.astype(np.int32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(dtype=st.sampled_from(DTYPES), rows=st.sampled_from(ROWS),
+       vocab=st.sampled_from(IN_FEATURES + (1000,)), seed=st.integers(0, 2**32 - 1))
+def test_argmax_finds_the_unique_maximum(backend, dtype, rows, vocab, seed):
+    logits, winners = logits_with_unique_max(np.random.default_rng(seed), rows, vocab, dtype)
+    out = device(backend, np.full(rows, -5, np.int32))
+    got = ops.argmax(device(backend, logits), out=out)
+    assert got is out
+    assert to_host(backend, got).tolist() == reference.argmax(logits).tolist() == winners.tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [32000, 128257])
+def test_argmax_large_vocab_and_ties(backend, dtype, vocab):
+    rng = np.random.default_rng(vocab)
+    logits, winners = logits_with_unique_max(rng, 3, vocab, dtype)
+    ninf = np.array(-np.inf, NP_DTYPES[dtype])
+    logits[1, [vocab - 1, 7, vocab // 2]] = 20.0   # a tie: the lowest index wins
+    logits[2] = ninf                             # nothing but -inf: index 0
+    got = to_host(backend, ops.argmax(device(backend, logits)))
+    assert got.tolist() == reference.argmax(logits).tolist() == [winners[0], 7, 0]
+
+
+# -- a captured greedy decode loop -------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_op_replays_in_a_captured_step_reading_token_ids_on_the_device(backend):
+    # embedding -> rmsnorm -> silu_mul -> add -> linear -> argmax, whose ids the next replay embeds
+    rng = np.random.default_rng(0)
+    vocab, hidden, eps = 40, 24, 1e-5
+    table, head = random(rng, (vocab, hidden), "float32"), random(rng, (vocab, hidden), "float32")
+    norm = random(rng, (hidden,), "float32")
+    zeros = get_backend(backend).zeros
+    table_d, norm_d, head_d = device(backend, table), device(backend, norm), device(backend, head)
+    ids = device(backend, np.array([3, 11], np.int32))
+    hidden_d, normed, mixed = (zeros((2, hidden), np.float32) for _ in range(3))
+    logits, flag = zeros((2, vocab), np.float32), zeros((1,), np.int32)
+
+    def step():
+        ops.embedding(ids, table_d, out=hidden_d, error_flag=flag)
+        ops.rmsnorm(hidden_d, norm_d, eps, out=normed)
+        ops.silu_mul(normed, hidden_d, out=mixed)
+        ops.add(hidden_d, mixed, out=hidden_d)
+        ops.linear(hidden_d, head_d, out=logits)
+        ops.argmax(logits, out=ids)
+
+    def reference_step(token_ids):
+        h = reference.embedding(token_ids, table)
+        h = reference.add(h, reference.silu_mul(reference.rmsnorm(h, norm, eps), h))
+        return reference.argmax(reference.linear(h, head))
+
+    graph = cupykv.capture(step)   # runs one real step first
+    want = reference_step(np.array([3, 11], np.int32))
+    assert graph.num_launches == 6 and to_host(backend, ids).tolist() == want.tolist()
+    seen = set()
+    for _ in range(4):
+        graph.replay()
+        want = reference_step(want)
+        got = to_host(backend, ids)
+        assert got.tolist() == want.tolist()
+        seen.add(tuple(got.tolist()))
+    assert len(seen) > 1 and to_host(backend, flag).tolist() == [0]   # the ids did change between replays
+
+
+# -- bad inputs ------------------------------------------------------------------------
+def _emulator_arrays(**arrays):
+    backend = get_backend("emulator")
+    return {name: backend.asarray(value) for name, value in arrays.items()}
+
+
+F32, F16 = np.float32, np.float16
+BAD_CALLS = [
+    # (call, error type, argument named in the message)
+    (lambda a: ops.linear(a["x64"], a["w"]), TypeError, "x"),
+    (lambda a: ops.linear([[1.0]], a["w"]), TypeError, "x"),
+    (lambda a: ops.linear(a["x"], a["w16"]), TypeError, "weight"),
+    (lambda a: ops.linear(a["x"], a["w_in5"]), ValueError, "weight"),
+    (lambda a: ops.linear(a["x"][0], a["w"]), ValueError, "x"),
+    (lambda a: ops.linear(a["w"].T, a["w"]), ValueError, "x"),            # transposed: not contiguous
+    (lambda a: ops.linear(a["x"], a["w"].T), ValueError, "weight"),
+    (lambda a: ops.linear(a["x"], a["w"], out=a["w"]), ValueError, "out"),  # wrong shape
+    (lambda a: ops.linear(a["x"], a["w"], out=a["y16"]), TypeError, "out"),
+    (lambda a: ops.linear(a["sq"], a["sq"], out=a["sq"]), ValueError, "out"),  # overlaps x
+    (lambda a: ops.embedding(a["ids64"], a["w"]), TypeError, "ids"),
+    (lambda a: ops.embedding(a["ids"], a["ids"]), TypeError, "table"),
+    (lambda a: ops.embedding(a["ids"], a["w"], error_flag=a["ids"]), ValueError, "error_flag"),
+    (lambda a: ops.embedding(a["ids"], a["w"], out=a["w"]), ValueError, "out"),
+    (lambda a: ops.rmsnorm(a["x"], a["w"], 1e-5), ValueError, "weight"),
+    (lambda a: ops.rmsnorm(a["x"], a["x"][0], 0.0), ValueError, "eps"),
+    (lambda a: ops.rmsnorm(a["x"], a["x"][0], "1e-5"), TypeError, "eps"),
+    (lambda a: ops.silu_mul(a["x"], a["w"]), ValueError, "up"),
+    (lambda a: ops.silu_mul(a["x64"], a["x64"]), TypeError, "gate"),
+    (lambda a: ops.add(a["x"], a["y16"]), TypeError, "b"),
+    (lambda a: ops.add(a["x"], a["x"], out=a["w"]), ValueError, "out"),
+    (lambda a: ops.argmax(a["x"], out=a["ids64"]), TypeError, "out"),
+    (lambda a: ops.argmax(a["x"], out=a["ids"][:1]), ValueError, "out"),
+    (lambda a: ops.argmax(a["ids"]), TypeError, "logits"),
+]
+
+
+@pytest.mark.parametrize("call, error, name", BAD_CALLS, ids=[f"{i}-{c[2]}" for i, c in enumerate(BAD_CALLS)])
+def test_bad_inputs_are_rejected_naming_the_argument(call, error, name):
+    arrays = _emulator_arrays(
+        x=np.ones((2, 6), F32), x64=np.ones((2, 6)), w=np.ones((3, 6), F32), w16=np.ones((3, 6), F16),
+        w_in5=np.ones((3, 5), F32), y16=np.ones((2, 6), F16), sq=np.ones((4, 4), F32),
+        ids=np.zeros(2, np.int32), ids64=np.zeros(2, np.int64))
+    with pytest.raises(error, match=rf"^{name}: expected"):
+        call(arrays)
