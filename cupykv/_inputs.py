@@ -33,7 +33,7 @@ def _to_backend_array(name: str, array, backend: Backend):
             return cupy.asarray(array)
         if hasattr(array, "__dlpack__"):
             return cupy.from_dlpack(array)
-    raise TypeError(f"{name}: expected a {backend.name} array ({backend.xp.__name__}.ndarray), "
+    raise TypeError(f"{name}: expected an array of the {backend.name} backend ({backend.xp.__name__}.ndarray), "
                     f"got {_describe(array)}")
 
 

@@ -77,6 +77,15 @@ class KVCache:
         """Committed lengths as a NumPy int32 ``[batch]`` (synchronises)."""
         return self._backend.to_host(self.lengths)
 
+    def to_device(self, host_array):
+        """A copy of a NumPy array on this cache's backend, ready to pass to cupykv ops.
+
+        bfloat16 (``ml_dtypes.bfloat16``) becomes what the backend stores: uint16
+        bit patterns on CuPy. Integer arrays made this way are device-resident
+        per-sequence values for ``advance``/``truncate``/``reset`` (graph-safe).
+        """
+        return self._backend.asarray(host_array)
+
     def _launch(self, op: str, instance: str, grid, block, args, shared_mem: int = 0) -> None:
         self._backend.launch(op, instance, grid, block, args, shared_mem)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from cupykv.kernels import KERNEL_DIR, KERNELS
 
 ARCHS = ("sm_80", "sm_90")
-OPTIONS = ("-std=c++17", "-Xptxas=-v", f"-I{KERNEL_DIR}")
+OPTIONS = ("-std=c++17", "-Xptxas=-v")
 
 
 class NvrtcError(RuntimeError):
@@ -108,14 +108,19 @@ def _program_log(lib, program) -> str:
     return log.value.decode(errors="replace")
 
 
-def compile_file(lib, filename: str, source: str, instances, arch: str) -> tuple[dict[str, str], str]:
-    """Compile one source for one arch; returns (mangled name -> instance, program log)."""
+def compile_file(lib, filename: str, source: str, instances, arch: str,
+                 include_dirs=(KERNEL_DIR,)) -> tuple[dict[str, str], str]:
+    """Compile one source for one arch; returns (mangled name -> instance, program log).
+
+    ``include_dirs`` are searched for ``#include "..."``; the CUDA headers
+    (cuda_fp16.h, cuda_bf16.h) come from :func:`cuda_include_dirs`.
+    """
     program = ctypes.c_void_p()
     _call(lib, "nvrtcCreateProgram", ctypes.byref(program), source.encode(), filename.encode(), 0, None, None)
     try:
         for instance in instances:
             _call(lib, "nvrtcAddNameExpression", program, instance.encode())
-        includes = tuple(f"-I{d}" for d in cuda_include_dirs()[:1])
+        includes = tuple(f"-I{d}" for d in (*include_dirs, *cuda_include_dirs()[:1]))
         options = [opt.encode() for opt in OPTIONS + includes + (f"-arch={arch}",)]
         status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
         log = _program_log(lib, program)

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from cupykv._checks import check_positive_float
-from cupykv.reference import _to_storage
+from cupykv.reference import round_to_storage
 
 __all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
 
@@ -40,7 +40,7 @@ def linear(x, weight):
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"weight: expected shape (out_features, {x.shape[1]}) [out_features, in_features], "
                          f"got {weight.shape}")
-    return _to_storage(x.astype(np.float64) @ weight.astype(np.float64).T, x.dtype)
+    return round_to_storage(x.astype(np.float64) @ weight.astype(np.float64).T, x.dtype)
 
 
 def embedding(ids, table, *, error_flag=None):
@@ -72,7 +72,7 @@ def rmsnorm(x, weight, eps):
     eps = check_positive_float("eps", eps)
     x64 = x.astype(np.float64)
     inv_rms = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)  # [rows, 1]
-    return _to_storage(x64 * inv_rms * weight.astype(np.float64), x.dtype)
+    return round_to_storage(x64 * inv_rms * weight.astype(np.float64), x.dtype)
 
 
 def _same_shape(name_a, a, name_b, b):
@@ -88,13 +88,13 @@ def silu_mul(gate, up):
     gate, up = _same_shape("gate", gate, "up", up)
     g = gate.astype(np.float64)
     with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g: silu -> -0
-        return _to_storage(g / (1.0 + np.exp(-g)) * up.astype(np.float64), gate.dtype)
+        return round_to_storage(g / (1.0 + np.exp(-g)) * up.astype(np.float64), gate.dtype)
 
 
 def add(a, b):
     """``a + b``, elementwise (same shape and dtype)."""
     a, b = _same_shape("a", a, "b", b)
-    return _to_storage(a.astype(np.float64) + b.astype(np.float64), a.dtype)
+    return round_to_storage(a.astype(np.float64) + b.astype(np.float64), a.dtype)
 
 
 def argmax(logits):

@@ -52,7 +52,7 @@ def _rotate(x, positions, theta):
     return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
-def _to_storage(x, dtype):
+def round_to_storage(x, dtype):
     """Round float64 ``x`` to ``dtype`` once, to nearest even.
 
     NumPy rounds float64 to float32/float16 correctly. ml_dtypes goes
@@ -154,8 +154,8 @@ class KVCache:
             if rope is not None:
                 positions = np.arange(start, start + n_fit)[:, None]  # [n_fit, 1]
                 keys = _rotate(keys, positions, rope.theta)
-            self._sequence(self.k, layer, b)[start : start + n_fit] = _to_storage(keys, spec.np_dtype)
-            self._sequence(self.v, layer, b)[start : start + n_fit] = _to_storage(v64[b, :n_fit], spec.np_dtype)
+            self._sequence(self.k, layer, b)[start : start + n_fit] = round_to_storage(keys, spec.np_dtype)
+            self._sequence(self.v, layer, b)[start : start + n_fit] = round_to_storage(v64[b, :n_fit], spec.np_dtype)
 
     def advance(self, n):
         """Commit ``n`` pending rows: ``lengths += n``, clamped to ``max_seq``.

@@ -6,17 +6,14 @@ clear error, after which the emulator must still run a good launch correctly). B
 files also compile with NVRTC when libnvrtc is installed: same source, two targets.
 """
 
-import ctypes
-import glob
-import os
 import re
-import time
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from cupykv import nvrtc_check
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import build
 
@@ -453,19 +450,14 @@ def test_disk_cache_hit(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPYKV_CACHE_DIR", str(tmp_path))
     src = f"// {tmp_path}\n__global__ void k(int* x) {{ x[threadIdx.x] = threadIdx.x; }}\n"
     compiles = build.stats["compiles"]
-    t0 = time.perf_counter()
     E.Module(src, ["k"])
-    t_first = time.perf_counter() - t0
     assert build.stats["compiles"] == compiles + 1
     assert len(list((tmp_path / "emulator").glob("mod-*.so"))) == 1
     E.Module(src, ["k"])  # in-process cache
     build.clear_memory_cache()
     hits = build.stats["disk_hits"]
-    t0 = time.perf_counter()
-    mod = E.Module(src, ["k"])
-    t_second = time.perf_counter() - t0
+    mod = E.Module(src, ["k"])      # the second build is a disk hit: g++ is not called again
     assert build.stats["compiles"] == compiles + 1 and build.stats["disk_hits"] == hits + 1
-    assert t_second < t_first
     x = E.zeros(8, np.int32)
     mod.get_function("k")(1, 8, (x,))
     assert x.tolist() == list(range(8))
@@ -491,53 +483,21 @@ def test_rewrite_keeps_line_numbers():
     assert out.startswith("// extern __shared__ float no[];")
 
 
-def _nvrtc():
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for d in nvidia.__path__:
-        libs = [p for p in glob.glob(os.path.join(d, "*", "lib", "libnvrtc.so*"))
-                if "alt" not in p and "builtins" not in p]
-        builtins = glob.glob(os.path.join(d, "*", "lib", "libnvrtc-builtins.so*"))
-        if libs and builtins:
-            ctypes.CDLL(builtins[0], mode=ctypes.RTLD_GLOBAL)
-            return ctypes.CDLL(libs[0]), os.path.join(os.path.dirname(libs[0]), "..", "include")
-    return None
-
-
 @pytest.mark.parametrize("path", [GOOD, BUGS], ids=["good.cu", "bugs.cu"])
 def test_same_source_compiles_with_nvrtc(path):
-    found = _nvrtc()
-    if found is None:
-        pytest.skip("libnvrtc (nvidia-cuda-nvrtc) is not installed")
-    nv, include = found
-    prog = ctypes.c_void_p()
-    assert nv.nvrtcCreateProgram(ctypes.byref(prog), path.read_bytes(), path.name.encode(), 0,
-                                 None, None) == 0
-    opts = [b"-arch=sm_80", b"-std=c++17", b"-I" + str(KERNELS).encode(),
-            b"-I" + include.encode()]
-    rc = nv.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    size = ctypes.c_size_t()
-    nv.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    nv.nvrtcGetProgramLog(prog, log)
-    nv.nvrtcDestroyProgram(ctypes.byref(prog))
-    assert rc == 0, log.value.decode()
+    """The emulator's test kernels are real CUDA: NVRTC compiles them unchanged for sm_80."""
+    lib = nvrtc_check.load_nvrtc()
+    nvrtc_check.compile_file(lib, path.name, path.read_text(), [], "sm_80", include_dirs=(str(KERNELS),))
 
 
 # ---- speed -----------------------------------------------------------------------------
-def test_speed_of_a_representative_launch(good):
+def test_representative_launch_is_correct(good):
     """16 blocks x 128 threads, 256 iterations of 5 shuffles + 2 barriers (3.7 M fiber
-    switches): about 0.1 s on the 2-core CI machine."""
+    switches; about 0.1 s here, but speed is the bench's business, not a test's)."""
     x = E.asarray(np.random.default_rng(1).random(4096, dtype=np.float32))
     out = E.zeros(16, np.float32)
     fn = good.get_function("busy")
     fn(16, 128, (x, out, np.int32(256)))
-    t0 = time.perf_counter()
-    fn(16, 128, (x, out, np.int32(256)))
-    elapsed = time.perf_counter() - t0
     idx = (np.arange(16)[:, None, None] * 128 + np.arange(128)[None, None, :]
            + np.arange(256)[None, :, None]) & 4095
     np.testing.assert_allclose(out, x[idx].sum(axis=(1, 2), dtype=np.float64), rtol=1e-5)
-    assert elapsed < 3.0, f"representative launch took {elapsed:.2f} s"

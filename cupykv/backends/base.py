@@ -39,10 +39,10 @@ class Backend:
         """
         if op not in self._modules:
             kernel_file = KERNELS[op]
-            self._modules[op] = self._compile(kernel_file.source(), kernel_file.instances)
+            self._modules[op] = self._compile(kernel_file.filename, kernel_file.source(), kernel_file.instances)
         return self._modules[op].get_function(instance)
 
-    def _compile(self, source: str, instances: Sequence[str]) -> Any:
+    def _compile(self, filename: str, source: str, instances: Sequence[str]) -> Any:
         raise NotImplementedError
 
     # -- arrays --------------------------------------------------------------

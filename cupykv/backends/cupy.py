@@ -23,7 +23,7 @@ class CupyBackend(Backend):
     name = "cupy"
     xp = cupy
 
-    def _compile(self, source, instances):
+    def _compile(self, filename, source, instances):
         return cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNEL_DIR}"),
                               name_expressions=list(instances))
 

@@ -47,8 +47,8 @@ class EmulatorBackend(Backend):
     name = "emulator"
     xp = np
 
-    def _compile(self, source, instances):
-        return emulator.Module(source, instances, include_dirs=(KERNEL_DIR,))
+    def _compile(self, filename, source, instances):
+        return emulator.Module(source, instances, include_dirs=(KERNEL_DIR,), filename=filename)
 
     def storage_dtype(self, dtype):
         return _STORAGE[dtype]

@@ -14,7 +14,7 @@ import numpy as np
 from cupykv import ops_reference as ops
 from cupykv import reference
 from cupykv.models.config import LlamaConfig
-from cupykv.reference import _to_storage
+from cupykv.reference import round_to_storage
 from cupykv.rope import Rope
 from cupykv.spec import CacheSpec
 
@@ -26,7 +26,7 @@ class LlamaReference:
         self.config = config
         self.spec = CacheSpec(n_layers=config.num_hidden_layers, n_kv_heads=config.num_key_value_heads,
                               head_dim=config.head_dim, max_seq=max_seq, batch=1, dtype=dtype)
-        self.weights = {name: _to_storage(np.asarray(w, np.float64), self.spec.np_dtype)
+        self.weights = {name: round_to_storage(np.asarray(w, np.float64), self.spec.np_dtype)
                         for name, w in config.check_weights(weights).items()}
         if config.tie_word_embeddings:
             self.weights["lm_head.weight"] = self.weights["model.embed_tokens.weight"]
@@ -44,7 +44,7 @@ class LlamaReference:
             k = ops.linear(normed, w[p + "self_attn.k_proj.weight"]).reshape(1, n, c.num_key_value_heads, c.head_dim)
             v = ops.linear(normed, w[p + "self_attn.v_proj.weight"]).reshape(1, n, c.num_key_value_heads, c.head_dim)
             cache.append(i, k, v, rope=self.rope)
-            attn = _to_storage(reference.attention(q, cache, i, rope=self.rope), self.spec.np_dtype)
+            attn = round_to_storage(reference.attention(q, cache, i, rope=self.rope), self.spec.np_dtype)
             hidden = ops.add(hidden, ops.linear(attn.reshape(n, -1), w[p + "self_attn.o_proj.weight"]))
             normed = ops.rmsnorm(hidden, w[p + "post_attention_layernorm.weight"], eps)
             act = ops.silu_mul(ops.linear(normed, w[p + "mlp.gate_proj.weight"]),
