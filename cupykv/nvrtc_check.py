@@ -16,7 +16,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from cupykv.kernels import KERNEL_DIR, KERNELS
+from cupykv.kernels import KERNEL_DIR, KERNELS, cuda_include_dirs
 
 ARCHS = ("sm_80", "sm_90")
 OPTIONS = ("-std=c++17", "-Xptxas=-v")
@@ -35,17 +35,6 @@ def _candidate_libraries() -> list[str]:
         if root:
             found += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")))
     return [path for path in found if "builtins" not in os.path.basename(path)]
-
-
-def cuda_include_dirs() -> list[str]:
-    """Folders holding cuda_fp16.h / cuda_bf16.h: the nvidia-cuda-runtime wheel, then a toolkit."""
-    dirs = []
-    for entry in sys.path:
-        dirs += sorted(glob.glob(os.path.join(entry, "nvidia", "cu*", "include")))
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root:
-            dirs.append(os.path.join(root, "include"))
-    return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))]
 
 
 def _preload_builtins(library_path: str) -> None:

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from cupykv.backends.base import Backend
-from cupykv.kernels import KERNEL_DIR
+from cupykv.kernels import KERNEL_DIR, cuda_include_dirs
 
 _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
             "bfloat16": np.dtype(np.uint16)}
@@ -24,8 +24,8 @@ class CupyBackend(Backend):
     xp = cupy
 
     def _compile(self, filename, source, instances):
-        return cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNEL_DIR}"),
-                              name_expressions=list(instances))
+        includes = tuple(f"-I{d}" for d in (KERNEL_DIR, *cuda_include_dirs()[:1]))
+        return cupy.RawModule(code=source, options=("-std=c++17", *includes), name_expressions=list(instances))
 
     def storage_dtype(self, dtype):
         return _STORAGE[dtype]

@@ -23,6 +23,7 @@ GPU figures". Results go to ``bench.json`` and ``bench.png`` in ``--out``.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -55,14 +56,24 @@ class Plan:
     model_config: tuple          # LlamaConfig keyword arguments, as (name, value) pairs
     model_batch: int
     model_max_seq: int
+    model_context: int           # live tokens when each timing phase starts
     n_heads: int = 64
     n_kv_heads: int = 8
     head_dim: int = 128
     full_axis_check_divisor: int = 8
 
+    def __post_init__(self):
+        steps = self.warmup + self.repeat + 1   # per model phase: warm-up, timed calls, capture's own step
+        if self.model_context + steps > self.model_max_seq:
+            raise ValueError(f"model_max_seq: expected >= model_context + {steps} decode steps, "
+                             f"got {self.model_max_seq}")
 
-_LLAMA_8B = (("hidden_size", 4096), ("intermediate_size", 14336), ("num_hidden_layers", 32),
-             ("num_attention_heads", 32), ("num_key_value_heads", 8), ("vocab_size", 128256))
+
+# LLaMA-3.2-1B shapes (1.2e9 parameters): random weights are drawn on the host, so larger models
+# would spend minutes there before anything is timed.
+_LLAMA_1B = (("hidden_size", 2048), ("intermediate_size", 8192), ("num_hidden_layers", 16),
+             ("num_attention_heads", 32), ("num_key_value_heads", 8), ("vocab_size", 128256),
+             ("rope_theta", 500000.0), ("tie_word_embeddings", True))
 
 PLANS = {
     "full": Plan(
@@ -70,14 +81,14 @@ PLANS = {
         decode_batches=(1, 8, 32), decode_lives=(512, 1024, 2048, 4096, 8192, 16384, 32768), decode_max_seq=32768,
         full_axis_max_seq=32768, full_axis_batch=8, full_axis_divisors=(64, 32, 16, 8, 4, 2, 1),
         linear_rows=(1, 2, 4, 8, 16), linear_shapes=((4096, 4096), (14336, 4096)),
-        model_config=_LLAMA_8B, model_batch=1, model_max_seq=4096),
+        model_config=_LLAMA_1B, model_batch=1, model_max_seq=2048, model_context=1024),
     "quick": Plan(
         mode="quick", warmup=3, repeat=10, copy_bytes=256 * MiB,
         decode_batches=(1, 32), decode_lives=(512, 4096, 32768), decode_max_seq=32768,
         full_axis_max_seq=32768, full_axis_batch=8, full_axis_divisors=(64, 8, 1),
         linear_rows=(1, 16), linear_shapes=((4096, 4096), (14336, 4096)),
-        model_config=tuple((k, 4) if k == "num_hidden_layers" else (k, v) for k, v in _LLAMA_8B),
-        model_batch=1, model_max_seq=1024),
+        model_config=tuple((k, 4) if k == "num_hidden_layers" else (k, v) for k, v in _LLAMA_1B),
+        model_batch=1, model_max_seq=2048, model_context=1024),
     # The emulator's smoke run: the real head configuration, tiny lengths and weights.
     "smoke": Plan(
         mode="smoke", warmup=1, repeat=3, copy_bytes=32 * MiB,
@@ -86,7 +97,7 @@ PLANS = {
         linear_rows=(1, 16), linear_shapes=((512, 512), (1024, 512)),
         model_config=(("hidden_size", 256), ("intermediate_size", 512), ("num_hidden_layers", 2),
                       ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 1000)),
-        model_batch=1, model_max_seq=64),
+        model_batch=1, model_max_seq=64, model_context=16),
 }
 
 #: section name -> function of a Context, in run order (copy first: the others divide by it).
@@ -115,6 +126,8 @@ def run(backend=None, out="bench_results", quick=False, echo=print) -> dict:
     echo : callable
         Receives progress lines and the final table.
     """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError("python -m cupykv bench draws bench.png with matplotlib: pip install matplotlib")
     backend = get_backend(backend)
     plan = plan_for(backend.name, quick)
     env = report.environment(backend)
@@ -138,6 +151,7 @@ def run(backend=None, out="bench_results", quick=False, echo=print) -> dict:
         "mode": plan.mode,
         "environment": env,
         "timing": {"method": timer.method, "warmup": plan.warmup, "repeat": plan.repeat,
+                   "min_warmup_s": getattr(timer, "min_warmup_s", 0.0),
                    "statistic": "median of the timed calls; min and max kept as *_min / *_max",
                    "l2_flush_bytes": timer.flush_bytes,
                    "l2_flush": ("a buffer of l2_flush_bytes is overwritten before each timed attention/linear call, "

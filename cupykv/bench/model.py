@@ -1,12 +1,15 @@
 """Model decode step: eager against graph replay, through ``cupykv.models.llama``.
 
 :func:`eager_vs_graph` times any zero-argument decode step both ways. The
-LLaMA wiring is :func:`_llama_step`: it builds the model and returns its step.
-While ``cupykv.models.llama`` is missing, or lacks what ``_llama_step``
-needs, the section is recorded as skipped with the reason.
+LLaMA wiring is :func:`_llama_step`: it builds a random-weight model and
+returns its step. If ``cupykv.models.llama`` is missing, or does not take
+``_llama_step``'s calls, the section is recorded as skipped with the reason.
 """
 from __future__ import annotations
 
+import time
+
+from cupykv.bench.arrays import fill_random
 from cupykv.graph import capture
 
 
@@ -15,53 +18,77 @@ class Unavailable(Exception):
 
 
 def skipped(reason: str) -> dict:
-    return {"status": "skipped", "reason": reason, "results": []}
+    return {"status": "skipped", "reason": reason, "results": [], "checks": []}
 
 
-def eager_vs_graph(ctx, step, params: dict) -> dict:
+def eager_vs_graph(ctx, step, params: dict, start=None, after=None) -> dict:
     """Time ``step()`` eagerly and as a captured graph replayed once per call.
 
-    ``step`` must launch cupykv ops only, into preallocated buffers (so it can
-    be captured); each call is one decode step.
+    ``step`` launches cupykv ops only, into preallocated buffers (so that it
+    can be captured); each call is one decode step. ``start()``, if given,
+    runs before each phase so both begin from the same state (e.g. the same
+    context length); ``after()`` returns a list of checks, run at the end.
     """
+    if start is not None:
+        start()
     eager = ctx.timer(step, flush=False)
+    if start is not None:
+        start()
     graph = capture(step)
     replayed = ctx.timer(lambda: graph.replay(1), flush=False)
     return {
         "status": "ok",
-        "description": "one decode step: eager launches vs one replay of the captured graph; "
-                       "ratio = eager / graph",
+        "description": "one decode step (every layer, LM head and argmax): eager launches vs one replay of the "
+                       "captured graph; ratio = eager / graph",
         "params": {**params, "graph_launches": graph.num_launches},
         "units": {"eager_time_ms": "ms, median", "graph_time_ms": "ms, median",
                   "ratio_eager_over_graph": "eager_time_ms / graph_time_ms"},
         "results": [{**eager.as_ms("eager_time"), **replayed.as_ms("graph_time"),
                      "ratio_eager_over_graph": eager.median_s / replayed.median_s}],
-        "checks": [],
+        "checks": after() if after is not None else [],
     }
 
 
 def _llama_step(llama, ctx):
-    """Build a random-weight LLaMA on the bench backend; return ``(step, params)``.
+    """Build a random-weight bf16 LLaMA on the bench backend; return ``(step, start, after, params)``.
 
-    The wiring point for ``cupykv.models.llama``: it needs ``LlamaConfig``,
-    ``Llama.random(config, *, seed, dtype, max_seq, batch, backend)`` and a
-    ``decode_step()`` method that launches one graph-capturable step.
+    Uses ``LlamaConfig(**plan.model_config)``, ``Llama.random(config, *, seed,
+    dtype, max_seq, batch, backend)`` and ``Llama._decode_step()`` (one token
+    for every sequence: reads the device ids, writes the next ids, advances).
+    The cache is filled with random K/V, and each phase starts at
+    ``plan.model_context`` tokens.
     """
-    sizes = dict(ctx.plan.model_config)
+    plan, backend = ctx.plan, ctx.backend
+    started = time.perf_counter()
     try:
-        config = llama.LlamaConfig(**sizes)
-        model = llama.Llama.random(config, seed=0, dtype="bfloat16", max_seq=ctx.plan.model_max_seq,
-                                   batch=ctx.plan.model_batch, backend=ctx.backend.name)
-    except (AttributeError, TypeError) as exc:
-        raise Unavailable(f"model not available: cupykv.models.llama does not take the bench's call "
+        config = llama.LlamaConfig(**dict(plan.model_config))
+        model = llama.Llama.random(config, seed=0, dtype="bfloat16", max_seq=plan.model_max_seq,
+                                   batch=plan.model_batch, backend=backend.name)
+        step = model._decode_step
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise Unavailable(f"model not available: cupykv.models.llama does not take the bench's calls "
                           f"({type(exc).__name__}: {exc}); adjust cupykv/bench/model.py:_llama_step") from None
-    step = getattr(model, "decode_step", None)
-    if not callable(step):
-        raise Unavailable("model not available: cupykv.models.llama.Llama has no decode_step(); "
-                          "adjust cupykv/bench/model.py:_llama_step")
-    params = {"model": "cupykv.models.llama", "config": sizes, "dtype": "bfloat16",
-              "batch": ctx.plan.model_batch, "max_seq": ctx.plan.model_max_seq}
-    return step, params
+    cache = model.cache
+    fill_random(backend, cache.k, "bfloat16", seed=500)
+    fill_random(backend, cache.v, "bfloat16", seed=501)
+
+    def start():
+        cache.reset()
+        cache.advance(plan.model_context)
+
+    def after():
+        try:
+            cache.check()
+        except Exception as exc:  # CacheOverflowError: the plan's max_seq is too small for its step count
+            return [{"what": "no cache overflow during the timed steps", "error": str(exc), "passed": False}]
+        return [{"what": "no cache overflow during the timed steps", "passed": True}]
+
+    params = {"model": "cupykv.models.llama.Llama (random weights)", "config": dict(plan.model_config),
+              "dtype": "bfloat16", "batch": plan.model_batch, "max_seq": plan.model_max_seq,
+              "context_len": plan.model_context,
+              "note": "context_len tokens are live when each phase starts; every timed call adds one",
+              "build_s": time.perf_counter() - started}
+    return step, start, after, params
 
 
 def model_decode(ctx) -> dict:
@@ -72,7 +99,7 @@ def model_decode(ctx) -> dict:
         return skipped(f"model not available: cupykv.models.llama is not importable "
                        f"({type(exc).__name__}: {exc})")
     try:
-        step, params = _llama_step(llama, ctx)
+        step, start, after, params = _llama_step(llama, ctx)
     except Unavailable as exc:
         return skipped(str(exc))
-    return eager_vs_graph(ctx, step, params)
+    return eager_vs_graph(ctx, step, params, start=start, after=after)

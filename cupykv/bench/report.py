@@ -116,12 +116,21 @@ def _copy_line(ax, data):
                    label="copy (read + write)")
 
 
-def figure(data: dict):
-    """A ``matplotlib.figure.Figure`` with one panel per section, titled with backend and device."""
-    from matplotlib.figure import Figure
+def figure(data: dict, fig=None):
+    """Draw one panel per section, titled with backend and device; returns the figure.
 
+    Parameters
+    ----------
+    data : dict
+        A parsed ``bench.json``.
+    fig : matplotlib.figure.Figure, optional
+        Drawn into (e.g. ``plt.figure(figsize=(12, 9), layout="constrained")`` in
+        a notebook); by default a new bare ``Figure`` that no pyplot backend sees.
+    """
+    if fig is None:
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(12, 9), layout="constrained")
     sections = data["sections"]
-    fig = Figure(figsize=(12, 9), layout="constrained")
     (ax_att, ax_full), (ax_lin, ax_model) = fig.subplots(2, 2)
     title = f"cupykv bench: {data['backend']} on {data['environment']['device']}"
     if not data.get("is_gpu_figures"):
@@ -134,7 +143,7 @@ def figure(data: dict):
             rows = [r for r in att["results"] if r["batch"] == batch]
             ax_att.plot([r["live_len"] for r in rows], [r["bandwidth_GBps"] for r in rows], "o-", label=f"batch {batch}")
         _copy_line(ax_att, data)
-        ax_att.set(xscale="log", xlabel="live length (keys attended)", ylabel="GB/s (live K+V read)",
+        ax_att.set(xscale="log", yscale="log", xlabel="live length (keys attended)", ylabel="GB/s (live K+V read)",
                    title="decode attention bandwidth")
         ax_att.legend(fontsize=8)
     else:
@@ -147,8 +156,11 @@ def figure(data: dict):
         ax_full.plot(lives, [r["baseline_time_ms"] for r in full["results"]], "s-",
                      label=f"whole axis ({full['params']['baseline_dtype']} matmul)")
         for r in full["results"]:
-            ax_full.annotate(f"{r['ratio_baseline_over_cupykv']:.1f}x", (r["live_len"], r["baseline_time_ms"]),
+            ax_full.annotate(f"{r['ratio_baseline_over_cupykv']:.2g}x", (r["live_len"], r["baseline_time_ms"]),
                              textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        ax_full.axvline(full["params"]["highlight_live_len"], color="gray", linestyle=":", linewidth=1,
+                        label="max_seq / 8")
+        ax_full.margins(y=0.2)
         ax_full.set(xscale="log", yscale="log", xlabel=f"live length (max_seq {full['params']['max_seq']})",
                     ylabel="ms (median)", title=f"live length vs full axis, batch {full['params']['batch']}")
         ax_full.legend(fontsize=8)
@@ -162,7 +174,7 @@ def figure(data: dict):
             ax_lin.plot([r["rows"] for r in rows], [r["bandwidth_GBps"] for r in rows], "o-",
                         label=f"W {out_features}x{in_features}")
         _copy_line(ax_lin, data)
-        ax_lin.set(xscale="log", xlabel="rows of x", ylabel="GB/s (bytes of W)", title="cupykv.linear bandwidth")
+        ax_lin.set(xscale="log", yscale="log", xlabel="rows of x", ylabel="GB/s (bytes of W)", title="cupykv.linear bandwidth")
         ax_lin.legend(fontsize=8)
     else:
         _skipped(ax_lin, "cupykv.linear bandwidth", lin)
@@ -171,7 +183,8 @@ def figure(data: dict):
     if model.get("status") == "ok":
         row = model["results"][0]
         ax_model.bar(["eager", "graph"], [row["eager_time_ms"], row["graph_time_ms"]])
-        ax_model.set(ylabel="ms per decode step (median)", title="model decode step")
+        ax_model.set(ylabel="ms per decode step (median)",
+                     title=f"model decode step (eager / graph = {row['ratio_eager_over_graph']:.2f})")
     else:
         _skipped(ax_model, "model decode step", model)
     return fig

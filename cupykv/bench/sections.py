@@ -67,6 +67,19 @@ def copy_bandwidth(ctx: Context) -> dict:
 
 
 # -- attention -------------------------------------------------------------------
+def _host_matmul(a, b):
+    """NumPy matmul without BLAS: single-threaded C loops, steady on a busy host.
+
+    Host BLAS threads ran some calls 100x slower than others on the shared
+    2-core CI machine, which made the emulator's stand-in baseline meaningless.
+    """
+    return np.einsum("...ij,...jk->...ik", a, b)
+
+
+def _matmul(xp):
+    return xp.matmul if xp is not np else _host_matmul
+
+
 def _attention_f32(xp, q, k_t, v, mask, scale):
     """Whole-axis attention: ``softmax(q k^T * scale + mask) v`` with cuBLAS-style matmuls.
 
@@ -75,14 +88,15 @@ def _attention_f32(xp, q, k_t, v, mask, scale):
     (as in eager Hugging Face attention); the matmuls run in the operands' dtype.
     Returns ``[batch, n_kv, group, hd]`` in that dtype.
     """
-    scores = xp.matmul(q, k_t).astype(xp.float32)   # [batch, n_kv, group, seq]
+    matmul = _matmul(xp)
+    scores = matmul(q, k_t).astype(xp.float32)      # [batch, n_kv, group, seq]
     scores *= xp.float32(scale)
     if mask is not None:
         scores += mask
     scores -= scores.max(axis=-1, keepdims=True)
     weights = xp.exp(scores)
     weights /= weights.sum(axis=-1, keepdims=True)
-    return xp.matmul(weights.astype(v.dtype), v)   # [batch, n_kv, group, hd]
+    return matmul(weights.astype(v.dtype), v)       # [batch, n_kv, group, hd]
 
 
 def _reference(backend, q, cache, live: int):
@@ -120,24 +134,29 @@ def _kv_bytes(plan, batch: int, live: int) -> int:
     return batch * live * plan.n_kv_heads * plan.head_dim * 2 * 2   # K and V, 2 bytes each
 
 
+def _decode_points(ctx: Context, batch: int, results: list, checks: list) -> None:
+    """The decode rows of one batch size: one cache, every live length (the cache is freed on return)."""
+    plan, backend = ctx.plan, ctx.backend
+    cache, q, out = _decode_cache(ctx, batch, plan.decode_max_seq, seed=10 + batch)
+    for i, live in enumerate(plan.decode_lives):
+        _set_live(cache, live)
+        if i == 0:
+            cupykv.attention(q, cache, 0, out=out)
+            checks.append(_check(f"attention batch {batch} live {live} vs float32",
+                                 relative_error(backend, out, _reference(backend, q, cache, live))))
+        timing = ctx.timer(lambda: cupykv.attention(q, cache, 0, out=out))
+        nbytes = _kv_bytes(plan, batch, live)
+        bandwidth = _rate(nbytes, timing.median_s)
+        results.append({"batch": batch, "live_len": live, "kv_bytes": nbytes, **timing.as_ms(),
+                        "bandwidth_GBps": bandwidth, "pct_of_copy": 100.0 * bandwidth / ctx.copy_GBps})
+
+
 def attention_decode(ctx: Context) -> dict:
     """Decode attention (q_len 1, bf16) bandwidth over live K+V bytes, per batch and live length."""
-    plan, backend = ctx.plan, ctx.backend
+    plan = ctx.plan
     results, checks = [], []
     for batch in plan.decode_batches:
-        cache, q, out = _decode_cache(ctx, batch, plan.decode_max_seq, seed=10 + batch)
-        for i, live in enumerate(plan.decode_lives):
-            _set_live(cache, live)
-            if i == 0:
-                cupykv.attention(q, cache, 0, out=out)
-                checks.append(_check(f"attention batch {batch} live {live} vs float32",
-                                     relative_error(backend, out, _reference(backend, q, cache, live))))
-            timing = ctx.timer(lambda: cupykv.attention(q, cache, 0, out=out))
-            nbytes = _kv_bytes(plan, batch, live)
-            bandwidth = _rate(nbytes, timing.median_s)
-            results.append({"batch": batch, "live_len": live, "kv_bytes": nbytes, **timing.as_ms(),
-                            "bandwidth_GBps": bandwidth, "pct_of_copy": 100.0 * bandwidth / ctx.copy_GBps})
-        del cache, q, out
+        _decode_points(ctx, batch, results, checks)
     return {
         "status": "ok",
         "description": "cupykv.attention decode step (q_len 1, GQA, bfloat16); bandwidth = live K+V bytes read "
@@ -186,14 +205,13 @@ def full_axis(ctx: Context) -> dict:
         results.append({"live_len": live, "live_fraction": live / max_seq, **cupykv_time.as_ms("cupykv_time"),
                         **baseline_time.as_ms("baseline_time"),
                         "ratio_baseline_over_cupykv": baseline_time.median_s / cupykv_time.median_s})
-    del cache, q, out, k_t, v
     if backend.name == "cupy":
         baseline_name = ("CuPy (cuBLAS) float16 matmul q @ K^T over the whole max_seq axis, + additive_mask, "
                          "float32 softmax, float16 matmul with V; float16 because CuPy has no bfloat16 "
                          "(cupykv's bf16 is uint16 bits), same shapes and bytes per element")
     else:
-        baseline_name = ("emulator stand-in: NumPy float32 matmul (host BLAS) q @ K^T over the whole max_seq axis, "
-                         "+ additive_mask, float32 softmax, matmul with V; not a GPU baseline")
+        baseline_name = ("emulator stand-in: NumPy float32 matmul (einsum, no BLAS threads) q @ K^T over the whole "
+                         "max_seq axis, + additive_mask, float32 softmax, matmul with V; not a GPU baseline")
     return {
         "status": "ok",
         "description": "time of cupykv.attention (reads live rows only) vs the whole-axis approach of other "
@@ -223,7 +241,7 @@ def linear(ctx: Context) -> dict:
             y = backend.zeros((rows, out_features), backend.storage_dtype("bfloat16"))
             if rows == max(plan.linear_rows):
                 cupykv.linear(x, weight, out=y)
-                want = xp.matmul(to_f32(backend, x), to_f32(backend, weight).T)
+                want = _matmul(xp)(to_f32(backend, x), to_f32(backend, weight).T)
                 checks.append(_check(f"linear {rows}x{in_features} @ ({out_features}x{in_features}).T vs float32",
                                      relative_error(backend, y, want)))
             timing = ctx.timer(lambda: cupykv.linear(x, weight, out=y))
@@ -232,7 +250,6 @@ def linear(ctx: Context) -> dict:
             results.append({"out_features": out_features, "in_features": in_features, "rows": rows,
                             "weight_bytes": nbytes, **timing.as_ms(), "bandwidth_GBps": bandwidth,
                             "pct_of_copy": 100.0 * bandwidth / ctx.copy_GBps})
-        del weight
     return {
         "status": "ok",
         "description": "cupykv.linear y = x @ W.T, bfloat16; bandwidth = bytes of W (read once) / time",

@@ -41,19 +41,25 @@ class HostTimer:
     """Wall-clock timer (``time.perf_counter``) around ``fn(); backend.synchronize()``.
 
     The emulator's timer: its figures measure CPU emulation, never a GPU.
+    Warm-up lasts ``warmup`` calls and at least ``min_warmup_s`` seconds: the
+    host BLAS (the emulator's full-axis stand-in) can run its first calls of a
+    process tens of times slower while its threads start on a busy machine.
     """
 
     method = "time.perf_counter around each call, after backend.synchronize()"
 
-    def __init__(self, backend, warmup: int, repeat: int):
+    def __init__(self, backend, warmup: int, repeat: int, min_warmup_s: float = 0.25):
         self.backend = backend
         self.warmup = warmup
         self.repeat = repeat
+        self.min_warmup_s = min_warmup_s
         self.flush_bytes = 0
 
     def __call__(self, fn: Callable[[], object], flush: bool = True) -> Timing:
-        for _ in range(self.warmup):
+        calls, deadline = 0, time.perf_counter() + self.min_warmup_s
+        while calls < self.warmup or time.perf_counter() < deadline:
             fn()
+            calls += 1
         self.backend.synchronize()
         samples = []
         for _ in range(self.repeat):

@@ -6,7 +6,9 @@ and the offline NVRTC check compile exactly the instances listed here.
 """
 from __future__ import annotations
 
+import glob
 import os
+import sys
 from dataclasses import dataclass
 
 KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -64,3 +66,14 @@ def attention_instance(dtype: str, head_dim: int) -> str:
     """Name of the attention kernel instance for a cache dtype and head size."""
     specialised = head_dim if head_dim in ATTENTION_HEAD_DIMS else 0
     return f"cupykv_attention<{CUDA_TYPES[dtype]}, {specialised}>"
+
+
+def cuda_include_dirs() -> list[str]:
+    """Folders holding cuda_fp16.h / cuda_bf16.h: the nvidia-cuda-runtime wheel, then a toolkit."""
+    dirs = []
+    for entry in sys.path:
+        dirs += sorted(glob.glob(os.path.join(entry, "nvidia", "cu*", "include")))
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root:
+            dirs.append(os.path.join(root, "include"))
+    return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))]

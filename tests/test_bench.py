@@ -1,0 +1,151 @@
+"""``python -m cupykv bench`` on the emulator: the smoke run, its JSON, its PNG and its arithmetic.
+
+The bench runs once for the module (through the CLI, into a temporary
+folder); the tests read what it wrote. Every ratio, bandwidth and percentage
+is recomputed from the stored figures, not compared with constants.
+"""
+import contextlib
+import io
+import json
+import math
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupykv.__main__ import main
+from cupykv.bench import PLANS, SCHEMA, plan_for
+from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits
+from cupykv.bench.model import model_decode
+from cupykv.bench.report import EMULATOR_LABEL
+
+SECTIONS = ("copy", "attention_decode", "full_axis", "linear", "model_decode")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    printed = io.StringIO()
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(printed):
+        status = main(["bench", "--backend", "emulator", "--out", str(out)])
+    elapsed = time.perf_counter() - started
+    data = json.loads((out / "bench.json").read_text())
+    return {"status": status, "out": out, "printed": printed.getvalue(), "elapsed": elapsed, "data": data}
+
+
+def _figures(row):
+    return {key: value for key, value in row.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def _close(a, b):
+    return math.isclose(a, b, rel_tol=1e-12)
+
+
+def test_smoke_run_is_quick_and_succeeds(bench):
+    assert bench["status"] == 0, bench["printed"]
+    assert bench["elapsed"] < 60, f"smoke bench took {bench['elapsed']:.1f} s"
+
+
+def test_emulator_label_everywhere(bench):
+    data = bench["data"]
+    assert data["schema"] == SCHEMA
+    assert data["label"] == EMULATOR_LABEL
+    assert data["is_gpu_figures"] is False
+    assert data["backend"] == "emulator" and data["mode"] == "smoke"
+    assert EMULATOR_LABEL in bench["printed"]
+    for key in ("device", "date", "numpy_version", "driver_version", "cuda_runtime_version", "cupy_version"):
+        assert key in data["environment"]
+
+
+def test_every_section_has_positive_finite_figures(bench):
+    sections = bench["data"]["sections"]
+    assert set(sections) == set(SECTIONS)
+    for name, section in sections.items():
+        if name == "model_decode" and section["status"] == "skipped":
+            assert section["reason"].startswith("model not available")
+            continue
+        assert section["status"] == "ok", (name, section)
+        assert section["results"], name
+        for row in section["results"]:
+            figures = _figures(row)
+            assert figures, (name, row)
+            for key, value in figures.items():
+                assert math.isfinite(value) and value > 0, (name, key, value)
+        for key in section["units"]:
+            assert all(key in row for row in section["results"]), (name, key)
+
+
+def test_every_check_passed(bench):
+    checks = [check for section in bench["data"]["sections"].values() for check in section.get("checks", [])]
+    assert checks
+    assert all(check["passed"] for check in checks), checks
+
+
+def test_png_written(bench):
+    png = (bench["out"] / "bench.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
+
+
+def test_ratios_are_quotients_of_stored_figures(bench):
+    sections = bench["data"]["sections"]
+    copy = sections["copy"]["results"][0]
+    assert _close(copy["bandwidth_GBps"], copy["bytes_moved"] / (copy["time_ms"] * 1e-3) / 1e9)
+    for row in sections["attention_decode"]["results"]:
+        assert _close(row["bandwidth_GBps"], row["kv_bytes"] / (row["time_ms"] * 1e-3) / 1e9)
+        assert _close(row["pct_of_copy"], 100 * row["bandwidth_GBps"] / copy["bandwidth_GBps"])
+        assert row["kv_bytes"] == row["batch"] * row["live_len"] * 8 * 128 * 2 * 2
+    for row in sections["linear"]["results"]:
+        assert row["weight_bytes"] == row["out_features"] * row["in_features"] * 2
+        assert _close(row["bandwidth_GBps"], row["weight_bytes"] / (row["time_ms"] * 1e-3) / 1e9)
+        assert _close(row["pct_of_copy"], 100 * row["bandwidth_GBps"] / copy["bandwidth_GBps"])
+    full = sections["full_axis"]
+    for row in full["results"]:
+        assert _close(row["ratio_baseline_over_cupykv"], row["baseline_time_ms"] / row["cupykv_time_ms"])
+        assert row["cupykv_time_ms_min"] <= row["cupykv_time_ms"] <= row["cupykv_time_ms_max"]
+    assert full["params"]["highlight_live_len"] in [row["live_len"] for row in full["results"]]
+    model = sections["model_decode"]
+    for row in model["results"]:
+        assert _close(row["ratio_eager_over_graph"], row["eager_time_ms"] / row["graph_time_ms"])
+
+
+def test_sections_cover_the_plan(bench):
+    data, plan = bench["data"], PLANS["smoke"]
+    decode = {(row["batch"], row["live_len"]) for row in data["sections"]["attention_decode"]["results"]}
+    assert decode == {(b, live) for b in plan.decode_batches for live in plan.decode_lives}
+    lives = [row["live_len"] for row in data["sections"]["full_axis"]["results"]]
+    assert lives == [plan.full_axis_max_seq // d for d in plan.full_axis_divisors]
+    assert len(data["sections"]["linear"]["results"]) == len(plan.linear_rows) * len(plan.linear_shapes)
+
+
+def test_plan_choice():
+    assert plan_for("emulator", quick=False) is PLANS["smoke"]
+    assert plan_for("emulator", quick=True) is PLANS["smoke"]
+    assert plan_for("cupy", quick=True) is PLANS["quick"]
+    assert plan_for("cupy", quick=False) is PLANS["full"]
+    full = PLANS["full"]
+    assert (full.n_heads, full.n_kv_heads, full.head_dim) == (64, 8, 128)
+    assert full.decode_batches == (1, 8, 32) and full.full_axis_max_seq // 8 in [
+        full.full_axis_max_seq // d for d in full.full_axis_divisors]
+
+
+def test_model_section_skips_with_a_reason_when_the_model_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupykv.models", None)   # the import raises ImportError
+    monkeypatch.setitem(sys.modules, "cupykv.models.llama", None)
+    section = model_decode(ctx=None)
+    assert section["status"] == "skipped"
+    assert section["reason"].startswith("model not available: cupykv.models.llama is not importable")
+
+
+def test_bfloat16_bit_helpers_match_ml_dtypes():
+    """The CuPy path's bf16 conversions, run on NumPy: round to nearest even, exact widening."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(10_000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 10_000),
+                        np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 3.4e38], np.float32)]).astype(np.float32)
+    bits = bf16_bits_from_f32(np, x)
+    assert bits.dtype == np.uint16
+    np.testing.assert_array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(f32_from_bf16_bits(np, bits), x.astype(ml_dtypes.bfloat16).astype(np.float32))
