@@ -5,13 +5,18 @@
 //     out[i] = a[i] + b[i]
 // rounded once to T. out may be a or b (in place).
 //
-// Launch geometry: grid (blocks), block (threads), any sizes: a grid-stride
-// loop over 16-byte vectors of 16 / sizeof(T) elements when n is a multiple of
-// that and all three arrays are 16-byte aligned, over single elements
-// otherwise. The host uses 256 threads and enough blocks to cover n (at most 1024).
+// Launch geometry: grid (blocks), block (threads), any sizes: the grid-stride
+// loop of elementwise.cuh (16-byte vectors when sizes and alignment allow).
+// The host uses up to 256 threads and enough blocks to cover n (at most 1024).
 //
 // Device-resident arguments: a, b (read), out (written). n is fixed per launch.
-#include "common.cuh"
+#include "elementwise.cuh"
+
+namespace add_detail {
+struct Sum {
+    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+}  // namespace add_detail
 
 template <typename T>
 __global__ void __launch_bounds__(1024) cupykv_add(
@@ -19,27 +24,5 @@ __global__ void __launch_bounds__(1024) cupykv_add(
     const T* a,           // [n]
     const T* b,           // [n]
     long long n) {
-    constexpr int kVec = 16 / (int)sizeof(T);
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const bool vector_loads = n % kVec == 0 &&
-                              ((reinterpret_cast<unsigned long long>(out) | reinterpret_cast<unsigned long long>(a) |
-                                reinterpret_cast<unsigned long long>(b)) % 16) == 0;
-    if (vector_loads) {
-        for (long long v = first; v < n / kVec; v += stride) {
-            const uint4 a_packed = reinterpret_cast<const uint4*>(a)[v];
-            const uint4 b_packed = reinterpret_cast<const uint4*>(b)[v];
-            T a_raw[kVec], b_raw[kVec], result[kVec];
-            memcpy(a_raw, &a_packed, 16);
-            memcpy(b_raw, &b_packed, 16);
-            for (int e = 0; e < kVec; ++e)
-                result[e] = cupykv::from_float<T>(cupykv::to_float(a_raw[e]) + cupykv::to_float(b_raw[e]));
-            uint4 packed;
-            memcpy(&packed, result, 16);
-            reinterpret_cast<uint4*>(out)[v] = packed;
-        }
-    } else {
-        for (long long i = first; i < n; i += stride)
-            out[i] = cupykv::from_float<T>(cupykv::to_float(a[i]) + cupykv::to_float(b[i]));
-    }
+    cupykv::binary_elementwise(out, a, b, n, add_detail::Sum());
 }
