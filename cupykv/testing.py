@@ -2,7 +2,9 @@
 
 Needs the ``test`` extra (hypothesis). The pieces:
 
-- :func:`specs`: a hypothesis strategy for :class:`CacheSpec`;
+- :func:`specs`, :func:`lengths`, :func:`row_shapes`, :func:`query_shapes` and
+  :func:`operations`: hypothesis strategies for specs, shapes and operation
+  sequences (:func:`apply_operation` runs one on a cache and the reference);
 - :func:`to_numpy`, :func:`random_rows`: move data between host and a cache's backend;
 - :func:`fill`: give a backend cache and a reference cache the same committed rows;
 - :func:`poison_tail`: write NaN past the live rows, to prove a kernel never reads them;
@@ -37,6 +39,58 @@ def specs(draw, *, max_layers=2, kv_heads=(1, 2, 4), head_dims=(2, 4, 8, 16, 64,
     )
 
 
+def lengths(spec: CacheSpec):
+    """Strategy for committed lengths ``[batch]``, weighted to 0, 1, capacity-1 and capacity."""
+    boundary = st.sampled_from(sorted({0, 1, max(spec.max_seq - 1, 0), spec.max_seq} - {spec.max_seq + 1}))
+    one = boundary | st.integers(0, spec.max_seq)
+    return st.lists(one, min_size=spec.batch, max_size=spec.batch)
+
+
+def row_shapes(spec: CacheSpec, max_new: int = 8):
+    """Strategy for append's ``k``/``v`` shape ``[batch, n_new, n_kv_heads, head_dim]``."""
+    return st.integers(1, max_new).map(lambda n: (spec.batch, n, spec.n_kv_heads, spec.head_dim))
+
+
+def query_shapes(spec: CacheSpec, groups=(1, 2, 4, 8), max_q_len: int = 8):
+    """Strategy for attention's ``q`` shape ``[batch, q_len, n_heads, head_dim]`` (n_heads = group * n_kv)."""
+    return st.tuples(st.integers(1, max_q_len), st.sampled_from(groups)).map(
+        lambda t: (spec.batch, t[0], t[1] * spec.n_kv_heads, spec.head_dim))
+
+
+def operations(spec: CacheSpec, max_size: int = 12):
+    """Strategy for sequences of cache operations, as ``(name, argument)`` pairs.
+
+    ``("append", (layer, n_new))``, ``("advance", int or [batch])``,
+    ``("truncate", fractions [batch])`` (a fraction of each current length, so
+    always a valid rollback) and ``("reset", None or slots)``; run them with
+    :func:`apply_operation`. Steps past capacity are included on purpose.
+    """
+    batch, cap = spec.batch, spec.max_seq
+    per_seq = st.lists(st.integers(0, cap + 3), min_size=batch, max_size=batch)
+    return st.lists(st.one_of(
+        st.tuples(st.just("append"), st.tuples(st.integers(0, spec.n_layers - 1), st.integers(1, 4))),
+        st.tuples(st.just("advance"), st.integers(0, cap + 3) | per_seq),
+        st.tuples(st.just("truncate"), st.lists(st.floats(0, 1), min_size=batch, max_size=batch)),
+        st.tuples(st.just("reset"), st.none() | st.lists(st.integers(0, batch - 1), unique=True, max_size=batch)),
+    ), max_size=max_size)
+
+
+def apply_operation(cache, oracle: "reference.KVCache", operation, rng: np.random.Generator) -> None:
+    """Apply one ``(name, argument)`` from :func:`operations` to a backend cache and the reference."""
+    name, argument = operation
+    if name == "append":
+        layer, n_new = argument
+        shape = (cache.spec.batch, n_new, cache.spec.n_kv_heads, cache.spec.head_dim)
+        k, v = random_rows(rng, cache.spec, shape), random_rows(rng, cache.spec, shape)
+        cache.append(layer, cache.to_device(k), cache.to_device(v))
+        oracle.append(layer, k, v)
+        return
+    if name == "truncate":
+        argument = [int(f * n) for f, n in zip(argument, oracle.lengths)]
+    getattr(cache, name)(argument)
+    getattr(oracle, name)(argument)
+
+
 def to_numpy(array, spec: CacheSpec) -> np.ndarray:
     """Host copy of a backend array that holds cache-dtype values, viewed as ``spec.np_dtype``."""
     host = array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
@@ -69,7 +123,7 @@ def fill(cache, oracle: "reference.KVCache", lengths, rng: np.random.Generator, 
         shape = (spec.batch, rows, spec.n_kv_heads, spec.head_dim)
         for layer in range(spec.n_layers):
             k, v = random_rows(rng, spec, shape), random_rows(rng, spec, shape)
-            cache.append(layer, cache._backend.asarray(k), cache._backend.asarray(v), rope=rope)
+            cache.append(layer, cache.to_device(k), cache.to_device(v), rope=rope)
             oracle.append(layer, k, v, rope=rope)
     cache.advance(lengths)
     oracle.advance(lengths)
@@ -162,7 +216,7 @@ class CacheMachine(RuleBasedStateMachine):
         return None
 
     def _device(self, host):
-        return self.cache._backend.asarray(host)
+        return self.cache.to_device(host)
 
     # -- rules -----------------------------------------------------------------
     @rule(layer=st.integers(0, 7), n_new=st.integers(1, 5), use_rope=st.booleans())

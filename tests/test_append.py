@@ -11,22 +11,20 @@ from backends import BACKENDS
 @st.composite
 def append_cases(draw):
     spec = draw(testing.specs(max_seqs=(1, 2, 5, 16)))
-    lengths = draw(st.lists(st.sampled_from([0, 1, spec.max_seq - 1, spec.max_seq]) | st.integers(0, spec.max_seq),
-                            min_size=spec.batch, max_size=spec.batch))
-    n_new = draw(st.integers(1, 8))
+    lengths = draw(testing.lengths(spec))
+    shape = draw(testing.row_shapes(spec))
     rope = draw(st.none() | st.just(cupykv.Rope(theta=10000.0))) if spec.head_dim % 2 == 0 else None
-    return spec, [max(0, x) for x in lengths], n_new, rope, draw(st.integers(0, 2**32 - 1))
+    return spec, lengths, shape, rope, draw(st.integers(0, 2**32 - 1))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(case=append_cases())
 def test_append_matches_reference_over_the_whole_cache(backend, case):
-    spec, lengths, n_new, rope, seed = case
+    spec, lengths, shape, rope, seed = case
     rng = np.random.default_rng(seed)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     testing.fill(cache, oracle, lengths, rng)
     layer = int(rng.integers(spec.n_layers))
-    shape = (spec.batch, n_new, spec.n_kv_heads, spec.head_dim)
     k, v = testing.random_rows(rng, spec, shape), testing.random_rows(rng, spec, shape)
     cache.append(layer, cache._backend.asarray(k), cache._backend.asarray(v), rope=rope)
     oracle.append(layer, k, v, rope=rope)

@@ -12,10 +12,9 @@ from backends import BACKENDS
 @st.composite
 def attention_cases(draw, max_seqs=(1, 3, 16, 40, 160), head_dims=(1, 3, 8, 16, 64, 128)):
     spec = draw(testing.specs(max_seqs=max_seqs, head_dims=head_dims, kv_heads=(1, 2)))
-    group = draw(st.sampled_from([1, 2, 4, 8]))
-    q_len = draw(st.integers(1, 8))
-    lengths = draw(st.lists(st.sampled_from([0, 1, spec.max_seq - 1, spec.max_seq]) | st.integers(0, spec.max_seq),
-                            min_size=spec.batch, max_size=spec.batch))
+    _, q_len, n_heads, _ = draw(testing.query_shapes(spec, groups=(1, 2, 4, 8), max_q_len=8))
+    group = n_heads // spec.n_kv_heads
+    lengths = draw(testing.lengths(spec))
     options = dict(
         scale=draw(st.none() | st.floats(0.05, 2.0)),
         window=draw(st.none() | st.integers(1, spec.max_seq + 2)),
@@ -23,7 +22,7 @@ def attention_cases(draw, max_seqs=(1, 3, 16, 40, 160), head_dims=(1, 3, 8, 16, 
         rope=draw(st.none() | st.just(cupykv.Rope(theta=500.0))) if spec.head_dim % 2 == 0 else None,
     )
     num_splits = draw(st.integers(1, 4))
-    return spec, group, q_len, [max(0, x) for x in lengths], options, num_splits, draw(st.integers(0, 2**32 - 1))
+    return spec, group, q_len, lengths, options, num_splits, draw(st.integers(0, 2**32 - 1))
 
 
 def run_case(backend, spec, group, q_len, lengths, options, num_splits, seed):

@@ -111,3 +111,17 @@ def test_a_host_array_given_to_the_gpu_backend_is_rejected():
     cache = cupykv.KVCache(SPEC, backend="cupy")
     with pytest.raises(TypeError, match="^k: expected a CUDA device array .* got a host numpy.ndarray"):
         cache.append(0, rows(), rows())
+
+
+def test_cupykv_backend_environment_variable_chooses_the_default(monkeypatch):
+    monkeypatch.setenv("CUPYKV_BACKEND", "emulator")
+    assert cupykv.KVCache(SPEC).backend == "emulator"
+    monkeypatch.setenv("CUPYKV_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="^CUPYKV_BACKEND: expected one of \\('cupy', 'emulator'\\), got 'tpu'"):
+        cupykv.KVCache(SPEC)
+
+
+def test_default_backend_follows_gpu_availability(monkeypatch):
+    from cupykv.backends import cuda_available
+    monkeypatch.delenv("CUPYKV_BACKEND", raising=False)
+    assert cupykv.KVCache(SPEC).backend == ("cupy" if cuda_available()[0] else "emulator")

@@ -10,26 +10,16 @@ from backends import BACKENDS
 SPEC = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4, max_seq=10, batch=3)
 
 
-def operations(batch, max_seq):
-    per_seq = st.lists(st.integers(0, max_seq + 3), min_size=batch, max_size=batch)
-    return st.lists(st.one_of(
-        st.tuples(st.just("advance"), st.integers(0, max_seq + 3) | per_seq),
-        st.tuples(st.just("truncate"), st.lists(st.floats(0, 1), min_size=batch, max_size=batch)),
-        st.tuples(st.just("reset"), st.none() | st.lists(st.integers(0, batch - 1), unique=True, max_size=batch)),
-    ), max_size=12)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(ops=operations(SPEC.batch, SPEC.max_seq))
-def test_length_updates_follow_the_reference(backend, ops):
+@given(ops=testing.operations(SPEC), seed=st.integers(0, 2**32 - 1))
+def test_operation_sequences_follow_the_reference(backend, ops, seed):
+    rng = np.random.default_rng(seed)
     cache, oracle = cupykv.KVCache(SPEC, backend=backend), reference.KVCache(SPEC)
-    for name, arg in ops:
-        if name == "truncate":  # a fraction of each current length: always a valid rollback
-            arg = [int(f * n) for f, n in zip(arg, oracle.lengths)]
-        getattr(cache, name)(arg)
-        getattr(oracle, name)(arg)
-        assert cache.lengths_host().tolist() == oracle.lengths.tolist(), (name, arg)
+    for operation in ops:
+        testing.apply_operation(cache, oracle, operation, rng)
+        assert cache.lengths_host().tolist() == oracle.lengths.tolist(), operation
         assert cache._backend.to_host(cache.overflow).astype(bool).tolist() == oracle.overflow.tolist()
+    testing.assert_matches_reference(cache, oracle)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
