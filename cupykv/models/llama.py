@@ -226,6 +226,8 @@ class Llama:
             else:
                 self._graph.replay()
             collect(step + 1)
+        if self.backend.to_host(self._embedding_error)[0]:   # cannot happen for validated prompts and argmax ids
+            raise RuntimeError("embedding: a token id outside 0..vocab_size-1 reached the model")
         tokens = np.stack(steps_ids, axis=1)[:n_prompts].tolist()   # [prompts, steps]
         if return_logits:
             return tokens, np.stack(steps_logits)[:, :n_prompts]
