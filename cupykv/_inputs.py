@@ -61,6 +61,7 @@ def device_input(name: str, array, backend: Backend, dtype: str, shape=None):
         Wrong shape or a non-contiguous layout.
     """
     array = _to_backend_array(name, array, backend)
+    backend.check_device(name, array)
     storage = backend.storage_dtype(dtype)
     if array.dtype != storage:
         if dtype == "bfloat16" and array.dtype == np.uint16:

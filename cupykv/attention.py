@@ -96,6 +96,7 @@ def attention(q, cache: KVCache, layer, *, scale=None, window=None, softcap=None
         raise TypeError(f"cache: expected a cupykv.KVCache, got {type(cache).__name__}")
     spec = cache.spec
     backend = cache._backend
+    cache._check_device()
     layer = _checks.check_layer(layer, spec)
     q_len, n_heads = _checks.check_q(q, spec)
     scale = _checks.check_scale(scale, spec)

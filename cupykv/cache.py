@@ -89,6 +89,10 @@ class KVCache:
     def _launch(self, op: str, instance: str, grid, block, args, shared_mem: int = 0) -> None:
         self._backend.launch(op, instance, grid, block, args, shared_mem)
 
+    def _check_device(self) -> None:
+        """The cache's arrays must live on the device kernels launch on now (checked before any launch)."""
+        self._backend.check_device("cache", self.k)
+
     def _layout_args(self, layer: int):
         strides = self.spec.strides
         seq_axis = self.spec.seq_axis
@@ -119,6 +123,7 @@ class KVCache:
         TypeError, ValueError
             Bad arguments, before anything is launched.
         """
+        self._check_device()
         spec = self.spec
         layer = _checks.check_layer(layer, spec)
         n_new = _checks.check_rows("k", k, spec)
@@ -145,6 +150,7 @@ class KVCache:
             both are graph-safe. A sequence that would pass ``max_seq`` is
             clamped and flagged.
         """
+        self._check_device()
         spec = self.spec
         constant = _checks.is_int(n)
         if constant:
@@ -167,6 +173,7 @@ class KVCache:
             captured step); a device array is clamped on the device so that
             it can only shorten (graph-safe).
         """
+        self._check_device()
         spec = self.spec
         targets = self._per_sequence_arg(
             "new_lengths", new_lengths, lambda host: _checks.check_new_lengths(host, self.lengths_host(), spec))
@@ -183,6 +190,7 @@ class KVCache:
             Slots to reset; ``None`` resets all of them. A device mask (nonzero
             = reset) is read at run time (graph-safe).
         """
+        self._check_device()
         spec = self.spec
 
         def host_mask(host):
@@ -224,6 +232,7 @@ class KVCache:
         out : device float32 array ``[batch, 1, q_len, max_seq]``, optional
             Written in place and returned (the graph-safe form).
         """
+        self._check_device()
         spec = self.spec
         q_len = _checks.check_q_len(q_len)
         shape = (spec.batch, 1, q_len, spec.max_seq)

@@ -82,6 +82,7 @@ def _float_operand(name, array, backend, dtype=None, like=None):
 def _int32_operand(name, array, backend):
     """``array`` as a contiguous int32 array of ``backend``."""
     array = _to_backend_array(name, array, backend)
+    backend.check_device(name, array)
     if np.dtype(array.dtype) != np.int32:
         raise TypeError(f"{name}: expected dtype int32, got {np.dtype(array.dtype)}")
     if not array.flags.c_contiguous:

@@ -74,6 +74,9 @@ class Backend:
         """The array dtype that holds cache dtype ``dtype`` on this backend."""
         raise NotImplementedError
 
+    def check_device(self, name: str, array) -> None:
+        """Raise TypeError unless ``array`` lives on the device kernels launch on now (one device here)."""
+
     def _zeros(self, shape, dtype) -> Any:
         raise NotImplementedError
 

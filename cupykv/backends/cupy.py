@@ -33,6 +33,12 @@ class CupyBackend(Backend):
     def _zeros(self, shape, dtype):
         return cupy.zeros(shape, dtype)
 
+    def check_device(self, name, array):
+        current = cupy.cuda.runtime.getDevice()
+        if array.device.id != current:
+            raise TypeError(f"{name}: expected an array on the current CUDA device {current}, got one on "
+                            f"device {array.device.id}; launch under `with cupy.cuda.Device({array.device.id}):`")
+
     def is_device_array(self, array):
         return isinstance(array, cupy.ndarray)
 
