@@ -117,10 +117,31 @@ def test_weights_load_from_npz_and_safetensors(tmp_path, config):
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
     direct = Llama(config, weights, max_seq=32, batch=1, backend="emulator").generate([PROMPTS[0]], 3)
     for path in ("w.npz", "w.safetensors"):
-        assert set(load_weights(tmp_path / path)) == set(weights)
+        loaded = load_weights(tmp_path / path)
+        assert set(loaded) == set(weights)
+        assert all(np.array_equal(loaded[name], weights[name]) for name in weights)
         model = Llama.from_safetensors(tmp_path / "config.json", tmp_path / path, max_seq=32, batch=1,
                                        backend="emulator")
         assert model.generate([PROMPTS[0]], 3) == direct
+
+
+def test_bfloat16_safetensors_load_as_ml_dtypes_bfloat16(tmp_path, config):
+    from safetensors import numpy as safetensors_numpy
+    import ml_dtypes
+    weights = config.random_weights(seed=4)
+    bits = {name: w.astype(ml_dtypes.bfloat16).view(np.uint16) for name, w in weights.items()}
+    safetensors_numpy.save_file(bits, str(tmp_path / "u16.safetensors"))
+    # relabel the uint16 tensors as BF16, as a bfloat16 checkpoint stores them
+    raw = bytearray((tmp_path / "u16.safetensors").read_bytes())
+    size = int.from_bytes(raw[:8], "little")
+    header = bytes(raw[8 : 8 + size]).replace(b'"U16"', b'"BF16"')
+    (tmp_path / "bf16.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(raw[8 + size:]))
+    loaded = load_weights(tmp_path / "bf16.safetensors")
+    assert all(loaded[name].dtype == ml_dtypes.bfloat16 and
+               np.array_equal(loaded[name].view(np.uint16), bits[name]) for name in weights)
+    model = Llama(config, loaded, dtype="bfloat16", max_seq=32, batch=1, backend="emulator")
+    direct = Llama(config, weights, dtype="bfloat16", max_seq=32, batch=1, backend="emulator")
+    assert model.generate([PROMPTS[0]], 3) == direct.generate([PROMPTS[0]], 3)
 
 
 @pytest.mark.parametrize("prompts, new, message", [
