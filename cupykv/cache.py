@@ -241,7 +241,8 @@ class KVCache:
         else:
             out = device_input("out", out, self._backend, "float32", shape)
         self._launch(
-            "additive_mask", "cupykv_additive_mask", (_blocks(spec.max_seq, _SMALL_THREADS), q_len, spec.batch), (_SMALL_THREADS,),
+            "additive_mask", "cupykv_additive_mask",
+            (_blocks(spec.max_seq, _SMALL_THREADS), q_len, spec.batch), (_SMALL_THREADS,),
             (out, self.lengths, np.int32(q_len), np.int32(spec.max_seq), np.float32(MASK_VALUE)))
         return out
 

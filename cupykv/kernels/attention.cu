@@ -173,17 +173,39 @@ __global__ void __launch_bounds__(128, 4) cupykv_attention(
             for (int k = 0; k < kDimsPerThread; ++k) acc[m][k] *= rescale;
         }
         const int chunk_keys = min(kChunk, split_end - chunk);
-        for (int c = 0; c < chunk_keys; ++c) {
-            const T* v_row = v_cache + head_base + (long long)(chunk + c) * stride_seq;
+        const T* v_chunk = v_cache + head_base + (long long)chunk * stride_seq;
+        int c = 0;
+        for (; c + 4 <= chunk_keys; c += 4) {   // four keys at a time: one 16-byte score load per row
+            float v_val[4][kDimsPerThread];
+            for (int key = 0; key < 4; ++key)
+                for (int k = 0; k < kDimsPerThread; ++k) {
+                    const int d = dim0 + k * kDimStride;
+                    v_val[key][k] =
+                        d < head_dim ? cupykv::to_float(v_chunk[(long long)(c + key) * stride_seq + d]) : 0.0f;
+                }
+            for (int m = 0; m < kRowsPerThread; ++m) {
+                const int r = row_group + m * kRowGroups;
+                if (r >= tile_rows) break;
+                const float4 p = *reinterpret_cast<const float4*>(scores + r * kChunk + c);
+                const float p_key[4] = {p.x, p.y, p.z, p.w};
+                // p == 0 (masked or underflowed) never touches v: a stale NaN row stays out.
+                for (int key = 0; key < 4; ++key)
+                    for (int k = 0; k < kDimsPerThread; ++k)
+                        acc[m][k] = p_key[key] != 0.0f ? fmaf(p_key[key], v_val[key][k], acc[m][k]) : acc[m][k];
+            }
+        }
+        for (; c < chunk_keys; ++c) {
             float v_val[kDimsPerThread];
             for (int k = 0; k < kDimsPerThread; ++k) {
                 const int d = dim0 + k * kDimStride;
-                v_val[k] = d < head_dim ? cupykv::to_float(v_row[d]) : 0.0f;
+                v_val[k] = d < head_dim ? cupykv::to_float(v_chunk[(long long)c * stride_seq + d]) : 0.0f;
             }
             for (int m = 0; m < kRowsPerThread; ++m) {
-                const float p = scores[(row_group + m * kRowGroups) * kChunk + c];
-                // p == 0 (masked or underflowed) never touches v: a stale NaN row stays out.
-                for (int k = 0; k < kDimsPerThread; ++k) acc[m][k] = p != 0.0f ? fmaf(p, v_val[k], acc[m][k]) : acc[m][k];
+                const int r = row_group + m * kRowGroups;
+                if (r >= tile_rows) break;
+                const float p = scores[r * kChunk + c];
+                for (int k = 0; k < kDimsPerThread; ++k)
+                    acc[m][k] = p != 0.0f ? fmaf(p, v_val[k], acc[m][k]) : acc[m][k];
             }
         }
         __syncthreads();

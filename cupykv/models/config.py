@@ -132,7 +132,8 @@ class LlamaConfig:
     def check_weights(self, weights) -> dict[str, np.ndarray]:
         """Host float arrays for every parameter, shapes checked; unrelated names are ignored."""
         if not hasattr(weights, "__getitem__") or not hasattr(weights, "keys"):
-            raise TypeError(f"weights: expected a mapping of Hugging Face names to arrays, got {type(weights).__name__}")
+            raise TypeError(f"weights: expected a mapping of Hugging Face names to arrays, "
+                            f"got {type(weights).__name__}")
         checked = {}
         for name, shape in self.weight_shapes().items():
             if name not in weights:
