@@ -8,7 +8,6 @@ import contextlib
 import io
 import json
 import math
-import sys
 import time
 
 import ml_dtypes
@@ -18,7 +17,6 @@ import pytest
 from cupykv.__main__ import main
 from cupykv.bench import PLANS, SCHEMA, plan_for
 from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits
-from cupykv.bench.model import model_decode
 from cupykv.bench.report import EMULATOR_LABEL
 
 SECTIONS = ("copy", "attention_decode", "full_axis", "linear", "model_decode")
@@ -65,9 +63,6 @@ def test_every_section_has_positive_finite_figures(bench):
     sections = bench["data"]["sections"]
     assert set(sections) == set(SECTIONS)
     for name, section in sections.items():
-        if name == "model_decode" and section["status"] == "skipped":
-            assert section["reason"].startswith("model not available")
-            continue
         assert section["status"] == "ok", (name, section)
         assert section["results"], name
         for row in section["results"]:
@@ -130,14 +125,6 @@ def test_plan_choice():
     assert (full.n_heads, full.n_kv_heads, full.head_dim) == (64, 8, 128)
     assert full.decode_batches == (1, 8, 32) and full.full_axis_max_seq // 8 in [
         full.full_axis_max_seq // d for d in full.full_axis_divisors]
-
-
-def test_model_section_skips_with_a_reason_when_the_model_is_missing(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupykv.models", None)   # the import raises ImportError
-    monkeypatch.setitem(sys.modules, "cupykv.models.llama", None)
-    section = model_decode(ctx=None)
-    assert section["status"] == "skipped"
-    assert section["reason"].startswith("model not available: cupykv.models.llama is not importable")
 
 
 def test_bfloat16_bit_helpers_match_ml_dtypes():

@@ -13,7 +13,7 @@ side by side:
   plus the additive mask, softmax, matmul), per live length.
 - ``linear``: :func:`cupykv.linear` for 1..16 rows; bytes of W per second.
 - ``model_decode``: eager against graph-replayed decode step of
-  ``cupykv.models.llama`` (skipped, with the reason, while unavailable).
+  ``cupykv.models.llama``.
 
 On CuPy, times come from CUDA events around one call, after warm-up, with an
 L2 flush before each timed call; the median is kept with min and max. On the

@@ -1,9 +1,8 @@
 """Model decode step: eager against graph replay, through ``cupykv.models.llama``.
 
-:func:`eager_vs_graph` times any zero-argument decode step both ways. The
-LLaMA wiring is :func:`_llama_step`: it builds a random-weight model and
-returns its step. If ``cupykv.models.llama`` is missing, or does not take
-``_llama_step``'s calls, the section is recorded as skipped with the reason.
+:func:`eager_vs_graph` times any zero-argument decode step both ways;
+:func:`_llama_step` builds a random-weight model and returns its
+``decode_step``.
 """
 from __future__ import annotations
 
@@ -11,14 +10,6 @@ import time
 
 from cupykv.bench.arrays import fill_random
 from cupykv.graph import capture
-
-
-class Unavailable(Exception):
-    """The model cannot be benchmarked here; the message says why."""
-
-
-def skipped(reason: str) -> dict:
-    return {"status": "skipped", "reason": reason, "results": [], "checks": []}
 
 
 def eager_vs_graph(ctx, step, params: dict, start=None, after=None) -> dict:
@@ -52,22 +43,18 @@ def eager_vs_graph(ctx, step, params: dict, start=None, after=None) -> dict:
 def _llama_step(llama, ctx):
     """Build a random-weight bf16 LLaMA on the bench backend; return ``(step, start, after, params)``.
 
-    Uses ``LlamaConfig(**plan.model_config)``, ``Llama.random(config, *, seed,
-    dtype, max_seq, batch, backend)`` and ``Llama._decode_step()`` (one token
-    for every sequence: reads the device ids, writes the next ids, advances).
+    Uses ``LlamaConfig(**plan.model_config)``, ``Llama.random(...)`` and
+    ``Llama.decode_step()`` (one token for every sequence: reads the device
+    ids, writes the next ids, advances).
     The cache is filled with random K/V, and each phase starts at
     ``plan.model_context`` tokens.
     """
     plan, backend = ctx.plan, ctx.backend
     started = time.perf_counter()
-    try:
-        config = llama.LlamaConfig(**dict(plan.model_config))
-        model = llama.Llama.random(config, seed=0, dtype="bfloat16", max_seq=plan.model_max_seq,
-                                   batch=plan.model_batch, backend=backend.name)
-        step = model._decode_step
-    except (AttributeError, TypeError, ValueError) as exc:
-        raise Unavailable(f"model not available: cupykv.models.llama does not take the bench's calls "
-                          f"({type(exc).__name__}: {exc}); adjust cupykv/bench/model.py:_llama_step") from None
+    config = llama.LlamaConfig(**dict(plan.model_config))
+    model = llama.Llama.random(config, seed=0, dtype="bfloat16", max_seq=plan.model_max_seq,
+                               batch=plan.model_batch, backend=backend.name)
+    step = model.decode_step
     cache = model.cache
     fill_random(backend, cache.k, "bfloat16", seed=500)
     fill_random(backend, cache.v, "bfloat16", seed=501)
@@ -92,14 +79,8 @@ def _llama_step(llama, ctx):
 
 
 def model_decode(ctx) -> dict:
-    """The model section, or a skip that says why."""
-    try:
-        from cupykv.models import llama
-    except ImportError as exc:
-        return skipped(f"model not available: cupykv.models.llama is not importable "
-                       f"({type(exc).__name__}: {exc})")
-    try:
-        step, start, after, params = _llama_step(llama, ctx)
-    except Unavailable as exc:
-        return skipped(str(exc))
+    """The model section: eager against graph decode step of a random-weight LLaMA."""
+    from cupykv.models import llama
+
+    step, start, after, params = _llama_step(llama, ctx)
     return eager_vs_graph(ctx, step, params, start=start, after=after)

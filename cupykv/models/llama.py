@@ -141,8 +141,15 @@ class Llama:
         ops.linear(act.normed, self.weights["lm_head.weight"], out=self._logits)
         ops.argmax(self._logits, out=act.ids)
 
-    def _decode_step(self) -> None:
-        """One token for every sequence: reads ``ids``, writes the next ``ids`` and logits, advances."""
+    def decode_step(self) -> None:
+        """One greedy token for every sequence, from the ids of the previous one.
+
+        Reads the device ids (the last token of each sequence), runs every
+        layer at the cache's device lengths, writes the next ids and the logits
+        into the model's buffers and advances the cache by one. Launches only,
+        so it can be captured: ``generate`` replays it as one graph; call it
+        directly (after a ``generate``) for custom loops or timing.
+        """
         self._forward(self._decode)
         self._head(self._decode.hidden)
         self.cache.advance(1)
@@ -220,9 +227,9 @@ class Llama:
         collect(1)
         for step in range(1, max_new_tokens):
             if not use_graph:
-                self._decode_step()
+                self.decode_step()
             elif self._graph is None:
-                self._graph = capture(self._decode_step)   # the warm-up run is this step
+                self._graph = capture(self.decode_step)   # the warm-up run is this step
             else:
                 self._graph.replay()
             collect(step + 1)
