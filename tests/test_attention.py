@@ -88,3 +88,13 @@ def test_out_buffer_is_written_in_place(backend):
     out = cache._backend.zeros((1, 1, 4, 16), cache._backend.storage_dtype("float16"))
     assert cupykv.attention(q, cache, 0, out=out) is out
     assert np.abs(testing.to_numpy(out, spec).astype(np.float32)).max() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [130, 200, 256])
+def test_head_dims_past_128_use_two_dims_per_thread(backend, head_dim):
+    # the generic instance (HEAD_DIM = 0) covers head_dim 129..256 with two output dims per thread
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=300, batch=2, dtype="bfloat16")
+    options = dict(scale=None, window=None, softcap=5.0, rope=cupykv.Rope())
+    for splits in (1, 2):
+        run_case(backend, spec, 4, 3, [290, 5], options, splits, seed=head_dim + splits)
