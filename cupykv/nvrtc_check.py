@@ -16,7 +16,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from cupykv.kernels import KERNEL_DIR, KERNELS, cuda_include_dirs
+from cupykv.kernels import KERNEL_DIR, KERNELS, cuda_include_dirs, cuda_paths
 
 ARCHS = ("sm_80", "sm_90")
 OPTIONS = ("-std=c++17", "-Xptxas=-v")
@@ -27,13 +27,7 @@ class NvrtcError(RuntimeError):
 
 
 def _candidate_libraries() -> list[str]:
-    found = []
-    for entry in sys.path:
-        found += sorted(glob.glob(os.path.join(entry, "nvidia", "cu*", "lib", "libnvrtc.so*")))
-        found += sorted(glob.glob(os.path.join(entry, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")))
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root:
-            found += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")))
+    found = cuda_paths(("cu*/lib/libnvrtc.so*", "cuda_nvrtc/lib/libnvrtc.so*"), "lib64/libnvrtc.so*")
     return [path for path in found if "builtins" not in os.path.basename(path)]
 
 

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from cupykv import MASK_VALUE, CacheOverflowError, CacheSpec, Rope
 from cupykv.reference import KVCache, attention
+from cupykv.testing import bits
 from cupykv.rope import rope_angles
 from cupykv.spec import DTYPES, LAYOUTS
 
@@ -31,11 +32,6 @@ MAX_NORMAL_EXPONENT = {"float32": 127, "float16": 15, "bfloat16": 127}
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def bits(array):
-    """Bit pattern of an array, so NaN == NaN and -0.0 != 0.0."""
-    return array.view(f"u{array.dtype.itemsize}")
 
 
 def snapshot(cache):

@@ -68,12 +68,22 @@ def attention_instance(dtype: str, head_dim: int) -> str:
     return f"cupykv_attention<{CUDA_TYPES[dtype]}, {specialised}>"
 
 
-def cuda_include_dirs() -> list[str]:
-    """Folders holding cuda_fp16.h / cuda_bf16.h: the nvidia-cuda-runtime wheel, then a toolkit."""
-    dirs = []
+def cuda_paths(wheel_globs, toolkit_glob) -> list[str]:
+    """CUDA files found by glob: first in NVIDIA's pip wheels on ``sys.path``, then in a toolkit.
+
+    ``wheel_globs`` are relative to ``site-packages/nvidia`` (e.g. ``"cu*/include"``);
+    ``toolkit_glob`` is relative to ``$CUDA_PATH``, ``$CUDA_HOME`` and ``/usr/local/cuda``.
+    """
+    found = []
     for entry in sys.path:
-        dirs += sorted(glob.glob(os.path.join(entry, "nvidia", "cu*", "include")))
+        for pattern in wheel_globs:
+            found += sorted(glob.glob(os.path.join(entry, "nvidia", pattern)))
     for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
         if root:
-            dirs.append(os.path.join(root, "include"))
-    return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))]
+            found += sorted(glob.glob(os.path.join(root, toolkit_glob)))
+    return found
+
+
+def cuda_include_dirs() -> list[str]:
+    """Folders holding cuda_fp16.h / cuda_bf16.h: the nvidia-cuda-runtime wheel, then a toolkit."""
+    return [d for d in cuda_paths(("cu*/include",), "include") if os.path.exists(os.path.join(d, "cuda_fp16.h"))]
