@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from cupykv.kernels import KERNEL_DIR, KERNELS, cuda_include_dirs, cuda_paths
 
 ARCHS = ("sm_80", "sm_90")
-OPTIONS = ("-std=c++17", "-Xptxas=-v")
+#: What CuPy 14 passes to NVRTC for a RawModule (cupy/cuda/compiler.py adds ``-ftz=true`` and
+#: ``--device-as-default-execution-space`` to the caller's ``-std=c++17``), plus ptxas's report.
+OPTIONS = ("-std=c++17", "-ftz=true", "--device-as-default-execution-space", "-Xptxas=-v")
+#: The NVRTC the ``test`` extra installs (setup.cfg pins it), and a second, older 13.x that CI
+#: checks too, so that the no-spill verdict holds with margin rather than for one allocator.
+PINNED_NVRTC = "13.5.37"
+SECOND_NVRTC = "13.0.88"
 
 
 class NvrtcError(RuntimeError):
@@ -41,21 +47,73 @@ def _preload_builtins(library_path: str) -> None:
             continue
 
 
-def load_nvrtc() -> ctypes.CDLL:
-    """Load libnvrtc, preferring the pip wheel over a system toolkit."""
-    errors = []
-    for path in _candidate_libraries():
+def _wheel_version(library_path: str) -> str | None:
+    """Version of the ``nvidia-cuda-nvrtc`` wheel that holds ``library_path``, if it came from one."""
+    folder = os.path.dirname(os.path.realpath(library_path))
+    while os.path.basename(folder) != "nvidia":
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+    site = os.path.dirname(folder)
+    for dist_info in glob.glob(os.path.join(site, "nvidia_cuda_nvrtc*.dist-info")):
+        name = os.path.basename(dist_info)[: -len(".dist-info")]
+        return name.rsplit("-", 1)[-1]
+    return None
+
+
+@dataclass(frozen=True)
+class Nvrtc:
+    """A loaded libnvrtc: the library, where it came from and which version it is."""
+
+    lib: ctypes.CDLL
+    path: str
+    version: tuple[int, int]       # nvrtcVersion()
+    wheel_version: str | None      # nvidia-cuda-nvrtc's version, when loaded from that wheel
+
+    def describe(self) -> str:
+        wheel = f" (nvidia-cuda-nvrtc {self.wheel_version})" if self.wheel_version else ""
+        return f"NVRTC {self.version[0]}.{self.version[1]}{wheel} from {self.path}"
+
+
+def _open(path: str) -> Nvrtc:
+    _preload_builtins(path)
+    lib = ctypes.CDLL(path)
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return Nvrtc(lib, path, (major.value, minor.value), _wheel_version(path))
+
+
+def find_library(root: str) -> str:
+    """The libnvrtc.so under ``root`` (a wheel unpacked with ``pip install --target``, or a toolkit)."""
+    found = sorted(p for p in glob.glob(os.path.join(root, "**", "libnvrtc.so*"), recursive=True)
+                   if "builtins" not in os.path.basename(p))
+    if not found:
+        raise NvrtcError(f"no libnvrtc.so under {root}")
+    return found[0]
+
+
+def load_nvrtc(path: str | None = None) -> Nvrtc:
+    """Load libnvrtc: ``path`` when given, else the pip wheel, else a system toolkit.
+
+    ``path`` may be the library itself or a folder holding it (see :func:`find_library`).
+    """
+    if path is not None:
+        library = find_library(path) if os.path.isdir(path) else path
         try:
-            _preload_builtins(path)
-            lib = ctypes.CDLL(path)
+            return _open(library)
+        except OSError as exc:
+            raise NvrtcError(f"cannot load {library}: {exc}") from None
+    errors = []
+    for candidate in _candidate_libraries():
+        try:
+            return _open(candidate)
         except OSError as exc:  # pragma: no cover - depends on the machine
-            errors.append(f"{path}: {exc}")
-            continue
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
-        return lib
+            errors.append(f"{candidate}: {exc}")
     raise NvrtcError(
-        "libnvrtc not found: install the test extra (pip install 'nvidia-cuda-nvrtc>=13,<14') "
+        f"libnvrtc not found: install the test extra (pip install 'nvidia-cuda-nvrtc=={PINNED_NVRTC}') "
         "or point CUDA_PATH at a CUDA toolkit" + ("; tried " + "; ".join(errors) if errors else "")
     )
 
@@ -91,13 +149,14 @@ def _program_log(lib, program) -> str:
     return log.value.decode(errors="replace")
 
 
-def compile_file(lib, filename: str, source: str, instances, arch: str,
+def compile_file(nvrtc: Nvrtc, filename: str, source: str, instances, arch: str,
                  include_dirs=(KERNEL_DIR,)) -> tuple[dict[str, str], str]:
     """Compile one source for one arch; returns (mangled name -> instance, program log).
 
     ``include_dirs`` are searched for ``#include "..."``; the CUDA headers
     (cuda_fp16.h, cuda_bf16.h) come from :func:`cuda_include_dirs`.
     """
+    lib = nvrtc.lib
     program = ctypes.c_void_p()
     _call(lib, "nvrtcCreateProgram", ctypes.byref(program), source.encode(), filename.encode(), 0, None, None)
     try:
@@ -149,14 +208,17 @@ def parse_ptxas_log(log: str, lowered: dict[str, str], arch: str) -> list[Instan
     return reports
 
 
-def check_all(archs=ARCHS) -> list[InstanceReport]:
-    """Compile every instance of every kernel file for each arch and collect ptxas's reports."""
-    lib = load_nvrtc()
+def check_all(archs=ARCHS, nvrtc: Nvrtc | None = None) -> list[InstanceReport]:
+    """Compile every instance of every kernel file for each arch and collect ptxas's reports.
+
+    ``nvrtc`` defaults to :func:`load_nvrtc`'s choice.
+    """
+    nvrtc = nvrtc or load_nvrtc()
     reports = []
     for kernel in KERNELS.values():
         source = kernel.source()
         for arch in archs:
-            lowered, log = compile_file(lib, kernel.filename, source, kernel.instances, arch)
+            lowered, log = compile_file(nvrtc, kernel.filename, source, kernel.instances, arch)
             reports += parse_ptxas_log(log, lowered, arch)
     return reports
 
@@ -170,18 +232,21 @@ def format_table(reports) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    """Entry point of ``python -m cupykv check``; returns the process exit code."""
+def main(nvrtc_path: str | None = None) -> int:
+    """Entry point of ``python -m cupykv check [--nvrtc PATH]``; returns the process exit code."""
     try:
-        reports = check_all()
+        nvrtc = load_nvrtc(nvrtc_path)
+        reports = check_all(nvrtc=nvrtc)
     except NvrtcError as exc:
         print(f"cupykv check: FAILED\n{exc}", file=sys.stderr)
         return 1
-    return report(reports)
+    return report(reports, nvrtc)
 
 
-def report(reports) -> int:
-    """Print the table and the verdict; 1 when any instance spills."""
+def report(reports, nvrtc: Nvrtc | None = None) -> int:
+    """Print the NVRTC used, the table and the verdict; 1 when any instance spills."""
+    if nvrtc is not None:
+        print(f"{nvrtc.describe()}; options {' '.join(OPTIONS)}")
     print(format_table(reports))
     spilled = [r for r in reports if r.spills]
     if spilled:

@@ -486,8 +486,8 @@ def test_rewrite_keeps_line_numbers():
 @pytest.mark.parametrize("path", [GOOD, BUGS], ids=["good.cu", "bugs.cu"])
 def test_same_source_compiles_with_nvrtc(path):
     """The emulator's test kernels are real CUDA: NVRTC compiles them unchanged for sm_80."""
-    lib = nvrtc_check.load_nvrtc()
-    nvrtc_check.compile_file(lib, path.name, path.read_text(), [], "sm_80", include_dirs=(str(KERNELS),))
+    nvrtc = nvrtc_check.load_nvrtc()
+    nvrtc_check.compile_file(nvrtc, path.name, path.read_text(), [], "sm_80", include_dirs=(str(KERNELS),))
 
 
 # ---- speed -----------------------------------------------------------------------------

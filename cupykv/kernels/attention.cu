@@ -37,8 +37,14 @@ constexpr int kTileRows = 16;     // query rows (query x head of one group) per 
 constexpr int kWarps = kThreads / 32;
 }  // namespace attention_tiling
 
+// Minimum resident blocks per SM (ptxas's register budget): 4 (<= 128 registers) for 16-bit
+// storage; 3 (<= 168) for float, where NVRTC 13.5 allocates <float, 64> on sm_80 at 164
+// registers and spilled 16 bytes under the 128 cap (13.0 needs 74). `python -m cupykv check`
+// prints every instance's registers.
+template <typename T> constexpr int attention_min_blocks() { return sizeof(T) == 4 ? 3 : 4; }
+
 template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(128, 4) cupykv_attention(
+__global__ void __launch_bounds__(128, attention_min_blocks<T>()) cupykv_attention(
     T* __restrict__ out,                  // [batch, q_len, n_heads, head_dim] (num_splits == 1)
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
     float* __restrict__ partial_max,      // [num_splits, batch * q_len * n_heads]
