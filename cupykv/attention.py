@@ -7,10 +7,12 @@ workspace, then one launch (plus a combine launch when split).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from cupykv import _checks
+from cupykv import _checks, graph
 from cupykv._inputs import device_input
 from cupykv.cache import KVCache
 from cupykv.kernels import CUDA_TYPES, attention_instance
@@ -41,21 +43,43 @@ def plan_splits(cache: KVCache, q_len: int, n_heads: int) -> int:
     return max(1, min(math.ceil(TARGET_BLOCKS / blocks), spec.max_seq // MIN_KEYS_PER_SPLIT))
 
 
-def _workspace(cache: KVCache, num_splits: int, rows: int, head_dim: int):
+@dataclass(frozen=True)
+class _Workspace:
+    """One cache's split-KV scratch: three flat float32 buffers and their views for the last shape used."""
+
+    buffers: tuple      # float32 [size] each, for partial_out, partial_max, partial_sum; grow, never shrink
+    shape: tuple        # (splits, rows, head_dim) that ``views`` were carved for
+    views: tuple        # partial_out [splits, rows, head_dim], partial_max, partial_sum [splits, rows]
+
+
+def _workspace(cache: KVCache, num_splits: int, rows: int, head_dim: int) -> tuple:
     """fp32 partial results ``[splits, rows, head_dim]``, max and sum ``[splits, rows]``.
 
-    Allocated once per shape and kept on the cache, so a captured step never
-    allocates. An unsplit launch never touches them: one element stands in.
+    Leading views of three buffers per cache, each grown (outside capture
+    only) when a call needs more than any call before it, so memory stays
+    bounded by the largest call and a smaller one allocates nothing. They are
+    three allocations, not one, so that on the emulator an overrun of one
+    view hits a guard page instead of the next view. A captured graph keeps
+    the buffers it was captured with alive through its launch arguments. An
+    unsplit launch never touches them: one element each stands in.
     """
     if num_splits == 1:
         rows = head_dim = 1
-    key = (num_splits, rows, head_dim)
-    if key not in cache._workspaces:
-        zeros = cache._backend.zeros
-        cache._workspaces[key] = (zeros((num_splits, rows, head_dim), np.float32),
-                                  zeros((num_splits, rows), np.float32),
-                                  zeros((num_splits, rows), np.float32))
-    return cache._workspaces[key]
+    shape = (num_splits, rows, head_dim)
+    current = cache._workspace
+    if current is not None and current.shape == shape:
+        return current.views
+    shapes = ((num_splits, rows, head_dim), (num_splits, rows), (num_splits, rows))
+    buffers = list(current.buffers) if current is not None else [None, None, None]
+    for i, view_shape in enumerate(shapes):
+        size = math.prod(view_shape)
+        if buffers[i] is None or buffers[i].size < size:
+            graph.refuse_in_capture(f"growing attention's split-KV workspace to {size} float32 values",
+                                    "call attention once with the step's largest shapes before capture")
+            buffers[i] = cache._backend.zeros((size,), np.float32)
+    views = tuple(buffer[:math.prod(view_shape)].reshape(view_shape) for buffer, view_shape in zip(buffers, shapes))
+    cache._workspace = _Workspace(tuple(buffers), shape, views)
+    return views
 
 
 def attention(q, cache: KVCache, layer, *, scale=None, window=None, softcap=None, rope=None, out=None,
@@ -70,7 +94,8 @@ def attention(q, cache: KVCache, layer, *, scale=None, window=None, softcap=None
     Parameters
     ----------
     q : device array ``[batch, q_len, n_heads, head_dim]``
-        Queries in the cache's storage dtype; ``n_heads`` a multiple of
+        Queries in the cache's dtype (bfloat16 as ``ml_dtypes.bfloat16`` or
+        uint16 bit patterns, on either backend); ``n_heads`` a multiple of
         ``n_kv_heads`` (head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``).
     cache : KVCache
     layer : int
@@ -83,7 +108,8 @@ def attention(q, cache: KVCache, layer, *, scale=None, window=None, softcap=None
     rope : Rope, optional
         Rotate each query at its position first.
     out : device array ``[batch, q_len, n_heads, head_dim]``, optional
-        Written in place and returned (the graph-safe form).
+        Written in place and returned (the graph-safe form), viewed as the
+        storage dtype; the dtype forms of ``q`` are accepted.
     num_splits : int, optional
         Split-KV factor; by default :func:`plan_splits` picks it.
 

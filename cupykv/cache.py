@@ -59,8 +59,8 @@ class KVCache:
         self.overflow = self._backend.zeros((spec.batch,), np.int32)
         # [batch] int32 staging for host-given per-sequence values (advance, truncate, reset).
         self._per_seq = self._backend.zeros((spec.batch,), np.int32)
-        # attention's split-KV partial results, by shape (see cupykv.attention).
-        self._workspaces: dict = {}
+        # attention's split-KV scratch: one buffer, grown as needed (see cupykv.attention._workspace).
+        self._workspace = None
 
     # -- introspection -------------------------------------------------------
     @property

@@ -13,10 +13,11 @@ and runs the recorded launches at replay, reading buffer contents then.
 
 On both backends these are errors inside a captured step, raised at capture
 with a message that says what to do instead: an allocation (pass ``out=``),
-a host synchronisation or device read (``check()``, ``lengths_host()``), a
-host-to-device upload (host values for ``advance``/``truncate``/``reset``:
-pass a device int32 array), and, on the emulator, NumPy computation on
-device arrays (it would run once, at capture, not at every replay).
+a host synchronisation or device read (``check()``, ``lengths_host()``,
+``backend.synchronize()``), a host-to-device upload (host values for
+``advance``/``truncate``/``reset``: pass a device int32 array), and, on the
+emulator, NumPy computation on device arrays (it would run once, at capture,
+not at every replay); views of device arrays are allowed, as on CuPy.
 """
 from __future__ import annotations
 
@@ -126,7 +127,10 @@ def capture(step: Callable, *args, **kwargs) -> Graph:
     ------
     CaptureError
         The step launched no cupykv kernel, mixed backends, or did something a
-        graph cannot replay (see the module docstring).
+        graph cannot replay (see the module docstring), or, on CuPy, the CUDA
+        capture was invalidated by something the step did.
+    Exception
+        Whatever the step itself raised, as it raised it.
     """
     if not callable(step):
         raise TypeError(f"step: expected a callable, got {type(step).__name__}")
@@ -153,10 +157,45 @@ def _capture_cupy(step, args, kwargs) -> Graph:
     stream.wait_event(caller.record())
     recorder = _Recorder(execute=True, capturing=True)   # launched on the capturing stream: recorded by CUDA
     with stream, cupy.cuda.using_allocator(_refuse_allocation), _capturing(recorder):
-        stream.begin_capture()
-        try:
-            step(*args, **kwargs)
-        finally:
-            cuda_graph = stream.end_capture()
+        cuda_graph = _capture_on(stream, lambda: step(*args, **kwargs))
     cuda_graph.upload()
     return Graph("cupy", recorder.launches, cuda_graph=cuda_graph, keepalive=(step, args, kwargs, stream))
+
+
+_INVALIDATED = ("the CUDA stream capture was invalidated although the step raised nothing: a call in the step "
+                "was not permitted during capture (likely a host synchronisation such as a stream or device "
+                "synchronize, a device-to-host copy such as .get() or cupy.asnumpy, or work on another stream "
+                "joined to the capturing one) and its error was caught or never reported; a captured step "
+                "should launch only cupykv ops into preallocated buffers")
+
+
+def _capture_on(stream, run: Callable[[], None]):
+    """Record ``run()`` between ``stream.begin_capture()`` and ``stream.end_capture()``; return the graph.
+
+    If ``run`` raises, the capture is ended, its graph discarded and ``run``'s
+    own exception propagates; ``end_capture`` failing then (as it does for an
+    invalidated capture) is only added to that exception as a note. If ``run``
+    returns but ``end_capture`` fails, the capture was invalidated without an
+    error at the call that caused it, and CaptureError says what usually does.
+    """
+    stream.begin_capture()
+    try:
+        run()
+    except BaseException as step_error:
+        _abandon_capture(stream, step_error)
+        raise
+    try:
+        return stream.end_capture()
+    except Exception as end_error:
+        raise CaptureError(f"{_INVALIDATED} (end_capture raised {type(end_error).__name__}: {end_error})") \
+            from end_error
+
+
+def _abandon_capture(stream, step_error: BaseException) -> None:
+    """End the capture on ``stream`` after the step raised ``step_error``; the graph is discarded."""
+    try:
+        stream.end_capture()
+    except Exception as end_error:
+        if hasattr(step_error, "add_note"):  # Python >= 3.11
+            step_error.add_note(f"(cupykv: ending the abandoned CUDA stream capture then raised "
+                                f"{type(end_error).__name__}: {end_error})")

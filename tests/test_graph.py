@@ -1,11 +1,12 @@
 """capture / replay: replays equal eager steps equal the reference, with state advancing on the device."""
 import gc
+import sys
 
 import numpy as np
 import pytest
 
 import cupykv
-from cupykv import reference, testing
+from cupykv import graph as cupykv_graph, reference, testing
 from backends import BACKENDS
 
 N_HEADS = 4
@@ -147,12 +148,13 @@ def _bad_steps(cache, step):
         "host advance": (lambda: (step(), cache.advance(host_lengths)), "host values"),
         "host truncate": (lambda: (step(), cache.truncate(0)), "synchronisation"),
         "host reset slots": (lambda: (step(), cache.reset([0])), "host values"),
+        "backend synchronize": (lambda: (step(), cache._backend.synchronize()), r"backend\.synchronize\(\)"),
     }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["allocation", "check", "lengths_host", "host advance", "host truncate",
-                                  "host reset slots"])
+                                  "host reset slots", "backend synchronize"])
 def test_capture_refuses_what_a_graph_cannot_replay(backend, case):
     cache, _, step = make(backend)
     bad, message = _bad_steps(cache, step)[case]
@@ -164,6 +166,15 @@ def test_numpy_math_on_emulator_device_arrays_is_refused_in_capture():
     cache, _, step = make("emulator")
     with pytest.raises(cupykv.CaptureError, match="numpy.multiply"):
         cupykv.capture(lambda: (step(), step.out[0] * 2))
+
+
+def test_views_of_emulator_device_arrays_are_allowed_in_capture_but_host_reads_are_not():
+    cache, _, step = make("emulator")
+    cupykv.capture(lambda: (step(), step.out[0][:, :1].reshape(-1)))    # a view moves no data, as on CuPy
+    with pytest.raises(cupykv.CaptureError, match="reading an emulator device array"):
+        cupykv.capture(lambda: (step(), step.out[0][0, 0, 0, 0]))
+    with pytest.raises(cupykv.CaptureError, match="a gather on the host"):
+        cupykv.capture(lambda: (step(), step.out[0][[0, 1]]))
 
 
 def test_a_step_without_cupykv_launches_cannot_be_captured():
@@ -190,3 +201,102 @@ def test_device_side_truncate_and_reset_are_graph_safe(backend):
         step.on_reference(oracle)
     testing.assert_matches_reference(cache, oracle)
     assert cache.lengths_host().tolist() == [3, 1]
+
+
+# -- ending a CUDA stream capture (cupykv.graph._capture_on), with a stand-in for cupy.cuda.Stream --------
+class FakeStream:
+    """begin_capture / end_capture as on cupy.cuda.Stream; ``end_error`` makes end_capture fail as CUDA does."""
+
+    def __init__(self, end_error=None):
+        self.end_error = end_error
+        self.calls = []
+
+    def begin_capture(self):
+        self.calls.append("begin_capture")
+
+    def end_capture(self):
+        self.calls.append("end_capture")
+        if self.end_error is not None:
+            raise self.end_error
+        return "the graph"
+
+
+def invalidated():
+    return RuntimeError("cudaErrorStreamCaptureInvalidated: operation failed due to a previous error during capture")
+
+
+def raise_value_error():
+    raise ValueError("the step's own error")
+
+
+def test_a_step_error_is_not_replaced_by_the_failure_to_end_the_invalidated_capture():
+    stream = FakeStream(end_error=invalidated())
+    with pytest.raises(ValueError, match="the step's own error") as caught:
+        cupykv_graph._capture_on(stream, raise_value_error)
+    assert stream.calls == ["begin_capture", "end_capture"]
+    if sys.version_info >= (3, 11):     # the end_capture failure is kept as a note
+        assert any("cudaErrorStreamCaptureInvalidated" in note for note in caught.value.__notes__)
+
+
+def test_a_step_error_propagates_and_the_capture_is_ended_when_it_ends_cleanly():
+    stream = FakeStream()
+    with pytest.raises(ValueError, match="the step's own error") as caught:
+        cupykv_graph._capture_on(stream, raise_value_error)
+    assert stream.calls == ["begin_capture", "end_capture"]
+    assert not getattr(caught.value, "__notes__", [])
+
+
+def test_a_capture_invalidated_by_a_step_that_raised_nothing_is_a_capture_error_with_the_likely_cause():
+    cause = invalidated()
+    with pytest.raises(cupykv.CaptureError, match="invalidated .* host synchronisation") as caught:
+        cupykv_graph._capture_on(FakeStream(end_error=cause), lambda: None)
+    assert caught.value.__cause__ is cause
+    assert "cudaErrorStreamCaptureInvalidated" in str(caught.value)
+
+
+def test_a_clean_capture_returns_the_graph_end_capture_made():
+    stream = FakeStream()
+    assert cupykv_graph._capture_on(stream, lambda: None) == "the graph"
+    assert stream.calls == ["begin_capture", "end_capture"]
+
+
+def _invalidate_the_capture():
+    """Synchronise the capturing stream, a call CUDA refuses during capture, and swallow the refusal."""
+    import cupy
+    try:
+        cupy.cuda.runtime.streamSynchronize(cupy.cuda.get_current_stream().ptr)
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass
+
+
+def _step_that_misbehaves_at_capture(step, misbehave):
+    """``step``, then ``misbehave()`` on the second call only (the capture; the first is the warm-up)."""
+    calls = []
+
+    def run():
+        step()
+        calls.append(None)
+        if len(calls) == 2:
+            misbehave()
+    return run
+
+
+@pytest.mark.gpu
+def test_a_step_error_inside_a_cupy_capture_reaches_the_caller_not_the_capture_error():
+    _, _, step = make("cupy")
+
+    def invalidate_then_fail():
+        _invalidate_the_capture()
+        raise_value_error()
+
+    with pytest.raises(ValueError, match="the step's own error") as caught:
+        cupykv.capture(_step_that_misbehaves_at_capture(step, invalidate_then_fail))
+    if sys.version_info >= (3, 11):     # proves the capture really was invalidated, as the test intends
+        assert any("cudaErrorStreamCaptureInvalidated" in note for note in caught.value.__notes__)
+
+
+@pytest.mark.gpu
+def test_a_cupy_capture_invalidated_by_a_step_that_raised_nothing_is_a_capture_error():
+    _, _, step = make("cupy")
+    with pytest.raises(cupykv.CaptureError, match="invalidated"):
+        cupykv.capture(_step_that_misbehaves_at_capture(step, _invalidate_the_capture))

@@ -13,7 +13,8 @@ class Backend:
     """Arrays and kernel launches for one execution target.
 
     Subclasses set ``name`` and ``xp`` and implement the array helpers and
-    ``_compile``. Compiled modules are cached per op for the process.
+    ``_compile``. Compiled modules are cached per op, and launchable kernels
+    per ``(op, instance)``, for the life of the backend.
     """
 
     name: str = ""
@@ -21,6 +22,7 @@ class Backend:
 
     def __init__(self) -> None:
         self._modules: dict[str, Any] = {}
+        self._kernels: dict[tuple[str, str], Callable] = {}
 
     # -- kernels -------------------------------------------------------------
     def launch(self, op: str, instance: str, grid, block, args, shared_mem: int = 0) -> None:
@@ -35,12 +37,22 @@ class Backend:
     def kernel(self, op: str, instance: str) -> Callable:
         """The launchable kernel ``instance`` of ``kernels/<op>.cu``.
 
-        The result is called as ``fn(grid, block, args, shared_mem=0)``.
+        The result is called as ``fn(grid, block, args, shared_mem=0)``. It is
+        looked up once per backend: CuPy's ``RawModule.get_function`` builds a
+        new ``RawKernel`` and calls ``cuModuleGetFunction`` every time.
         """
+        fn = self._kernels.get((op, instance))
+        if fn is None:
+            fn = self._kernels[op, instance] = self._module(op).get_function(instance)
+        return fn
+
+    def _module(self, op: str) -> Any:
+        """The compiled module of ``kernels/<op>.cu``, compiled on first use."""
         if op not in self._modules:
             kernel_file = KERNELS[op]
-            self._modules[op] = self._compile(kernel_file.filename, kernel_file.source(), kernel_file.instances)
-        return self._modules[op].get_function(instance)
+            self._modules[op] = self._compile(kernel_file.filename, kernel_file.module_source(),
+                                              kernel_file.instances)
+        return self._modules[op]
 
     def _compile(self, filename: str, source: str, instances: Sequence[str]) -> Any:
         raise NotImplementedError
@@ -93,5 +105,12 @@ class Backend:
     def _upload(self, device_array, host_values) -> None:
         raise NotImplementedError
 
+    # -- synchronisation -----------------------------------------------------
     def synchronize(self) -> None:
+        """Wait on the host until the work launched so far has finished."""
+        graph.refuse_in_capture("backend.synchronize() (a host synchronisation, which invalidates a CUDA "
+                                "stream capture)", "synchronise after replay(), outside the step")
+        self._synchronize()
+
+    def _synchronize(self) -> None:
         raise NotImplementedError

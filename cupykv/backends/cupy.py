@@ -1,8 +1,9 @@
 """The CuPy backend: device arrays and RawModule kernels on the current stream.
 
-bfloat16 has no CuPy dtype, so bfloat16 caches and inputs travel as uint16
-arrays holding the bfloat16 bit patterns (``x.view(cupy.uint16)`` of a torch
-or JAX bfloat16 tensor, or ``cupy.asarray(np_bf16.view(np.uint16))``).
+bfloat16 caches and outputs are stored as uint16 arrays holding the bfloat16
+bit patterns. Inputs may be those bit patterns or CuPy's own bfloat16 dtype
+(``ml_dtypes.bfloat16``, as ``cupy.from_dlpack`` of a torch bfloat16 tensor
+gives); ``cupykv._inputs.device_input`` views either as uint16 without a copy.
 """
 from __future__ import annotations
 
@@ -54,5 +55,5 @@ class CupyBackend(Backend):
     def _upload(self, device_array, host_values):
         device_array.set(np.ascontiguousarray(host_values, dtype=device_array.dtype))
 
-    def synchronize(self):
+    def _synchronize(self):
         cupy.cuda.get_current_stream().synchronize()

@@ -14,11 +14,20 @@ _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
 _HOST_MATH = "it would run once, at capture, not at every replay; use cupykv ops"
 
 
+def _is_basic_index(index) -> bool:
+    """Whether ``index`` is NumPy basic indexing (ints, slices, None, ...): a view or one element, no gather."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(part is None or part is Ellipsis or isinstance(part, slice)
+               or (isinstance(part, (int, np.integer)) and not isinstance(part, (bool, np.bool_)))
+               for part in parts)
+
+
 class DeviceArray(np.ndarray):
     """A NumPy array in the emulator's guarded memory: the emulator's device array.
 
     It behaves as a NumPy array, except inside a captured step, where host-side
     NumPy computation on it raises (a GPU graph would not replay it either).
+    Views (basic slicing) stay allowed there: as on CuPy, they touch no data.
     """
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -33,8 +42,13 @@ class DeviceArray(np.ndarray):
         return super().__array_function__(func, types, args, kwargs)
 
     def __getitem__(self, index):
-        graph.refuse_in_capture("reading an emulator device array on the host", _HOST_MATH)
-        return super().__getitem__(index)
+        if not _is_basic_index(index):
+            graph.refuse_in_capture("indexing an emulator device array with an array (a gather on the host)",
+                                    _HOST_MATH)
+        item = super().__getitem__(index)
+        if not isinstance(item, np.ndarray):
+            graph.refuse_in_capture("reading an emulator device array on the host", _HOST_MATH)
+        return item
 
     def __setitem__(self, index, value):
         graph.refuse_in_capture("writing an emulator device array from the host", _HOST_MATH)
@@ -68,5 +82,5 @@ class EmulatorBackend(Backend):
     def _upload(self, device_array, host_values):
         np.copyto(device_array.view(np.ndarray), host_values, casting="unsafe")
 
-    def synchronize(self):
+    def _synchronize(self):
         emulator.synchronize()

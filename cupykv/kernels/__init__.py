@@ -7,6 +7,7 @@ and the offline NVRTC check compile exactly the instances listed here.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import sys
 from dataclasses import dataclass
@@ -30,9 +31,21 @@ class KernelFile:
     filename: str
     instances: tuple[str, ...]
 
-    def source(self) -> str:
-        with open(os.path.join(KERNEL_DIR, self.filename), encoding="utf-8") as f:
+    def source(self, kernel_dir: str = KERNEL_DIR) -> str:
+        with open(os.path.join(kernel_dir, self.filename), encoding="utf-8") as f:
             return f.read()
+
+    def module_source(self, kernel_dir: str = KERNEL_DIR) -> str:
+        """The source as handed to a compiler whose cache sees only this text.
+
+        CuPy's on-disk module cache keys on the ``.cu`` text, the options and
+        the name expressions, not on the headers the text includes. The
+        source is therefore followed by one comment line holding the sha256
+        of every header in ``kernel_dir``: editing ``common.cuh`` (or
+        upgrading cupykv in place) changes the text, so CuPy compiles a new
+        module instead of loading a stale cubin. Line numbers are unchanged.
+        """
+        return f"{self.source(kernel_dir)}\n// cupykv headers sha256 {header_digest(kernel_dir)}\n"
 
 
 def _per_type(template: str) -> tuple[str, ...]:
@@ -59,7 +72,18 @@ KERNELS: dict[str, KernelFile] = {
     "silu_mul": KernelFile("silu_mul.cu", _per_type("cupykv_silu_mul<{t}>")),
     "add": KernelFile("add.cu", _per_type("cupykv_add<{t}>")),
     "argmax": KernelFile("argmax.cu", _per_type("cupykv_argmax<{t}>")),
+    "delay": KernelFile("delay.cu", ("cupykv_delay",)),  # the bench timer's guard (bench/timing.py)
 }
+
+
+def header_digest(kernel_dir: str = KERNEL_DIR) -> str:
+    """sha256 over the names and contents of the ``.cuh`` headers in ``kernel_dir``."""
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(kernel_dir, "*.cuh"))):
+        digest.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(f.read() + b"\0")
+    return digest.hexdigest()
 
 
 def attention_instance(dtype: str, head_dim: int) -> str:
