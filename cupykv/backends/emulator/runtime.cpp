@@ -79,7 +79,8 @@ struct Sched {
   bool bar_mismatch;
   void* sched_sp;
   int err;
-  uint32_t init_csr[2];
+  uint32_t init_csr[2];    // MXCSR and x87 control word every fiber starts with
+  uint32_t host_csr[2];    // the launching thread's, restored when the launch ends
 };
 
 Sched S;
@@ -172,13 +173,30 @@ static void* init_frame(char* top, Fiber* f) {
   sp[9] = 0;
   return sp;
 }
+// CuPy compiles every kernel with -ftz=true, so on the GPU fp32 subnormal inputs and results
+// of arithmetic flush to sign-preserving zero. Fibers run with MXCSR's flush-to-zero and
+// denormals-are-zero bits set to do the same. (SSE applies them to double too, where the GPU
+// keeps subnormals; cupykv uses double only for rope angles, far from that range.) The 16-bit
+// conversions are integer code in cuda_fp16.h / cuda_bf16.h and keep subnormals, like the
+// GPU's cvt instructions without .ftz.
+constexpr uint32_t kMxcsrFlushToZero = 1u << 15, kMxcsrDenormalsAreZero = 1u << 6;
+
 static void capture_csr() {
   uint32_t mxcsr;
   uint16_t fpcw;
   asm volatile("stmxcsr %0" : "=m"(mxcsr));
   asm volatile("fnstcw %0" : "=m"(fpcw));
-  S.init_csr[0] = mxcsr;
+  S.host_csr[0] = mxcsr;
+  S.host_csr[1] = fpcw;
+  S.init_csr[0] = mxcsr | kMxcsrFlushToZero | kMxcsrDenormalsAreZero;
   S.init_csr[1] = fpcw;
+}
+
+// A fault leaves the launching thread by siglongjmp with a fiber's control words loaded.
+static void restore_host_csr() {
+  const uint16_t fpcw = (uint16_t)S.host_csr[1];
+  asm volatile("ldmxcsr %0" : : "m"(S.host_csr[0]));
+  asm volatile("fldcw %0" : : "m"(fpcw));
 }
 #else
 #error "the cupykv emulator runtime supports x86-64 only"
@@ -793,6 +811,7 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
       r->thread_idx[2] = g_err_fiber->idx.z;
     }
   }
+  restore_host_csr();
   restore_handlers();
   if (!(old_ss.ss_flags & SS_DISABLE)) sigaltstack(&old_ss, nullptr);
   else { ss.ss_flags = SS_DISABLE; sigaltstack(&ss, nullptr); }

@@ -1,0 +1,80 @@
+"""fp32 subnormals: the emulator flushes them as the GPU does under CuPy's ``-ftz=true``.
+
+CuPy compiles every RawModule with ``-ftz=true``, so fp32 arithmetic on the GPU
+treats subnormal inputs as zero and flushes subnormal results to zero (sign
+kept). The emulator runs kernels with x86's denormals-are-zero and
+flush-to-zero set, and restores the host's settings when a launch ends, even
+one that faults, so NumPy on the host keeps its subnormals.
+"""
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupykv import ops
+from cupykv.backends import emulator as E
+from cupykv.backends import get_backend
+BUGS = Path(__file__).parent / "emulator_kernels" / "bugs.cu"
+SUBNORMAL = np.float32(1e-39)
+
+
+def assert_host_keeps_subnormals():
+    assert np.float32(SUBNORMAL) * np.float32(1.0) == SUBNORMAL != 0
+    assert np.add(np.array([SUBNORMAL]), np.float32(0))[0] == SUBNORMAL
+
+
+def _add(a, b, backend):
+    device = get_backend(backend)
+    return device.to_host(ops.add(device.asarray(a), device.asarray(b), backend=backend))
+
+
+def test_fp32_subnormal_inputs_are_read_as_zero():
+    # 2e-38 is normal, -1e-38 subnormal: with the input flushed the sum is 2e-38 exactly,
+    # where IEEE arithmetic gives 1e-38 (itself subnormal, so flushing only the result gives 0).
+    # -subnormal + -0 is -0: the flushed input keeps its sign (and -0 + +0 would be +0).
+    a = np.array([2e-38, SUBNORMAL, -SUBNORMAL, 1.0], np.float32)
+    b = np.array([-1e-38, 0.0, -0.0, SUBNORMAL], np.float32)
+    got = _add(a, b, "emulator")
+    assert got.tobytes() == np.array([2e-38, 0.0, -0.0, 1.0], np.float32).tobytes()
+
+
+def test_fp32_subnormal_results_are_flushed_with_their_sign():
+    # Both inputs are normal; their difference is subnormal.
+    a = np.array([1.5e-38, -1.5e-38], np.float32)
+    b = np.array([-1.2e-38, 1.2e-38], np.float32)
+    assert abs(float(a[0]) + float(b[0])) < np.finfo(np.float32).tiny   # the exact result is subnormal
+    got = _add(a, b, "emulator")
+    assert got.tobytes() == np.array([0.0, -0.0], np.float32).tobytes()
+
+
+def test_bfloat16_subnormals_are_kept_by_conversion_and_flushed_by_arithmetic():
+    # bf16 has fp32's exponent range: 0x0001 is a bf16 subnormal. Converting it to fp32 is exact
+    # (a bit shift on the GPU), but the fp32 add reads it as zero.
+    bits = np.array([0x0001, 0x8001, 0x0080, 0x3F80], np.uint16)
+    a = bits.view(ml_dtypes.bfloat16)
+    b = np.array([0x0000, 0x8000, 0x0000, 0x0000], np.uint16).view(ml_dtypes.bfloat16)   # +0, -0, +0, +0
+    got = _add(a, b, "emulator").view(np.uint16)
+    assert got.tolist() == [0x0000, 0x8000, 0x0080, 0x3F80]
+
+
+def test_the_host_keeps_subnormals_after_launches_and_after_a_fault():
+    _add(np.full(4, SUBNORMAL, np.float32), np.zeros(4, np.float32), "emulator")
+    assert_host_keeps_subnormals()
+    bugs = E.Module(BUGS.read_text(), ["write_past_end"], filename=str(BUGS))
+    with pytest.raises(E.EmulatorFault):
+        bugs.get_function("write_past_end")((1,), (64,), (E.zeros(64, np.float32),))
+    assert_host_keeps_subnormals()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_emulator_and_gpu_agree_bit_for_bit_on_subnormals(dtype):
+    rng = np.random.default_rng(0)
+    tiny = np.finfo(np.float32).tiny
+    a = (rng.standard_normal(4096) * tiny * 4).astype(np.float32).astype(dtype)
+    b = (rng.standard_normal(4096) * tiny * 4).astype(np.float32).astype(dtype)
+    bits = np.uint32 if dtype == np.float32 else np.uint16
+    on_gpu = _add(a, b, "cupy").view(bits)
+    emulated = _add(a, b, "emulator").view(bits)
+    assert np.array_equal(on_gpu, emulated), np.flatnonzero(on_gpu != emulated)[:10]
