@@ -59,6 +59,14 @@ def test_emulator_label_everywhere(bench):
         assert key in data["environment"]
 
 
+def test_timing_records_its_window_guard(bench):
+    """Host timing needs no guard (the emulator runs kernels inside the call), and the JSON says so."""
+    timing = bench["data"]["timing"]
+    assert timing["window_guard"]["method"].startswith("none")
+    rows = [row for section in bench["data"]["sections"].values() for row in section["results"]]
+    assert not any("guard" in key for row in rows for key in row)
+
+
 def test_every_section_has_positive_finite_figures(bench):
     sections = bench["data"]["sections"]
     assert set(sections) == set(SECTIONS)

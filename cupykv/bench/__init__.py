@@ -155,7 +155,8 @@ def run(backend=None, out="bench_results", quick=False, echo=print) -> dict:
                    "statistic": "median of the timed calls; min and max kept as *_min / *_max",
                    "l2_flush_bytes": timer.flush_bytes,
                    "l2_flush": ("a buffer of l2_flush_bytes is overwritten before each timed attention/linear call, "
-                                "outside the timed region") if is_gpu else "none (host timing)"},
+                                "outside the timed region") if is_gpu else "none (host timing)",
+                   "window_guard": timer.window_guard},
         "bandwidth_unit": "GB/s = 1e9 bytes per second",
         "plan": asdict(plan),
         "wall_s": time.perf_counter() - started,
