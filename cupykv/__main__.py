@@ -1,4 +1,4 @@
-"""Command line: ``python -m cupykv {demo,check,bench}``.
+"""Command line: ``python -m cupykv {demo,check,bench,validate}``.
 
 - ``demo``: greedy decoding with a small LLaMA-style model on the default
   backend (the GPU through CuPy, or the CPU emulator), eagerly and through one
@@ -9,6 +9,11 @@
 - ``bench``: the performance harness (see ``cupykv.bench``); writes
   ``bench.json`` and ``bench.png``. On the emulator it is a smoke run whose
   timings are CPU emulation, not GPU figures.
+- ``validate``: every validation this machine allows, with a time budget per
+  part (see ``cupykv.validate``): on a GPU the gpu tests, the stateful machine,
+  compute-sanitizer, the bench and Nsight Compute; on the CPU the same plan on
+  the emulator at tiny sizes. Writes ``validate.json``; exits non-zero if a
+  part failed.
 """
 from __future__ import annotations
 
@@ -25,20 +30,31 @@ def main(argv=None) -> int:
     demo.add_argument("--steps", type=int, default=None, help="new tokens per prompt (default 16, 32 on a GPU)")
     demo.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="bfloat16")
     demo.add_argument("--seed", type=int, default=0)
-    commands.add_parser("check", help="NVRTC-compile every kernel for sm_80/sm_90; fail on spills")
+    check = commands.add_parser("check", help="NVRTC-compile every kernel for sm_80/sm_90; fail on spills")
+    check.add_argument("--nvrtc", default=None, metavar="PATH",
+                       help="libnvrtc.so, or a folder holding one (default: the nvidia-cuda-nvrtc wheel, "
+                            "else a CUDA toolkit)")
     bench = commands.add_parser("bench", help="time copy, attention, linear and decode; write bench.json/.png")
     bench.add_argument("--backend", choices=("cupy", "emulator"), default=None,
                        help="default: cupy when a GPU is usable, else the emulator (a smoke run)")
     bench.add_argument("--out", default="bench_results", help="output folder (default: bench_results/)")
     bench.add_argument("--quick", action="store_true", help="fewer points and repeats (GPU); the emulator "
                                                             "always runs its smoke plan")
+    validate = commands.add_parser("validate", help="run every validation this machine allows; write validate.json")
+    validate.add_argument("--out", default="validate_results",
+                          help="output folder, at most 8 files (default: validate_results/)")
+    validate.add_argument("--backend", choices=("cupy", "emulator"), default=None,
+                          help="default: cupy when a GPU is usable, else the emulator (tiny sizes)")
     args = parser.parse_args(argv)
+    if args.command == "validate":
+        from cupykv.validate import main as validate_main
+        return validate_main(out=args.out, backend=args.backend)
     if args.command == "bench":
         from cupykv.bench import main as bench_main
         return bench_main(backend=args.backend, out=args.out, quick=args.quick)
     if args.command == "check":
         from cupykv.nvrtc_check import main as check_main
-        return check_main()
+        return check_main(args.nvrtc)
     from cupykv.demo import run_demo
     return run_demo(backend=args.backend, steps=args.steps, seed=args.seed, dtype=args.dtype)
 

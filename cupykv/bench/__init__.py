@@ -16,7 +16,9 @@ side by side:
   ``cupykv.models.llama``.
 
 On CuPy, times come from CUDA events around one call, after warm-up, with an
-L2 flush before each timed call; the median is kept with min and max. On the
+L2 flush and a device-side delay before each timed call, so that the window
+holds device work only (see ``cupykv.bench.timing``); the median is kept with
+min and max. On the
 emulator a smoke version (small shapes, a couple of points per section) runs
 on the host clock and every output says "emulator timings: CPU emulation, NOT
 GPU figures". Results go to ``bench.json`` and ``bench.png`` in ``--out``.

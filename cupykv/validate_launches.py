@@ -1,0 +1,202 @@
+"""The workloads that ``python -m cupykv validate`` runs under checkers and profilers.
+
+- ``every-kernel``: launches every kernel instance listed in
+  :data:`cupykv.kernels.KERNELS` at least once, at small shapes, through the
+  public API (the cache ops, :func:`cupykv.attention` with and without
+  split-KV, :func:`cupykv.linear` and :mod:`cupykv.ops`), records each launch
+  and fails if an instance was never launched. A kernel added to ``KERNELS``
+  without a call here makes this workload fail, naming it. On a GPU it runs
+  under compute-sanitizer (memcheck, racecheck, synccheck, initcheck); on the
+  CPU the emulator is the checker (out-of-bounds accesses, divergent barriers,
+  launch geometry and argument sizes).
+- ``profile``: one decode attention step and one ``linear`` call at the bench's
+  shapes (:data:`cupykv.bench.PLANS` ``"full"``), for Nsight Compute.
+
+Run one as ``python -m cupykv.validate_launches --backend cupy --workload every-kernel``;
+the exit status is 0 when the workload ran (and, for ``every-kernel``,
+covered every instance).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import sys
+
+import numpy as np
+
+import cupykv
+from cupykv import ops
+from cupykv.backends import get_backend
+from cupykv.backends.base import Backend
+from cupykv.bench import PLANS
+from cupykv.bench.arrays import fill_random, random_array
+from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNELS, LINEAR_ROW_TILES
+from cupykv.spec import DTYPES
+
+#: head sizes launched: the specialised ones and one that takes the generic (HEAD_DIM = 0) instance.
+HEAD_DIMS = (*ATTENTION_HEAD_DIMS, 40)
+#: split-KV factors launched: 1 (no combine) and 2 (the combine kernel runs).
+NUM_SPLITS = (1, 2)
+#: max_seq of the small caches: split-KV needs max_seq > 128 * (num_splits - 1).
+SMALL_MAX_SEQ = 256
+WORKLOADS = ("every-kernel", "profile")
+
+
+class CoverageError(AssertionError):
+    """Some kernel instances listed in ``KERNELS`` were never launched."""
+
+
+def expected_instances() -> set[tuple[str, str]]:
+    """Every ``(op, instance)`` pair listed in :data:`cupykv.kernels.KERNELS` (read at call time)."""
+    return {(op, instance) for op, kernel_file in KERNELS.items() for instance in kernel_file.instances}
+
+
+def check_coverage(launched, expected=None) -> None:
+    """Raise :class:`CoverageError` unless every expected ``(op, instance)`` was launched.
+
+    Parameters
+    ----------
+    launched : iterable of ``(op, instance)``
+        Launches as recorded by :func:`recording_launches`.
+    expected : set of ``(op, instance)``, optional
+        Defaults to :func:`expected_instances`.
+    """
+    expected = expected_instances() if expected is None else set(expected)
+    missing = sorted(expected - set(launched))
+    if missing:
+        names = "\n  ".join(f"{op}: {instance}" for op, instance in missing)
+        raise CoverageError(f"{len(missing)} of {len(expected)} kernel instances in cupykv.kernels.KERNELS were "
+                            f"never launched:\n  {names}\nadd a call that launches each of them to "
+                            f"cupykv.validate_launches.launch_every_kernel")
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Record ``(op, instance)`` of every :meth:`Backend.launch` (any backend) inside the block.
+
+    Yields the list the launches are appended to; ``Backend.launch`` is
+    restored on exit.
+    """
+    launched: list[tuple[str, str]] = []
+    original = Backend.launch
+
+    @functools.wraps(original)
+    def launch(self, op, instance, grid, block, args, shared_mem=0):
+        launched.append((op, instance))
+        return original(self, op, instance, grid, block, args, shared_mem)
+
+    Backend.launch = launch
+    try:
+        yield launched
+    finally:
+        Backend.launch = original
+
+
+def _attention_round(backend: Backend, dtype: str, head_dim: int, seed: int) -> None:
+    """Cache ops and attention for one dtype and head size, unsplit and split."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=SMALL_MAX_SEQ, batch=2, dtype=dtype)
+    cache = cupykv.KVCache(spec, backend=backend.name)
+    rope = cupykv.Rope()
+    k = random_array(backend, (2, 3, 1, head_dim), dtype, seed)        # [batch, n_new, n_kv, head_dim]
+    v = random_array(backend, (2, 3, 1, head_dim), dtype, seed + 1)
+    q = random_array(backend, (2, 1, 2, head_dim), dtype, seed + 2)    # [batch, q_len, n_heads, head_dim]
+    cache.append(0, k, v, rope=rope)
+    for num_splits in NUM_SPLITS:
+        cupykv.attention(q, cache, 0, rope=rope, num_splits=num_splits)
+    cache.advance(3)
+    cache.additive_mask(q_len=1)
+    cache.truncate([2, 1])
+    cache.reset([1])
+    cache.reset()
+
+
+def _decoder_ops_round(backend: Backend, dtype: str, seed: int) -> None:
+    """``linear`` for every row tile, then embedding, rmsnorm, silu_mul, add and argmax, in one dtype."""
+    hidden, vocab, out_features = 64, 32, 16
+    weight = random_array(backend, (out_features, hidden), dtype, seed, scale=0.1)   # [out_features, in_features]
+    for rows in LINEAR_ROW_TILES:
+        ops.linear(random_array(backend, (rows, hidden), dtype, seed + rows), weight)
+    table = random_array(backend, (vocab, hidden), dtype, seed + 100)                 # [vocab, hidden]
+    ids = backend.asarray(np.array([0, 5, vocab - 1], np.int32))
+    x = ops.embedding(ids, table)                                                      # [3, hidden]
+    x = ops.rmsnorm(x, random_array(backend, (hidden,), dtype, seed + 101), 1e-5)
+    x = ops.add(x, ops.silu_mul(x, random_array(backend, (3, hidden), dtype, seed + 102)))
+    ops.argmax(ops.linear(x, table))                                                   # [3, vocab] -> [3]
+
+
+def _bench_delay_round(backend: Backend) -> None:
+    """The bench timer's guard kernel (no public op): packed as ``bench.timing.CudaEventTimer`` packs it."""
+    spun = backend.zeros((1,), np.int64)                                               # [1] cycles counted
+    backend.launch("delay", "cupykv_delay", (1,), (1,), (spun, np.int64(1000)))
+
+
+def launch_every_kernel(backend=None) -> list[tuple[str, str]]:
+    """Launch every instance in ``KERNELS`` through the public API; return the launches made.
+
+    Raises :class:`CoverageError` when an instance was not launched.
+
+    Parameters
+    ----------
+    backend : {"cupy", "emulator"}, Backend or None
+        ``None`` picks the default backend.
+    """
+    backend = get_backend(backend)
+    with recording_launches() as launched:
+        for i, dtype in enumerate(DTYPES):
+            for j, head_dim in enumerate(HEAD_DIMS):
+                _attention_round(backend, dtype, head_dim, seed=100 * i + 10 * j)
+            _decoder_ops_round(backend, dtype, seed=1000 + i)
+        _bench_delay_round(backend)
+        backend.synchronize()
+    check_coverage(launched)
+    return list(launched)
+
+
+def profile_workload(backend=None) -> None:
+    """One bf16 decode attention step (split as the plan picks) and one ``linear`` call at bench shapes."""
+    backend = get_backend(backend)
+    plan = PLANS["full"]
+    batch, live = 8, 4096
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=plan.n_kv_heads, head_dim=plan.head_dim, max_seq=live,
+                            batch=batch, dtype="bfloat16")
+    cache = cupykv.KVCache(spec, backend=backend.name)
+    fill_random(backend, cache.k, "bfloat16", seed=1)
+    fill_random(backend, cache.v, "bfloat16", seed=2)
+    cache.advance(live - 1)                                   # the query's own pending row makes it `live`
+    q = random_array(backend, (batch, 1, plan.n_heads, plan.head_dim), "bfloat16", seed=3)
+    cupykv.attention(q, cache, 0)
+    out_features, in_features = plan.linear_shapes[0]
+    weight = random_array(backend, (out_features, in_features), "bfloat16", seed=4, scale=0.05)
+    ops.linear(random_array(backend, (1, in_features), "bfloat16", seed=5), weight)
+    backend.synchronize()
+
+
+def main(argv=None) -> int:
+    """Run one workload; print what was launched. Exit status 1 on missing coverage."""
+    parser = argparse.ArgumentParser(prog="python -m cupykv.validate_launches", description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=("cupy", "emulator"), default=None)
+    parser.add_argument("--workload", choices=WORKLOADS, default="every-kernel")
+    args = parser.parse_args(argv)
+    backend = get_backend(args.backend)
+    if backend.name == "cupy":
+        import cupy
+        # Without the memory pool each array is its own cudaMalloc, so compute-sanitizer sees its real bounds
+        # (an overrun inside a pooled chunk is invisible) and initcheck never sees reused, stale memory.
+        cupy.cuda.set_allocator(None)
+    if args.workload == "profile":
+        profile_workload(backend)
+        print(f"profile workload ran on {backend.name}")
+        return 0
+    try:
+        launched = launch_every_kernel(backend)
+    except CoverageError as error:
+        print(f"FAILED: {error}", file=sys.stderr)
+        return 1
+    print(f"launched all {len(set(launched))} kernel instances in cupykv.kernels.KERNELS "
+          f"({len(launched)} launches) on {backend.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

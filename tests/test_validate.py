@@ -1,0 +1,326 @@
+"""``python -m cupykv validate``: the CPU run end to end, then its pieces one by one.
+
+The CPU run goes through the command line in a subprocess, with ``--backend
+emulator`` so that it is the emulator plan on any machine (without a GPU that
+is also what the bare command picks: see ``test_choose_backend``). The
+pieces are tested with small synthetic parts: exit codes, timeouts, the
+overall budget, output checks and the file limit; then the plans a GPU
+machine would run (commands only: nothing here needs a GPU), and the launch
+coverage check.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupykv.validate as validate
+from cupykv import ops
+from cupykv.backends import cuda_available
+from cupykv.backends.base import Backend
+from cupykv.bench.report import EMULATOR_LABEL as BENCH_EMULATOR_LABEL
+from cupykv.kernels import KERNELS, KernelFile
+from cupykv.validate import (EMULATOR_BUDGETS, GPU_BUDGETS, MAX_FILES, NCU_KERNELS, NO_GPU, NOT_GPU_LABEL,
+                             Part, Plan, build_plan, execute, junit_counts)
+from cupykv.validate_launches import (CoverageError, check_coverage, expected_instances, launch_every_kernel,
+                                      profile_workload, recording_launches)
+from cupykv.validate_launches import main as launches_main
+
+GPU_ONLY = ("gpu_suite", "memcheck", "racecheck", "synccheck", "initcheck", "ncu")
+PY = sys.executable
+
+
+# -- the CPU run, end to end ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("validate")
+    started = time.perf_counter()
+    done = subprocess.run([PY, "-m", "cupykv", "validate", "--backend", "emulator", "--out", str(out)],
+                          capture_output=True, text=True, timeout=EMULATOR_BUDGETS.total_s + 60)
+    return {"done": done, "out": out, "elapsed": time.perf_counter() - started,
+            "summary": json.loads((out / "validate.json").read_text())}
+
+
+def test_cpu_run_passes_with_exit_code_zero(cpu_run):
+    done, summary = cpu_run["done"], cpu_run["summary"]
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary["exit_code"] == 0 and summary["passed"] is True
+    assert summary["failed_parts"] == [] and summary["errors"] == []
+
+
+def test_cpu_run_is_labelled_not_gpu(cpu_run):
+    summary = cpu_run["summary"]
+    assert summary["label"] == NOT_GPU_LABEL == "emulator: NOT GPU figures"
+    assert summary["gpu"] is False and summary["backend"] == "emulator"
+    assert NOT_GPU_LABEL in cpu_run["done"].stdout
+
+
+def test_cpu_run_part_statuses(cpu_run):
+    parts = cpu_run["summary"]["parts"]
+    assert list(parts) == ["launches", "gpu_suite", "stateful", "memcheck", "racecheck", "synccheck", "initcheck",
+                           "bench", "ncu"]
+    assert parts["launches"]["status"] == "passed"
+    assert f"all {len(expected_instances())} kernel instances" in parts["launches"]["reason"]
+    assert parts["stateful"]["status"] == "passed"
+    assert "TestEmulatorCache" in parts["stateful"]["what"]
+    assert parts["stateful"]["tests"]["passed"] >= 1
+    assert parts["stateful"]["tests"]["failed"] == parts["stateful"]["tests"]["errors"] == 0
+    assert parts["bench"]["status"] == "passed"
+    assert parts["bench"]["bench_label"] == BENCH_EMULATOR_LABEL and parts["bench"]["is_gpu_figures"] is False
+    skip_reason = NO_GPU if not cuda_available()[0] else validate.EMULATOR_REQUESTED
+    for name in GPU_ONLY:
+        assert parts[name]["status"] == "skipped" and parts[name]["reason"] == skip_reason, name
+
+
+def test_cpu_run_writes_at_most_max_files(cpu_run):
+    out, summary = cpu_run["out"], cpu_run["summary"]
+    on_disk = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert len(on_disk) <= MAX_FILES == 8
+    assert on_disk == summary["files"] == ["bench.json", "bench.png", "validate.json", "validate.log"]
+
+
+def test_cpu_run_records_versions_and_durations(cpu_run):
+    summary = cpu_run["summary"]
+    for key in ("python_version", "numpy_version", "cupykv_version", "cupy_version", "device", "driver_version"):
+        assert key in summary["versions"], key
+    assert summary["duration_s"] <= summary["budget_s"] == EMULATOR_BUDGETS.total_s
+    for name, part in summary["parts"].items():
+        assert 0 <= part["duration_s"] <= part["budget_s"] + 1, name
+    assert cpu_run["elapsed"] < EMULATOR_BUDGETS.total_s + 30
+
+
+def test_cpu_run_log_holds_every_run_part(cpu_run):
+    log = (cpu_run["out"] / "validate.log").read_text()
+    for name, part in cpu_run["summary"]["parts"].items():
+        assert (f"==== {name}:" in log) == (part["status"] != "skipped"), name
+
+
+# -- the runner, with synthetic parts ----------------------------------------------
+def _python(code: str) -> tuple:
+    return (PY, "-c", code)
+
+
+def _plan(*parts, total_s=60.0) -> Plan:
+    return Plan(backend="emulator", label=NOT_GPU_LABEL, gpu_reason=NO_GPU, total_s=total_s, parts=parts)
+
+
+def _execute(plan, out):
+    return execute(plan, out, environment={}, echo=lambda line: None)
+
+
+def test_a_failing_part_makes_the_exit_code_nonzero(tmp_path):
+    summary = _execute(_plan(Part("ok", "prints", 30, (_python("print('fine')"),)),
+                             Part("fails", "exits 3", 30, (_python("print('boom'); raise SystemExit(3)"),)),
+                             Part("gpu", "needs a GPU", skip_reason=NO_GPU)), tmp_path)
+    assert summary["exit_code"] == 1 and summary["passed"] is False
+    assert summary["failed_parts"] == ["fails"]
+    assert [p["status"] for p in summary["parts"].values()] == ["passed", "failed", "skipped"]
+    assert "exit status 3" in summary["parts"]["fails"]["reason"] and "boom" in summary["parts"]["fails"]["reason"]
+    assert json.loads((tmp_path / "validate.json").read_text())["exit_code"] == 1
+
+
+def test_passed_and_skipped_parts_exit_zero(tmp_path):
+    summary = _execute(_plan(Part("ok", "prints", 30, (_python("print('fine')"),)),
+                             Part("gpu", "needs a GPU", skip_reason=NO_GPU)), tmp_path)
+    assert summary["exit_code"] == 0 and summary["parts"]["ok"]["reason"] == "fine"
+
+
+def test_a_part_past_its_timeout_is_failed_and_its_processes_killed(tmp_path, monkeypatch):
+    monkeypatch.setattr(validate, "MIN_COMMAND_S", 0.5)
+    marker = tmp_path / "grandchild-survived"
+    grandchild = f"import time, pathlib; time.sleep(2); pathlib.Path({str(marker)!r}).write_text('x')"
+    child = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(60)"
+    started = time.monotonic()
+    summary = _execute(_plan(Part("slow", "sleeps", 1.0, (_python(child),))), tmp_path)
+    part = summary["parts"]["slow"]
+    assert part["status"] == "failed" and "timed out" in part["reason"]
+    assert summary["exit_code"] == 1
+    assert time.monotonic() - started < 10
+    time.sleep(2.5)
+    assert not marker.exists(), "the timed-out part's process group was not killed"
+
+
+def test_a_part_left_without_time_is_failed_unrun(tmp_path):
+    summary = _execute(_plan(Part("late", "never starts", 30, (_python("print('ran')"),)), total_s=0.0), tmp_path)
+    part = summary["parts"]["late"]
+    assert part["status"] == "failed" and part["reason"].startswith("not run")
+    assert "$ " not in (tmp_path / "validate.log").read_text()   # no command was started
+
+
+def test_a_fail_pattern_fails_a_zero_exit(tmp_path):
+    part = Part("ncu", "profiles nothing", 30, (_python("print('==WARNING== No kernels were profiled.')"),),
+                log_file="ncu.log", fail_patterns=("No kernels were profiled",))
+    summary = _execute(_plan(part), tmp_path)
+    assert summary["parts"]["ncu"]["status"] == "failed"
+    assert "No kernels were profiled" in summary["parts"]["ncu"]["reason"]
+    assert "No kernels were profiled" in (tmp_path / "ncu.log").read_text()
+
+
+def test_a_missing_output_fails_the_part(tmp_path):
+    summary = _execute(_plan(Part("bench", "writes nothing", 30, (_python("pass"),),
+                                  required_outputs=("bench.json",))), tmp_path)
+    assert summary["parts"]["bench"]["status"] == "failed"
+    assert "missing outputs: bench.json" in summary["parts"]["bench"]["reason"]
+
+
+def test_more_than_max_files_fails_the_run(tmp_path):
+    for i in range(MAX_FILES):
+        (tmp_path / f"old{i}.txt").write_text("left over")
+    summary = _execute(_plan(Part("ok", "prints", 30, (_python("print('fine')"),))), tmp_path)
+    assert len(summary["files"]) == MAX_FILES + 2   # the leftovers, validate.log and validate.json
+    assert summary["exit_code"] == 1 and "more than 8" in summary["errors"][0]
+
+
+def test_junit_counts(tmp_path):
+    suite = '<testsuite name="pytest" tests="7" failures="1" errors="1" skipped="2"/>'
+    (tmp_path / "one.xml").write_text(suite)
+    (tmp_path / "many.xml").write_text(f"<testsuites>{suite}{suite}</testsuites>")
+    assert junit_counts(tmp_path / "one.xml") == {"passed": 3, "failed": 1, "errors": 1, "skipped": 2}
+    assert junit_counts(tmp_path / "many.xml") == {"passed": 6, "failed": 2, "errors": 2, "skipped": 4}
+
+
+# -- the plans -------------------------------------------------------------------------
+TOOLS = {"compute-sanitizer": "/opt/cuda/bin/compute-sanitizer", "ncu": "/opt/cuda/bin/ncu"}
+LAUNCHES_ON_CUPY = [PY, "-m", "cupykv.validate_launches", "--backend", "cupy"]
+
+
+def _gpu_plan(tmp_path, tools=TOOLS):
+    plan = build_plan(tmp_path / "out", tmp_path / "scratch", "cupy", "1 CUDA device(s)", tools, device="NVIDIA H200")
+    return plan, {part.name: part for part in plan.parts}
+
+
+def test_gpu_plan_fits_eight_minutes():
+    parts = (GPU_BUDGETS.launches_s + GPU_BUDGETS.gpu_suite_s + GPU_BUDGETS.stateful_s + GPU_BUDGETS.bench_s
+             + GPU_BUDGETS.ncu_s + sum(seconds for _, seconds in GPU_BUDGETS.sanitizer_s))
+    assert parts <= GPU_BUDGETS.total_s <= 8 * 60
+    assert {tool for tool, _ in GPU_BUDGETS.sanitizer_s} == set(validate.SANITIZER_TOOLS)
+
+
+def test_gpu_plan_runs_the_gpu_suite_and_the_stateful_machine_apart(tmp_path):
+    plan, parts = _gpu_plan(tmp_path)
+    assert plan.label == "GPU: NVIDIA H200" and plan.backend == "cupy"
+    assert all(part.skip_reason is None for part in plan.parts)
+    (suite,), (stateful,) = parts["gpu_suite"].commands, parts["stateful"].commands
+    assert suite[:3] == (PY, "-m", "pytest") and ("-m", "gpu", "tests") == suite[3:6]
+    assert "--ignore=tests/test_notebooks.py" in suite        # nbclient is not on the GPU machine
+    assert suite[suite.index("--deselect") + 1] == "tests/test_stateful.py::TestCupyCache"
+    assert "tests/test_stateful.py::TestCupyCache" in stateful
+    assert parts["gpu_suite"].junit_xml and parts["stateful"].junit_xml
+
+
+def test_gpu_plan_runs_each_sanitizer_tool_over_the_launches(tmp_path):
+    _, parts = _gpu_plan(tmp_path)
+    for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
+        (command,) = parts[tool].commands
+        assert list(command) == [TOOLS["compute-sanitizer"], "--tool", tool, "--error-exitcode", "1",
+                                 *LAUNCHES_ON_CUPY]
+
+
+def test_gpu_plan_profiles_attention_and_linear_once_each(tmp_path):
+    _, parts = _gpu_plan(tmp_path)
+    ncu = parts["ncu"]
+    assert ncu.log_file == "ncu.log" and len(ncu.commands) == 2
+    for command, (_, regex) in zip(ncu.commands, NCU_KERNELS):
+        assert command[0] == TOOLS["ncu"] and f"regex:{regex}" in command
+        assert command[command.index("--launch-count") + 1] == "1" and "--csv" in command
+        assert command[-2:] == ("--workload", "profile")
+    attention, linear = (regex for _, regex in NCU_KERNELS)
+    assert re.search(attention, "void cupykv_attention<__nv_bfloat16, 128>(__nv_bfloat16 *, float *)")
+    assert not re.search(attention, "void cupykv_attention_combine<__nv_bfloat16>(__nv_bfloat16 *, float *)")
+    assert re.search(linear, "void cupykv_linear<__nv_bfloat16, 1>(__nv_bfloat16 *)")
+    assert parts["bench"].commands[0][-4:] == ("--backend", "cupy", "--out", str(tmp_path / "out"))
+
+
+def test_gpu_plan_without_tools_skips_them_with_the_reason(tmp_path):
+    plan, parts = _gpu_plan(tmp_path, {"compute-sanitizer": None, "ncu": None})
+    for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
+        assert parts[tool].skip_reason.startswith("compute-sanitizer not found")
+    assert parts["ncu"].skip_reason.startswith("ncu not found")
+    assert parts["gpu_suite"].skip_reason is None and parts["bench"].skip_reason is None
+
+
+def test_emulator_plan_skips_the_gpu_parts(tmp_path):
+    plan = build_plan(tmp_path, tmp_path, "emulator", NO_GPU, TOOLS)
+    parts = {part.name: part for part in plan.parts}
+    assert plan.label == NOT_GPU_LABEL and plan.total_s == EMULATOR_BUDGETS.total_s
+    assert all(parts[name].skip_reason == NO_GPU for name in GPU_ONLY)
+    assert "tests/test_stateful.py::TestEmulatorCache" in parts["stateful"].commands[0]
+    assert parts["launches"].commands[0][-2:] == ("--backend", "emulator")
+
+
+def test_choose_backend(monkeypatch):
+    monkeypatch.setattr(validate, "cuda_available", lambda: (False, "no driver"))
+    assert validate.choose_backend() == ("emulator", NO_GPU)
+    with pytest.raises(RuntimeError, match="no usable GPU: no driver"):
+        validate.choose_backend("cupy")
+    monkeypatch.setattr(validate, "cuda_available", lambda: (True, "1 CUDA device(s)"))
+    assert validate.choose_backend() == ("cupy", "1 CUDA device(s)")
+    assert validate.choose_backend("emulator") == ("emulator", validate.EMULATOR_REQUESTED)
+
+
+def test_find_cuda_tool_searches_path(tmp_path, monkeypatch):
+    tool = tmp_path / "cupykv-test-tool"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert validate.find_cuda_tool("cupykv-test-tool") == str(tool)
+    assert validate.find_cuda_tool("cupykv-no-such-tool") is None
+
+
+# -- the launch coverage check ---------------------------------------------------------
+def test_coverage_check_names_a_missing_instance():
+    expected = expected_instances()
+    missing = ("attention", KERNELS["attention"].instances[-1])
+    with pytest.raises(CoverageError, match=re.escape(missing[1])):
+        check_coverage(expected - {missing})
+    check_coverage(expected)   # complete: no error
+
+
+def test_a_kernel_added_to_KERNELS_without_a_launch_fails(monkeypatch):
+    launched_today = expected_instances()
+    monkeypatch.setitem(KERNELS, "new_op", KernelFile("new_op.cu", ("cupykv_new_op<float>",)))
+    with pytest.raises(CoverageError, match=r"1 of \d+ kernel instances.*\n  new_op: cupykv_new_op<float>"):
+        check_coverage(launched_today)
+
+
+def test_launch_every_kernel_covers_KERNELS_on_the_emulator():
+    launched = launch_every_kernel("emulator")
+    assert set(launched) == expected_instances()
+
+
+def test_profile_workload_launches_the_kernels_ncu_selects():
+    with recording_launches() as launched:
+        profile_workload("emulator")
+    instances = [instance for _, instance in launched]
+    attention, linear = (regex for _, regex in NCU_KERNELS)
+    assert "cupykv_attention<__nv_bfloat16, 128>" in instances and "cupykv_linear<__nv_bfloat16, 1>" in instances
+    assert sum(bool(re.search(attention, name)) for name in instances) == 1
+    assert sum(bool(re.search(linear, name)) for name in instances) == 1
+
+
+def test_launches_main_exits_one_when_an_instance_is_not_launched(monkeypatch, capsys):
+    monkeypatch.setitem(KERNELS, "new_op", KernelFile("new_op.cu", ("cupykv_new_op<float>",)))
+    assert launches_main(["--backend", "emulator"]) == 1
+    assert "new_op: cupykv_new_op<float>" in capsys.readouterr().err
+
+
+def test_recording_launches_records_and_restores():
+    original = Backend.launch
+    a = np.ones(8, np.float32)
+    with recording_launches() as launched:
+        ops.add(a, a)
+        assert Backend.launch is not original
+    assert launched == [("add", "cupykv_add<float>")]
+    assert Backend.launch is original
+
+
+def test_readme_gives_the_single_gpu_command():
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Validating on a GPU"):]
+    assert ("pip install --no-deps --no-build-isolation -e . && python -m cupykv validate --out docs/gpu/$(date +%F)"
+            in section)
