@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from cupykv import _checks, graph
-from cupykv._inputs import device_input
+from cupykv import _args, graph
 from cupykv.cache import KVCache
 from cupykv.kernels import CUDA_TYPES, attention_instance
 
@@ -22,6 +21,7 @@ TILE_ROWS = 16         # attention_tiling::kTileRows
 CHUNK = 128            # attention_tiling::kChunk
 TARGET_BLOCKS = 264    # two waves of a 132-SM H100/H200; more splits only add combine work
 MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 65535     # splits are grid y: CUDA's limit there
 
 
 def shared_memory_bytes(head_dim: int) -> int:
@@ -38,9 +38,18 @@ def plan_splits(cache: KVCache, q_len: int, n_heads: int) -> int:
     spec = cache.spec
     if cache.backend == "emulator":
         return 1
-    tiles = math.ceil(q_len * (n_heads // spec.n_kv_heads) / TILE_ROWS)
-    blocks = spec.batch * spec.n_kv_heads * tiles
+    blocks = spec.batch * spec.n_kv_heads * _tiles(q_len, n_heads // spec.n_kv_heads)
     return max(1, min(math.ceil(TARGET_BLOCKS / blocks), spec.max_seq // MIN_KEYS_PER_SPLIT))
+
+
+def _tiles(q_len: int, group: int) -> int:
+    """Blocks of up to TILE_ROWS query rows (query x head of one GQA group) per sequence and kv head."""
+    return math.ceil(q_len * group / TILE_ROWS)
+
+
+def max_splits(max_seq: int) -> int:
+    """The largest split-KV factor: one chunk of keys a split at least, and CUDA's grid y limit."""
+    return max(1, min(math.ceil(max_seq / CHUNK), MAX_SPLITS))
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class _Workspace:
     buffers: tuple      # float32 [size] each, for partial_out, partial_max, partial_sum; grow, never shrink
     shape: tuple        # (splits, rows, head_dim) that ``views`` were carved for
     views: tuple        # partial_out [splits, rows, head_dim], partial_max, partial_sum [splits, rows]
+    ranges: tuple       # ("attention workspace", first, last) byte addresses of each buffer (see KVCache._ranges)
 
 
 def _workspace(cache: KVCache, num_splits: int, rows: int, head_dim: int) -> tuple:
@@ -78,7 +88,8 @@ def _workspace(cache: KVCache, num_splits: int, rows: int, head_dim: int) -> tup
                                     "call attention once with the step's largest shapes before capture")
             buffers[i] = cache._backend.zeros((size,), np.float32)
     views = tuple(buffer[:math.prod(view_shape)].reshape(view_shape) for buffer, view_shape in zip(buffers, shapes))
-    cache._workspace = _Workspace(tuple(buffers), shape, views)
+    ranges = tuple(("attention workspace", *_args.byte_range(buffer)) for buffer in buffers)
+    cache._workspace = _Workspace(tuple(buffers), shape, views, ranges)
     return views
 
 
@@ -95,56 +106,70 @@ def attention(q, cache: KVCache, layer, *, scale=None, window=None, softcap=None
     ----------
     q : device array ``[batch, q_len, n_heads, head_dim]``
         Queries in the cache's dtype (bfloat16 as ``ml_dtypes.bfloat16`` or
-        uint16 bit patterns, on either backend); ``n_heads`` a multiple of
-        ``n_kv_heads`` (head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``).
+        uint16 bit patterns, on either backend), C-contiguous; ``q_len`` in
+        ``1..2**30-1``, ``n_heads`` a multiple of ``n_kv_heads`` (head ``h``
+        reads kv head ``h // (n_heads // n_kv_heads)``), ``batch * q_len *
+        n_heads`` at most ``2**31-1``.
     cache : KVCache
     layer : int
     scale : float, optional
-        Logit scale; ``1/sqrt(head_dim)`` by default.
+        Logit scale, a normal float32 > 0; ``1/sqrt(head_dim)`` by default.
     window : int, optional
-        Sliding window: keep positions ``j > pos - window``.
+        Sliding window in ``1..2**31-1``: keep positions ``j > pos - window``.
     softcap : float, optional
-        Logits become ``softcap * tanh(s / softcap)``.
+        A normal float32 > 0: logits become ``softcap * tanh(s / softcap)``.
     rope : Rope, optional
         Rotate each query at its position first.
     out : device array ``[batch, q_len, n_heads, head_dim]``, optional
         Written in place and returned (the graph-safe form), viewed as the
-        storage dtype; the dtype forms of ``q`` are accepted.
+        storage dtype; the dtype forms of ``q`` are accepted. C-contiguous,
+        writeable, and overlapping neither ``q`` nor any buffer of a cache.
     num_splits : int, optional
-        Split-KV factor; by default :func:`plan_splits` picks it.
+        Split-KV factor in ``1..min(ceil(max_seq / 128), 65535)``; by default
+        :func:`plan_splits` picks it.
 
     Returns
     -------
     device array ``[batch, q_len, n_heads, head_dim]`` in the storage dtype.
     A query with nothing to attend to gets zeros.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arguments, before anything is allocated or launched.
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a cupykv.KVCache, got {type(cache).__name__}")
     spec = cache.spec
     backend = cache._backend
     cache._check_device()
-    layer = _checks.check_layer(layer, spec)
-    q_len, n_heads = _checks.check_q(q, spec)
-    scale = _checks.check_scale(scale, spec)
-    window = _checks.check_window(window)
+    layer = _args.check_layer(layer, spec)
+    q_len, n_heads = _args.check_q(q, spec)
+    scale = _args.check_scale(scale, spec)
+    window = _args.check_window(window)
     if window is not None:  # any window above max_seq + q_len keeps every position: same result, fits int32
         window = min(window, spec.max_seq + q_len)
-    softcap = _checks.check_softcap(softcap)
-    rope = _checks.check_rope(rope, spec)
-    q = device_input("q", q, backend, spec.dtype)
+    softcap = _args.check_softcap(softcap)
+    rope = _args.check_rope(rope, spec)
+    q = _args.device_operand("q", q, backend, spec.dtype)
     shape = (spec.batch, q_len, n_heads, spec.head_dim)
-    if out is None:
-        out = backend.zeros(shape, backend.storage_dtype(spec.dtype))
-    else:
-        out = device_input("out", out, backend, spec.dtype, shape)
+    if out is not None:
+        out = _args.device_operand("out", out, backend, spec.dtype, shape, written=True)
+        _args.check_no_overlap("out", out, [("q", q)])
+        _args.check_apart_from_caches("out", out, cache)   # and every other cache
     if num_splits is None:
         num_splits = plan_splits(cache, q_len, n_heads)
-    num_splits = _checks.check_int("num_splits", num_splits, 1, max(1, math.ceil(spec.max_seq / CHUNK)))
+    num_splits = _args.check_int("num_splits", num_splits, 1, max_splits(spec.max_seq))
 
     rows = spec.batch * q_len * n_heads
-    partial_out, partial_max, partial_sum = _workspace(cache, num_splits, rows, spec.head_dim)
     group = n_heads // spec.n_kv_heads
-    grid = (num_splits, spec.batch * spec.n_kv_heads, math.ceil(q_len * group / TILE_ROWS))
+    grid = (spec.batch * spec.n_kv_heads * _tiles(q_len, group), num_splits)
+    _args.check_launch("q", f"batch * n_kv_heads * ceil(q_len * group / {TILE_ROWS}) = {spec.batch} * "
+                       f"{spec.n_kv_heads} * {_tiles(q_len, group)} query tiles", grid, (THREADS,),
+                       shared_memory_bytes(spec.head_dim))
+    if out is None:
+        out = backend.zeros(shape, backend.storage_dtype(spec.dtype))
+    partial_out, partial_max, partial_sum = _workspace(cache, num_splits, rows, spec.head_dim)
     cache._launch(
         "attention", attention_instance(spec.dtype, spec.head_dim), grid, (THREADS,),
         (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, cache.lengths,

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupykv import _checks
-from cupykv._inputs import device_input
+from cupykv import _args
 from cupykv.backends import get_backend
 from cupykv.errors import CacheOverflowError
 from cupykv.kernels import CUDA_TYPES
@@ -18,6 +17,7 @@ from cupykv.spec import MASK_VALUE, CacheSpec
 
 _APPEND_THREADS = 128
 _SMALL_THREADS = 256   # advance / truncate / reset / additive_mask
+_MASK_ROW_BLOCKS = 1024   # additive_mask: grid y strides over the batch * q_len rows
 
 
 def _blocks(n: int, threads: int) -> int:
@@ -45,6 +45,17 @@ class KVCache:
         Committed length of each sequence.
     overflow : device int32 ``[batch]``
         1 where a write or advance went past ``max_seq``; see :meth:`check`.
+
+    Raises
+    ------
+    TypeError
+        ``spec`` is not a CacheSpec.
+    ValueError
+        ``backend`` is not a backend name.
+    MemoryError
+        The cache needs more bytes than the backend can give (free device
+        memory on CuPy, available host memory on the emulator); raised before
+        anything is allocated, with both numbers.
     """
 
     def __init__(self, spec: CacheSpec, backend=None):
@@ -52,6 +63,8 @@ class KVCache:
             raise TypeError(f"spec: expected a cupykv.CacheSpec, got {type(spec).__name__}")
         self.spec = spec
         self._backend = get_backend(backend)
+        available, source = self._backend.available_memory()
+        _args.check_memory("spec", self._bytes_needed(spec), available, self._backend.name, source)
         storage = self._backend.storage_dtype(spec.dtype)
         self.k = self._backend.zeros(spec.shape, storage)
         self.v = self._backend.zeros(spec.shape, storage)
@@ -61,6 +74,16 @@ class KVCache:
         self._per_seq = self._backend.zeros((spec.batch,), np.int32)
         # attention's split-KV scratch: one buffer, grown as needed (see cupykv.attention._workspace).
         self._workspace = None
+        # (what, first, last) byte addresses of the buffers above: no op's output may write into them
+        self._fixed_ranges = tuple((what, *_args.byte_range(buffer)) for what, buffer in (
+            ("k", self.k), ("v", self.v), ("lengths", self.lengths), ("overflow flags", self.overflow),
+            ("per-sequence staging buffer", self._per_seq)))
+        _args.register_cache(self)
+
+    @staticmethod
+    def _bytes_needed(spec: CacheSpec) -> int:
+        """Bytes a cache of ``spec`` allocates: K and V plus three int32 ``[batch]`` arrays."""
+        return spec.nbytes + 3 * 4 * spec.batch
 
     # -- introspection -------------------------------------------------------
     @property
@@ -93,6 +116,14 @@ class KVCache:
         """The cache's arrays must live on the device kernels launch on now (checked before any launch)."""
         self._backend.check_device("cache", self.k)
 
+    def _ranges(self):
+        """``(what, first, last)`` byte addresses of every buffer the cache owns, the workspace's included."""
+        return self._fixed_ranges + (self._workspace.ranges if self._workspace is not None else ())
+
+    def _state(self):
+        """The buffers advance, truncate and reset write: lengths and overflow flags."""
+        return [("the cache's lengths", self.lengths), ("the cache's overflow flags", self.overflow)]
+
     def _layout_args(self, layer: int):
         strides = self.spec.strides
         seq_axis = self.spec.seq_axis
@@ -114,7 +145,9 @@ class KVCache:
         layer : int
             Layer index in ``0..n_layers-1``.
         k, v : device array ``[batch, n_new, n_kv_heads, head_dim]``
-            New rows in the cache's storage dtype, C-contiguous.
+            New rows in the cache's storage dtype, C-contiguous, ``n_new`` in
+            ``1..2**30-1``. Neither may overlap the cache's own buffers (rows
+            read from the cache itself would race with the writes: copy them first).
         rope : Rope, optional
             Rotate each key row at its position before storing it.
 
@@ -125,15 +158,19 @@ class KVCache:
         """
         self._check_device()
         spec = self.spec
-        layer = _checks.check_layer(layer, spec)
-        n_new = _checks.check_rows("k", k, spec)
-        _checks.check_rows("v", v, spec)
-        _checks.check_same_shape("k", k, "v", v)
-        rope = _checks.check_rope(rope, spec)
-        k = device_input("k", k, self._backend, spec.dtype)
-        v = device_input("v", v, self._backend, spec.dtype)
+        layer = _args.check_layer(layer, spec)
+        n_new = _args.check_rows("k", k, spec)
+        _args.check_rows("v", v, spec)
+        _args.check_same_shape("k", k, "v", v)
+        rope = _args.check_rope(rope, spec)
+        k = _args.device_operand("k", k, self._backend, spec.dtype)
+        v = _args.device_operand("v", v, self._backend, spec.dtype)
+        _args.check_apart_from_caches("k", k, self, others=False)
+        _args.check_apart_from_caches("v", v, self, others=False)
+        grid = (spec.batch * n_new,)
+        _args.check_launch("k", f"batch * n_new = {spec.batch} * {n_new} rows", grid, (_APPEND_THREADS,))
         self._launch(
-            "append", f"cupykv_append<{CUDA_TYPES[spec.dtype]}>", (n_new, spec.batch), (_APPEND_THREADS,),
+            "append", f"cupykv_append<{CUDA_TYPES[spec.dtype]}>", grid, (_APPEND_THREADS,),
             (self.k, self.v, k, v, self.lengths, self.overflow, *self._layout_args(layer),
              np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
              np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
@@ -145,18 +182,24 @@ class KVCache:
         Parameters
         ----------
         n : int, int sequence ``[batch]`` or device int32 array ``[batch]``
-            Non-negative steps, one for all sequences or one per sequence. An
-            int is a launch constant and a device array is read at run time:
-            both are graph-safe. A sequence that would pass ``max_seq`` is
-            clamped and flagged.
+            Steps in ``0..2**31-1`` (the kernel's int), one for all sequences or
+            one per sequence. An int is a launch constant and a device array is
+            read at run time: both are graph-safe. A sequence that would pass
+            ``max_seq`` is clamped and flagged. A device array must be
+            C-contiguous and must not overlap the cache's lengths or flags.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad ``n``, before anything is uploaded or launched.
         """
         self._check_device()
         spec = self.spec
-        constant = _checks.is_int(n)
+        constant = _args.is_int(n)
         if constant:
-            _checks.check_int("n", n, lo=0)
+            n = _args.check_int32("n", n, lo=0)
         steps = self._per_seq if constant else \
-            self._per_sequence_arg("n", n, lambda host: _checks.check_advance(host, spec))
+            self._per_sequence_arg("n", n, lambda host: _args.check_advance(host, spec))
         self._launch(
             "advance", "cupykv_advance", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
             (self.lengths, self.overflow, steps, np.int32(not constant), np.int32(n if constant else 0),
@@ -171,12 +214,18 @@ class KVCache:
             ``0 <= new_lengths[b] <= lengths[b]``. Host values are checked
             against the current lengths (a synchronising read, so not inside a
             captured step); a device array is clamped on the device so that
-            it can only shorten (graph-safe).
+            it can only shorten (graph-safe). A device array must be
+            C-contiguous and must not overlap the cache's lengths or flags.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad ``new_lengths``, before anything is uploaded or launched.
         """
         self._check_device()
         spec = self.spec
         targets = self._per_sequence_arg(
-            "new_lengths", new_lengths, lambda host: _checks.check_new_lengths(host, self.lengths_host(), spec))
+            "new_lengths", new_lengths, lambda host: _args.check_new_lengths(host, self.lengths_host(), spec))
         self._launch(
             "truncate", "cupykv_truncate", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
             (self.lengths, targets, np.int32(spec.batch)))
@@ -188,14 +237,20 @@ class KVCache:
         ----------
         slots : None, int, int sequence, or device int32 mask ``[batch]``
             Slots to reset; ``None`` resets all of them. A device mask (nonzero
-            = reset) is read at run time (graph-safe).
+            = reset) is read at run time (graph-safe); it must be C-contiguous
+            and must not overlap the cache's lengths or flags.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad ``slots``, before anything is uploaded or launched.
         """
         self._check_device()
         spec = self.spec
 
         def host_mask(host):
             mask = np.zeros(spec.batch, dtype=np.int64)
-            mask[_checks.check_slots(host, spec)] = 1
+            mask[_args.check_slots(host, spec)] = 1
             return mask
 
         mask = self._per_seq if slots is None else self._per_sequence_arg("slots", slots, host_mask)
@@ -206,14 +261,17 @@ class KVCache:
     def _per_sequence_arg(self, name: str, values, check_host):
         """Device int32 ``[batch]`` for a per-sequence argument.
 
-        A device array is checked for shape and dtype and read by the kernel at
-        run time. Host values go through ``check_host`` (which returns them as
-        an int array ``[batch]``) and are copied into a staging buffer.
+        A device array is checked for shape, dtype, layout and aliasing, and
+        read by the kernel at run time. Host values go through ``check_host``
+        (which returns them as an int array ``[batch]``, each value in int32
+        range) and are copied into a staging buffer.
         """
         if self._backend.is_device_array(values):
             if tuple(values.shape) != (self.spec.batch,) or values.dtype != np.int32:
                 raise ValueError(f"{name}: expected a device int32 array of shape ({self.spec.batch},) [batch], "
                                  f"got dtype {values.dtype} and shape {tuple(values.shape)}")
+            _args.check_contiguous(name, values)
+            _args.check_no_overlap(name, values, self._state())
             return values
         self._backend.upload(self._per_seq, np.asarray(check_host(values)).astype(np.int32))
         return self._per_seq
@@ -229,21 +287,31 @@ class KVCache:
         Parameters
         ----------
         q_len : int, default 1
+            In ``1..2**30-1``.
         out : device float32 array ``[batch, 1, q_len, max_seq]``, optional
-            Written in place and returned (the graph-safe form).
+            Written in place and returned (the graph-safe form); C-contiguous,
+            writeable, and not overlapping any buffer of a cache.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments, before anything is launched.
         """
         self._check_device()
         spec = self.spec
-        q_len = _checks.check_q_len(q_len)
+        q_len = _args.check_q_len(q_len)
         shape = (spec.batch, 1, q_len, spec.max_seq)
         if out is None:
             out = self._backend.zeros(shape, np.float32)
         else:
-            out = device_input("out", out, self._backend, "float32", shape)
+            out = _args.device_operand("out", out, self._backend, "float32", shape, written=True)
+            _args.check_apart_from_caches("out", out, self)   # and every other cache
+        grid = (_blocks(spec.max_seq, _SMALL_THREADS), min(spec.batch * q_len, _MASK_ROW_BLOCKS))
+        _args.check_launch("q_len", f"max_seq = {spec.max_seq} positions a row", grid, (_SMALL_THREADS,))
         self._launch(
-            "additive_mask", "cupykv_additive_mask",
-            (_blocks(spec.max_seq, _SMALL_THREADS), q_len, spec.batch), (_SMALL_THREADS,),
-            (out, self.lengths, np.int32(q_len), np.int32(spec.max_seq), np.float32(MASK_VALUE)))
+            "additive_mask", "cupykv_additive_mask", grid, (_SMALL_THREADS,),
+            (out, self.lengths, np.int32(spec.batch), np.int32(q_len), np.int32(spec.max_seq),
+             np.float32(MASK_VALUE)))
         return out
 
     def check(self) -> None:

@@ -87,7 +87,7 @@ class Graph:
 
     def replay(self, n: int = 1) -> None:
         """Run the captured step ``n`` times on the current stream (no host synchronisation)."""
-        from cupykv._checks import check_int
+        from cupykv._args.scalars import check_int
         n = check_int("n", n, lo=0)
         refuse_in_capture("Graph.replay()", "replay graphs outside capture")
         for _ in range(n):

@@ -16,19 +16,21 @@ rounded once to that dtype. Pass ``out=`` (and ``error_flag=`` for
 allocates nothing. ``cupykv.ops_reference`` is the NumPy oracle with the same
 names and signatures.
 
-Errors name the argument: ``TypeError`` for a wrong type, device or dtype,
-``ValueError`` for a wrong shape, layout or value.
+Arguments are checked by :mod:`cupykv._args` before any launch; errors name
+the argument: ``TypeError`` for a wrong type, device or dtype, ``ValueError``
+for a wrong shape, layout or value, a read-only or overlapping output, or a
+launch past CUDA's limits. Every operand is C-contiguous (a strided or
+reversed view is refused; a contiguous view at an offset is used as it is).
+An output may not share memory with an input, except where an op says it may
+be that input exactly (in place), nor with the buffers of any KVCache.
 """
 from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 
-from cupykv import _checks
-from cupykv._inputs import _describe, _to_backend_array, device_input
-from cupykv.backends import get_backend
+from cupykv import _args
 from cupykv.kernels import CUDA_TYPES, LINEAR_ROW_TILES
 
 __all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
@@ -40,99 +42,6 @@ RMSNORM_MAX_THREADS = 256
 ARGMAX_MAX_THREADS = 512
 ELEMENTWISE_MAX_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 1024  # grid-stride loops cover the rest
-_INT32_MAX = 2**31 - 1
-
-# array dtype -> dtype name; uint16 holds bfloat16 bit patterns (CuPy has no bfloat16)
-_FLOAT_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-                 np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.uint16): "bfloat16"}
-
-
-# -- argument checks ------------------------------------------------------------
-def _backend_for(name, array, backend):
-    """The backend named by ``backend``, else the one ``array`` belongs to.
-
-    ``cupy.ndarray`` (or any ``__cuda_array_interface__`` object) -> "cupy",
-    ``numpy.ndarray`` -> "emulator".
-    """
-    if backend is not None:
-        return get_backend(backend)
-    if isinstance(array, np.ndarray):
-        return get_backend("emulator")
-    if type(array).__module__.split(".")[0] == "cupy" or hasattr(array, "__cuda_array_interface__"):
-        return get_backend("cupy")
-    raise TypeError(f"{name}: expected a cupy.ndarray, or a numpy.ndarray for the emulator backend, "
-                    f"got {_describe(array)}")
-
-
-def _float_operand(name, array, backend, dtype=None, like=None):
-    """``array`` as a contiguous float array of ``backend``; returns ``(array, dtype name)``.
-
-    With ``dtype``, the array must have that dtype (the one of argument ``like``).
-    """
-    array = _to_backend_array(name, array, backend)
-    found = _FLOAT_DTYPES.get(np.dtype(array.dtype))
-    if found is None:
-        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16 (uint16 bit patterns on cupy), "
-                        f"got {np.dtype(array.dtype)}")
-    if dtype is not None and found != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype} (the dtype of {like}), got {np.dtype(array.dtype)}")
-    return device_input(name, array, backend, found), found
-
-
-def _int32_operand(name, array, backend):
-    """``array`` as a contiguous int32 array of ``backend``."""
-    array = _to_backend_array(name, array, backend)
-    backend.check_device(name, array)
-    if np.dtype(array.dtype) != np.int32:
-        raise TypeError(f"{name}: expected dtype int32, got {np.dtype(array.dtype)}")
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{name}: expected a C-contiguous array, got strides {array.strides} "
-                         f"for shape {tuple(array.shape)}; pass a contiguous copy")
-    return array
-
-
-def _check_shape(name, array, expected, axes=None):
-    """Check ``array.shape`` against ``expected`` (ints, or None for any size >= 1).
-
-    Every size must fit the kernels' int32 arithmetic. ``axes`` names the axes
-    for the message, e.g. ``weight: expected shape (out_features, 64)
-    [out_features, in_features], got (5, 63)``.
-    """
-    shape = tuple(array.shape)
-    ok = len(shape) == len(expected) and all(
-        (want is None and 1 <= size <= _INT32_MAX) or size == want for size, want in zip(shape, expected))
-    if not ok:
-        if axes is None:
-            raise ValueError(f"{name}: expected shape {tuple(expected)}, got {shape}")
-        shown = "(" + ", ".join(axis if want is None else str(want) for want, axis in zip(expected, axes)) + ")"
-        sizes = " with every size in 1..2**31-1" if None in expected else ""
-        raise ValueError(f"{name}: expected shape {shown} [{', '.join(axes)}]{sizes}, got {shape}")
-    return shape
-
-
-def _address_range(array):
-    """``[first, last)`` byte addresses of a contiguous device array."""
-    if isinstance(array, np.ndarray):
-        start = array.__array_interface__["data"][0]
-    else:
-        start = array.data.ptr  # cupy
-    return start, start + array.nbytes
-
-
-def _check_no_overlap(out_name, out, name, array):
-    """``out`` must not share memory with input ``array`` (the kernel would read its own output)."""
-    (a0, a1), (b0, b1) = _address_range(out), _address_range(array)
-    if a0 < b1 and b0 < a1:
-        raise ValueError(f"{out_name}: expected a buffer that does not overlap {name}, got one that does")
-
-
-def _float_output(out, backend, dtype, shape, like):
-    """The output buffer: ``out`` checked against ``shape`` and ``dtype``, or new zeros."""
-    if out is None:
-        return backend.zeros(shape, backend.storage_dtype(dtype))
-    out, _ = _float_operand("out", out, backend, dtype, like)
-    _check_shape("out", out, shape)
-    return out
 
 
 def _row_threads(n, limit):
@@ -151,7 +60,7 @@ def linear(x, weight, *, out=None, backend=None):
     Parameters
     ----------
     x : device array ``[rows, in_features]``
-        rows = batch * q_len in a decode step; any sizes >= 1.
+        rows = batch * q_len in a decode step; any sizes in 1..2**31-1.
     weight : device array ``[out_features, in_features]``
         The HF / PyTorch layout, row-major, the dtype of ``x``.
     out : device array ``[rows, out_features]``, optional
@@ -168,24 +77,20 @@ def linear(x, weight, *, out=None, backend=None):
     TypeError
         An argument of the wrong type, device or dtype.
     ValueError
-        Mismatched ``in_features``, a wrong shape, a non-contiguous array, or
-        ``out`` overlapping an input.
+        Mismatched ``in_features``, a wrong shape, a non-contiguous array, a
+        read-only ``out``, or ``out`` overlapping an input.
     """
-    backend = _backend_for("x", x, backend)
-    x, dtype = _float_operand("x", x, backend)
-    rows, in_features = _check_shape("x", x, (None, None), ("rows", "in_features"))
-    weight, _ = _float_operand("weight", weight, backend, dtype, "x")
-    out_features, _ = _check_shape("weight", weight, (None, in_features), ("out_features", "in_features"))
-    given = out is not None
-    out = _float_output(out, backend, dtype, (rows, out_features), "x")
-    if given:
-        _check_no_overlap("out", out, "x", x)
-        _check_no_overlap("out", out, "weight", weight)
+    backend = _args.backend_for("x", x, backend)
+    x, dtype = _args.float_operand("x", x, backend)
+    rows, in_features = _args.check_shape("x", x, (None, None), ("rows", "in_features"))
+    weight, _ = _args.float_operand("weight", weight, backend, dtype, "x")
+    out_features, _ = _args.check_shape("weight", weight, (None, in_features), ("out_features", "in_features"))
+    grid, block = (math.ceil(out_features / LINEAR_OUTS_PER_BLOCK),), (LINEAR_THREADS,)
+    _args.check_launch("weight", f"out_features = {out_features}", grid, block)
+    out = _args.float_output(out, backend, dtype, (rows, out_features), "x", inputs=[("x", x), ("weight", weight)])
     tile = next((t for t in LINEAR_ROW_TILES if t >= rows), LINEAR_ROW_TILES[-1])
-    backend.launch(
-        "linear", f"cupykv_linear<{CUDA_TYPES[dtype]}, {tile}>",
-        (math.ceil(out_features / LINEAR_OUTS_PER_BLOCK),), (LINEAR_THREADS,),
-        (out, x, weight, np.int32(rows), np.int32(in_features), np.int32(out_features)))
+    backend.launch("linear", f"cupykv_linear<{CUDA_TYPES[dtype]}, {tile}>", grid, block,
+                   (out, x, weight, np.int32(rows), np.int32(in_features), np.int32(out_features)))
     return out
 
 
@@ -201,10 +106,11 @@ def embedding(ids, table, *, out=None, error_flag=None, backend=None):
         Read on the device at launch time (e.g. written by :func:`argmax`).
     table : device array ``[vocab, hidden]``
     out : device array ``[rows, hidden]``, optional
-        Written in place and returned; must not overlap ``table``.
+        Written in place and returned; must not overlap ``ids`` or ``table``.
     error_flag : device int32 array ``[1]``, optional
-        Set to 1 when an id is out of range. Without it a scratch flag is
-        allocated and bad ids only show as zero rows.
+        Set to 1 when an id is out of range; must not overlap ``ids``,
+        ``table`` or ``out``. Without it a scratch flag is allocated and bad
+        ids only show as zero rows.
     backend : {"cupy", "emulator"}, optional
         Inferred from ``ids`` by default.
 
@@ -217,21 +123,22 @@ def embedding(ids, table, *, out=None, error_flag=None, backend=None):
     TypeError, ValueError
         As for :func:`linear`.
     """
-    backend = _backend_for("ids", ids, backend)
-    ids = _int32_operand("ids", ids, backend)
-    (rows,) = _check_shape("ids", ids, (None,), ("rows",))
-    table, dtype = _float_operand("table", table, backend)
-    vocab, hidden = _check_shape("table", table, (None, None), ("vocab", "hidden"))
-    given = out is not None
-    out = _float_output(out, backend, dtype, (rows, hidden), "table")
-    if given:
-        _check_no_overlap("out", out, "table", table)
+    backend = _args.backend_for("ids", ids, backend)
+    ids = _args.int32_operand("ids", ids, backend)
+    (rows,) = _args.check_shape("ids", ids, (None,), ("rows",))
+    table, dtype = _args.float_operand("table", table, backend)
+    vocab, hidden = _args.check_shape("table", table, (None, None), ("vocab", "hidden"))
+    grid, block = (rows,), (EMBEDDING_THREADS,)
+    _args.check_launch("ids", f"rows = {rows}", grid, block)
+    if error_flag is not None:
+        error_flag = _args.int32_operand("error_flag", error_flag, backend, written=True)
+        _args.check_shape("error_flag", error_flag, (1,))
+        _args.check_no_overlap("error_flag", error_flag, [("ids", ids), ("table", table)])
+    out = _args.float_output(out, backend, dtype, (rows, hidden), "table",
+                             inputs=[("ids", ids), ("table", table), ("error_flag", error_flag)])
     if error_flag is None:
         error_flag = backend.zeros((1,), np.int32)
-    else:
-        error_flag = _int32_operand("error_flag", error_flag, backend)
-        _check_shape("error_flag", error_flag, (1,))
-    backend.launch("embedding", f"cupykv_embedding<{CUDA_TYPES[dtype]}>", (rows,), (EMBEDDING_THREADS,),
+    backend.launch("embedding", f"cupykv_embedding<{CUDA_TYPES[dtype]}>", grid, block,
                    (out, table, ids, error_flag, np.int32(vocab), np.int32(hidden)))
     return out
 
@@ -244,43 +151,53 @@ def rmsnorm(x, weight, eps, *, out=None, backend=None):
     x : device array ``[rows, hidden]``
     weight : device array ``[hidden]``, the dtype of ``x``
     eps : float
-        Finite, > 0.
+        A normal float32 > 0 (the kernel adds it in float32: 1e-50 would be 0 there).
     out : device array ``[rows, hidden]``, optional
-        Written in place and returned; may be ``x``.
+        Written in place and returned; may be ``x`` exactly (in place), must
+        not otherwise overlap ``x`` or ``weight``.
     backend : {"cupy", "emulator"}, optional
         Inferred from ``x`` by default.
 
     Returns
     -------
     device array ``[rows, hidden]`` in the dtype of ``x``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`linear`, and ``eps`` out of range.
     """
-    backend = _backend_for("x", x, backend)
-    x, dtype = _float_operand("x", x, backend)
-    rows, hidden = _check_shape("x", x, (None, None), ("rows", "hidden"))
-    weight, _ = _float_operand("weight", weight, backend, dtype, "x")
-    _check_shape("weight", weight, (hidden,), ("hidden",))
-    eps = _checks.check_positive_float("eps", eps)
-    out = _float_output(out, backend, dtype, (rows, hidden), "x")
-    backend.launch("rmsnorm", f"cupykv_rmsnorm<{CUDA_TYPES[dtype]}>", (rows,),
-                   (_row_threads(hidden, RMSNORM_MAX_THREADS),), (out, x, weight, np.int32(hidden), np.float32(eps)))
+    backend = _args.backend_for("x", x, backend)
+    x, dtype = _args.float_operand("x", x, backend)
+    rows, hidden = _args.check_shape("x", x, (None, None), ("rows", "hidden"))
+    weight, _ = _args.float_operand("weight", weight, backend, dtype, "x")
+    _args.check_shape("weight", weight, (hidden,), ("hidden",))
+    eps = _args.check_positive_float32("eps", eps)
+    grid, block = (rows,), (_row_threads(hidden, RMSNORM_MAX_THREADS),)
+    _args.check_launch("x", f"rows = {rows}", grid, block)
+    out = _args.float_output(out, backend, dtype, (rows, hidden), "x", inputs=[("weight", weight)],
+                             in_place_inputs=[("x", x)])
+    backend.launch("rmsnorm", f"cupykv_rmsnorm<{CUDA_TYPES[dtype]}>", grid, block,
+                   (out, x, weight, np.int32(hidden), np.float32(eps)))
     return out
 
 
 def _elementwise(op, name_a, a, name_b, b, out, backend):
     """Shared body of the two-input elementwise ops (same shape, any rank >= 1)."""
-    backend = _backend_for(name_a, a, backend)
-    a, dtype = _float_operand(name_a, a, backend)
+    backend = _args.backend_for(name_a, a, backend)
+    a, dtype = _args.float_operand(name_a, a, backend)
     shape = tuple(a.shape)
     if not shape or not all(1 <= size for size in shape) or math.prod(shape) > 2**62:
         raise ValueError(f"{name_a}: expected an array of rank >= 1 with every size >= 1, got shape {shape}")
-    b, _ = _float_operand(name_b, b, backend, dtype, name_a)
-    _checks.check_same_shape(name_a, a, name_b, b)
-    out = _float_output(out, backend, dtype, shape, name_a)
+    b, _ = _args.float_operand(name_b, b, backend, dtype, name_a)
+    _args.check_same_shape(name_a, a, name_b, b)
     n = math.prod(shape)
     packs = math.ceil(n / (16 // a.dtype.itemsize))
     threads = _row_threads(packs, ELEMENTWISE_MAX_THREADS)
-    blocks = min(ELEMENTWISE_MAX_BLOCKS, math.ceil(packs / threads))
-    backend.launch(op, f"cupykv_{op}<{CUDA_TYPES[dtype]}>", (blocks,), (threads,), (out, a, b, np.int64(n)))
+    grid, block = (min(ELEMENTWISE_MAX_BLOCKS, math.ceil(packs / threads)),), (threads,)
+    _args.check_launch(name_a, f"shape {shape}", grid, block)
+    out = _args.float_output(out, backend, dtype, shape, name_a, in_place_inputs=[(name_a, a), (name_b, b)])
+    backend.launch(op, f"cupykv_{op}<{CUDA_TYPES[dtype]}>", grid, block, (out, a, b, np.int64(n)))
     return out
 
 
@@ -291,7 +208,9 @@ def silu_mul(gate, up, *, out=None, backend=None):
     ----------
     gate, up : device arrays of one shape and dtype (e.g. ``[rows, intermediate]``)
     out : device array of that shape, optional
-        Written in place and returned; may be ``gate`` or ``up``.
+        Written in place and returned; may be ``gate`` or ``up`` exactly (in
+        place), must not otherwise overlap either (a view shifted by one
+        element would read values the launch already wrote).
     backend : {"cupy", "emulator"}, optional
         Inferred from ``gate`` by default.
 
@@ -309,7 +228,8 @@ def add(a, b, *, out=None, backend=None):
     ----------
     a, b : device arrays of one shape and dtype (e.g. ``[rows, hidden]``)
     out : device array of that shape, optional
-        Written in place and returned; may be ``a`` or ``b``.
+        Written in place and returned; may be ``a`` or ``b`` exactly (in
+        place), must not otherwise overlap either.
     backend : {"cupy", "emulator"}, optional
         Inferred from ``a`` by default.
 
@@ -330,7 +250,7 @@ def argmax(logits, *, out=None, backend=None):
     ----------
     logits : device array ``[rows, vocab]``
     out : device int32 array ``[rows]``, optional
-        Written in place and returned.
+        Written in place and returned; must not overlap ``logits``.
     backend : {"cupy", "emulator"}, optional
         Inferred from ``logits`` by default.
 
@@ -338,14 +258,16 @@ def argmax(logits, *, out=None, backend=None):
     -------
     device int32 array ``[rows]``.
     """
-    backend = _backend_for("logits", logits, backend)
-    logits, dtype = _float_operand("logits", logits, backend)
-    rows, vocab = _check_shape("logits", logits, (None, None), ("rows", "vocab"))
+    backend = _args.backend_for("logits", logits, backend)
+    logits, dtype = _args.float_operand("logits", logits, backend)
+    rows, vocab = _args.check_shape("logits", logits, (None, None), ("rows", "vocab"))
+    grid, block = (rows,), (_row_threads(vocab, ARGMAX_MAX_THREADS),)
+    _args.check_launch("logits", f"rows = {rows}", grid, block)
     if out is None:
         out = backend.zeros((rows,), np.int32)
     else:
-        out = _int32_operand("out", out, backend)
-        _check_shape("out", out, (rows,))
-    backend.launch("argmax", f"cupykv_argmax<{CUDA_TYPES[dtype]}>", (rows,),
-                   (_row_threads(vocab, ARGMAX_MAX_THREADS),), (out, logits, np.int32(vocab)))
+        out = _args.int32_operand("out", out, backend, written=True)
+        _args.check_shape("out", out, (rows,))
+        _args.check_no_overlap("out", out, [("logits", logits)])
+    backend.launch("argmax", f"cupykv_argmax<{CUDA_TYPES[dtype]}>", grid, block, (out, logits, np.int32(vocab)))
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from cupykv._checks import check_positive_float
+from cupykv._args.scalars import check_positive_float32
 from cupykv.reference import round_to_storage
 
 __all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
@@ -64,12 +64,15 @@ def embedding(ids, table, *, error_flag=None):
 
 
 def rmsnorm(x, weight, eps):
-    """``x / sqrt(mean(x**2) + eps) * weight`` per row; x ``[rows, hidden]``, weight ``[hidden]``."""
+    """``x / sqrt(mean(x**2) + eps) * weight`` per row; x ``[rows, hidden]``, weight ``[hidden]``.
+
+    ``eps`` is a normal float32 > 0, as the kernel receives it.
+    """
     x = _float("x", x, 2)
     weight = _float("weight", weight, 1, like=x)
     if weight.shape != x.shape[1:]:
         raise ValueError(f"weight: expected shape ({x.shape[1]},) [hidden], got {weight.shape}")
-    eps = check_positive_float("eps", eps)
+    eps = check_positive_float32("eps", eps)
     x64 = x.astype(np.float64)
     inv_rms = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)  # [rows, 1]
     return round_to_storage(x64 * inv_rms * weight.astype(np.float64), x.dtype)

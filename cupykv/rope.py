@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._checks import check_positive_float
+from ._args.cache_args import check_rope_theta
 
 
 @dataclass(frozen=True)
@@ -25,20 +25,22 @@ class Rope:
     Parameters
     ----------
     theta : float, default 10000.0
-        Base of the inverse frequencies; finite and > 0. Stored as a float.
+        Base of the inverse frequencies; finite and >= 1, so that every
+        inverse frequency is at most 1 and an angle at most its position
+        (finite, as the kernels' double arithmetic needs). Stored as a float.
 
     Raises
     ------
     TypeError
         ``theta`` is not a real number (``bool`` is rejected).
     ValueError
-        ``theta`` is not finite or not > 0.
+        ``theta`` is not finite or below 1.
     """
 
     theta: float = 10000.0
 
     def __post_init__(self):
-        object.__setattr__(self, "theta", check_positive_float("Rope.theta", self.theta))
+        object.__setattr__(self, "theta", check_rope_theta("Rope.theta", self.theta))
 
 
 def rope_angles(positions, head_dim, theta):

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ._checks import check_choice, check_int
+from ._args.limits import INT32_MAX, MAX_NEW, MAX_SEQ
+from ._args.scalars import check_choice, check_int
+
+__all__ = ["CacheSpec", "DTYPES", "LAYOUTS", "MAX_HEAD_DIM", "MAX_SEQ", "MAX_NEW", "MASK_VALUE"]
 
 DTYPES = ("float32", "float16", "bfloat16")
 LAYOUTS = ("NHD", "HND")
@@ -18,12 +21,17 @@ MAX_HEAD_DIM = 256
 # Additive-mask value for positions a query may not attend to.
 MASK_VALUE = -1e30
 
-_INT_FIELDS = (  # (field, upper bound or None)
-    ("n_layers", None),
-    ("n_kv_heads", None),
+_INT_FIELDS = (  # (field, upper bound): kernel ints; max_seq leaves room for positions max_seq + q_len
+    ("n_layers", INT32_MAX),
+    ("n_kv_heads", INT32_MAX),
     ("head_dim", MAX_HEAD_DIM),
-    ("max_seq", None),
-    ("batch", None),
+    ("max_seq", MAX_SEQ),
+    ("batch", INT32_MAX),
+)
+# (field, its factor, why): products every use of the cache passes to a kernel or a launch
+_PRODUCTS = (
+    ("batch", "n_kv_heads", "attention launches one block per sequence and kv head on grid x"),
+    ("n_kv_heads", "head_dim", "append indexes a row of n_kv_heads * head_dim elements with an int"),
 )
 
 
@@ -34,15 +42,17 @@ class CacheSpec:
     Parameters
     ----------
     n_layers : int
-        Transformer layers, each with its own K and V (>= 1).
+        Transformer layers, each with its own K and V (1..2**31-1).
     n_kv_heads : int
-        Key/value heads, i.e. GQA groups (>= 1).
+        Key/value heads, i.e. GQA groups (1..2**31-1).
     head_dim : int
         Features per head, in 1..256.
     max_seq : int
-        Capacity in positions per sequence (>= 1).
+        Capacity in positions per sequence, in 1..2**30 (``MAX_SEQ``): a position
+        ``lengths[b] + i`` of ``q_len <= 2**30 - 1`` queries (``MAX_NEW``) then
+        stays below 2**31, as the kernels' int positions need.
     batch : int, default 1
-        Sequence slots (>= 1).
+        Sequence slots (1..2**31-1).
     dtype : {"float32", "float16", "bfloat16"}, default "float32"
         Storage type of K and V.
     layout : {"NHD", "HND"}, default "NHD"
@@ -56,7 +66,10 @@ class CacheSpec:
         A field has the wrong type (``bool`` is not an int; NumPy integer
         scalars are accepted and stored as python ints).
     ValueError
-        A field is out of range or not one of the allowed strings.
+        A field is out of range or not one of the allowed strings, or
+        ``batch * n_kv_heads`` or ``n_kv_heads * head_dim`` exceeds 2**31-1
+        (every attention or append on such a cache would break a launch or
+        int limit).
     """
 
     n_layers: int
@@ -71,6 +84,11 @@ class CacheSpec:
         for name, hi in _INT_FIELDS:
             value = check_int(f"CacheSpec.{name}", getattr(self, name), lo=1, hi=hi)
             object.__setattr__(self, name, value)
+        for name, factor, why in _PRODUCTS:
+            a, b = getattr(self, name), getattr(self, factor)
+            if a * b > INT32_MAX:
+                raise ValueError(f"CacheSpec.{name}: expected {name} * {factor} <= {INT32_MAX} ({why}), "
+                                 f"got {a} * {b} = {a * b}")
         check_choice("CacheSpec.dtype", self.dtype, DTYPES)
         check_choice("CacheSpec.layout", self.layout, LAYOUTS)
 

@@ -1,4 +1,11 @@
-"""Bad input: each bad call gets its own clear error, raised before any launch, and the cache is unchanged."""
+"""Bad input: each bad call gets its own clear error, raised before any launch, and the cache is unchanged.
+
+The table holds, besides plain mistakes, every silent corruption a fuzz of the
+emulator once found (issue 17): per-sequence values and scalars that wrapped
+in the kernel's int, strided device arrays read as if contiguous, outputs and
+inputs aliasing each other or the cache, and floats the kernel's float32
+turned into inf or 0.
+"""
 import numpy as np
 import pytest
 
@@ -13,13 +20,34 @@ def rows(n_new=1, heads=2, head_dim=8, dtype=np.float16, batch=2):
     return np.ones((batch, n_new, heads, head_dim), dtype=dtype)
 
 
+def cache_view(buffer, shape, dtype=None):
+    """A C-contiguous view of the first elements of a cache buffer, of ``shape`` (and dtype): it aliases the cache."""
+    flat = buffer.reshape(-1) if dtype is None else buffer.reshape(-1).view(dtype)
+    return flat[: int(np.prod(shape))].reshape(shape)
+
+
+def shifted_pair(d, shape, dtype=np.float16):
+    """Two views of one device buffer, the second one element further: every element but one shared."""
+    buffer = d(np.ones(int(np.prod(shape)) + 1, dtype))
+    return buffer[:-1].reshape(shape), buffer[1:].reshape(shape)
+
+
+def ints_device(d, values):
+    return d(np.array(values, np.int32))
+
+
+I32 = r"0\.\.2147483647"
+FLOAT32 = r"a float in 1\.1754944e-38\.\.3\.4028235e\+38 \(normal and > 0 in float32, the kernel's type\)"
+
+
 # (name, call(cache, dev) -> None, exception type, message pattern). `dev` moves host data to the device.
 BAD_CALLS = [
     ("append layer -1", lambda c, d: c.append(-1, d(rows()), d(rows())), ValueError, r"^layer: expected an int in 0\.\.1, got -1"),
     ("append layer past the end", lambda c, d: c.append(2, d(rows()), d(rows())), ValueError, r"^layer: .*got 2"),
     ("append layer float", lambda c, d: c.append(1.0, d(rows()), d(rows())), TypeError, r"^layer: .*got 1\.0"),
     ("append layer bool", lambda c, d: c.append(True, d(rows()), d(rows())), TypeError, r"^layer: "),
-    ("append k 3-d", lambda c, d: c.append(0, d(rows()[0]), d(rows())), ValueError, r"^k: expected shape \(2, n_new>=1, 2, 8\)"),
+    ("append k 3-d", lambda c, d: c.append(0, d(rows()[0]), d(rows())),
+     ValueError, r"^k: expected shape \(2, n_new in 1\.\.1073741823, 2, 8\)"),
     ("append k wrong batch", lambda c, d: c.append(0, d(rows(batch=3)), d(rows())), ValueError, r"^k: .*got \(3, 1, 2, 8\)"),
     ("append k wrong kv heads", lambda c, d: c.append(0, d(rows(heads=4)), d(rows())), ValueError, r"^k: .*got \(2, 1, 4, 8\)"),
     ("append k wrong head_dim", lambda c, d: c.append(0, d(rows(head_dim=4)), d(rows())), ValueError, r"^k: .*got \(2, 1, 2, 4\)"),
@@ -28,11 +56,12 @@ BAD_CALLS = [
     ("append k wrong dtype", lambda c, d: c.append(0, d(rows(dtype=np.float32)), d(rows())), TypeError, r"^k: expected dtype float16"),
     ("append k not contiguous", lambda c, d: c.append(0, d(rows(n_new=2))[:, ::2], d(rows())), ValueError, r"^k: expected a C-contiguous"),
     ("append k a list", lambda c, d: c.append(0, rows().tolist(), d(rows())), TypeError, r"^k: expected an array"),
-    ("append rope not a Rope", lambda c, d: c.append(0, d(rows()), d(rows()), rope=10000.0), TypeError, r"^rope: expected None or a cupykv.Rope"),
-    ("advance negative", lambda c, d: c.advance(-1), ValueError, r"^n: expected an int >= 0, got -1"),
+    ("append rope not a Rope", lambda c, d: c.append(0, d(rows()), d(rows()), rope=10000.0),
+     TypeError, r"^rope: expected None or a cupykv.Rope"),
+    ("advance negative", lambda c, d: c.advance(-1), ValueError, rf"^n: expected an int in {I32}, got -1"),
     ("advance float", lambda c, d: c.advance(1.5), TypeError, r"^n: expected an int"),
     ("advance wrong length", lambda c, d: c.advance([1, 2, 3]), ValueError, r"^n: .*got shape \(3,\)"),
-    ("advance negative per sequence", lambda c, d: c.advance([1, -1]), ValueError, r"^n: expected non-negative ints, got n\[1\] = -1"),
+    ("advance negative per sequence", lambda c, d: c.advance([1, -1]), ValueError, rf"^n: expected ints in {I32}, got n\[1\] = -1"),
     ("advance device int64", lambda c, d: c.advance(d(np.array([1, 1], dtype=np.int64))), ValueError, r"^n: expected a device int32 array"),
     ("truncate grows", lambda c, d: c.truncate([5, 0]), ValueError, r"^new_lengths: .*new_lengths\[0\] = 5 with lengths\[0\] = 3"),
     ("truncate negative", lambda c, d: c.truncate(-1), ValueError, r"^new_lengths: .*= -1"),
@@ -42,22 +71,105 @@ BAD_CALLS = [
     ("reset slot out of range", lambda c, d: c.reset(5), ValueError, r"^slots: .*got 5"),
     ("reset repeated slots", lambda c, d: c.reset([0, 0]), ValueError, r"^slots: .*repeated slots \[0, 0\]"),
     ("reset a string", lambda c, d: c.reset("all"), TypeError, r"^slots: "),
-    ("mask q_len 0", lambda c, d: c.additive_mask(0), ValueError, r"^q_len: expected an int >= 1, got 0"),
-    ("mask out wrong shape", lambda c, d: c.additive_mask(2, out=d(np.zeros((2, 1, 1, 16), np.float32))), ValueError, r"^out: expected shape \(2, 1, 2, 16\)"),
-    ("mask out wrong dtype", lambda c, d: c.additive_mask(1, out=d(np.zeros((2, 1, 1, 16), np.float16))), TypeError, r"^out: expected dtype float32"),
-    ("attention heads not a multiple", lambda c, d: cupykv.attention(d(rows(heads=3)), c, 0), ValueError, r"^q: .*multiple of n_kv_heads=2"),
+    ("mask q_len 0", lambda c, d: c.additive_mask(0), ValueError, r"^q_len: expected an int in 1\.\.1073741823, got 0"),
+    ("mask out wrong shape", lambda c, d: c.additive_mask(2, out=d(np.zeros((2, 1, 1, 16), np.float32))),
+     ValueError, r"^out: expected shape \(2, 1, 2, 16\)"),
+    ("mask out wrong dtype", lambda c, d: c.additive_mask(1, out=d(np.zeros((2, 1, 1, 16), np.float16))),
+     TypeError, r"^out: expected dtype float32"),
+    ("attention heads not a multiple", lambda c, d: cupykv.attention(d(rows(heads=3)), c, 0),
+     ValueError, r"^q: .*multiple of n_kv_heads=2"),
     ("attention q wrong head_dim", lambda c, d: cupykv.attention(d(rows(head_dim=16)), c, 0), ValueError, r"^q: "),
     ("attention q wrong dtype", lambda c, d: cupykv.attention(d(rows(dtype=np.float32)), c, 0), TypeError, r"^q: expected dtype float16"),
     ("attention layer past the end", lambda c, d: cupykv.attention(d(rows()), c, 5), ValueError, r"^layer: "),
-    ("attention scale 0", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=0.0), ValueError, r"^scale: expected a finite float > 0, got 0\.0"),
+    ("attention scale 0", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=0.0), ValueError, rf"^scale: expected {FLOAT32}, got 0\.0$"),
     ("attention scale nan", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=float("nan")), ValueError, r"^scale: "),
-    ("attention window 0", lambda c, d: cupykv.attention(d(rows()), c, 0, window=0), ValueError, r"^window: expected an int >= 1, got 0"),
+    ("attention window 0", lambda c, d: cupykv.attention(d(rows()), c, 0, window=0),
+     ValueError, r"^window: expected an int in 1\.\.2147483647, got 0"),
     ("attention softcap negative", lambda c, d: cupykv.attention(d(rows()), c, 0, softcap=-1.0), ValueError, r"^softcap: "),
-    ("attention out wrong shape", lambda c, d: cupykv.attention(d(rows()), c, 0, out=d(rows(n_new=2))), ValueError, r"^out: expected shape \(2, 1, 2, 8\)"),
-    ("attention out wrong dtype", lambda c, d: cupykv.attention(d(rows()), c, 0, out=d(rows(dtype=np.float32))), TypeError, r"^out: expected dtype float16"),
-    ("attention cache not a cache", lambda c, d: cupykv.attention(d(rows()), reference.KVCache(SPEC), 0), TypeError, r"^cache: expected a cupykv.KVCache"),
+    ("attention out wrong shape", lambda c, d: cupykv.attention(d(rows()), c, 0, out=d(rows(n_new=2))),
+     ValueError, r"^out: expected shape \(2, 1, 2, 8\)"),
+    ("attention out wrong dtype", lambda c, d: cupykv.attention(d(rows()), c, 0, out=d(rows(dtype=np.float32))),
+     TypeError, r"^out: expected dtype float16"),
+    ("attention cache not a cache", lambda c, d: cupykv.attention(d(rows()), reference.KVCache(SPEC), 0),
+     TypeError, r"^cache: expected a cupykv.KVCache"),
     ("attention num_splits 0", lambda c, d: cupykv.attention(d(rows()), c, 0, num_splits=0), ValueError, r"^num_splits: "),
     ("attention rope not a Rope", lambda c, d: cupykv.attention(d(rows()), c, 0, rope="neox"), TypeError, r"^rope: "),
+    # -- integers that wrapped in the kernel's int (issue 17) --------------------------------------------------
+    ("advance np.int64(2**31)", lambda c, d: c.advance(np.int64(2**31)), ValueError, rf"^n: expected an int in {I32}, got 2147483648$"),
+    ("advance np.int64(2**32 + 1)", lambda c, d: c.advance(np.int64(2**32 + 1)),
+     ValueError, rf"^n: expected an int in {I32}, got 4294967297$"),
+    ("advance np.uint64(2**64 - 1)", lambda c, d: c.advance(np.uint64(2**64 - 1)), ValueError, rf"^n: .*got 18446744073709551615$"),
+    ("advance int 2**31", lambda c, d: c.advance(2**31), ValueError, rf"^n: expected an int in {I32}, got 2147483648$"),
+    ("advance int 2**40", lambda c, d: c.advance(2**40), ValueError, rf"^n: expected an int in {I32}, got 1099511627776$"),
+    ("advance list [2**40, 0]", lambda c, d: c.advance([2**40, 0]),
+     ValueError, rf"^n: expected ints in {I32}, got n\[0\] = 1099511627776$"),
+    ("advance list [2**32 + 1, 1]", lambda c, d: c.advance([2**32 + 1, 1]), ValueError, r"^n: .*got n\[0\] = 4294967297$"),
+    ("advance list [0, 2**64]", lambda c, d: c.advance([0, 2**64]), ValueError, r"^n: .*got n\[1\] = 18446744073709551616$"),
+    ("advance uint64 array", lambda c, d: c.advance(np.array([2**64 - 1, 0], np.uint64)),
+     ValueError, r"^n: .*got n\[0\] = 18446744073709551615$"),
+    ("truncate uint64 array", lambda c, d: c.truncate(np.array([2**64 - 1, 0], np.uint64)),
+     ValueError, r"^new_lengths: .*got new_lengths\[0\] = 18446744073709551615 with"),
+    ("reset np.uint64(2**64 - 1)", lambda c, d: c.reset(np.uint64(2**64 - 1)), ValueError, r"^slots: .*got 18446744073709551615$"),
+    ("reset slots [2**64]", lambda c, d: c.reset([2**64]), ValueError, r"^slots: .*got slot 18446744073709551616$"),
+    ("append layer np.uint64(2**64 - 1)", lambda c, d: c.append(np.uint64(2**64 - 1), d(rows()), d(rows())),
+     ValueError, r"^layer: expected an int in 0\.\.1, got 18446744073709551615$"),
+    ("attention window 2**31", lambda c, d: cupykv.attention(d(rows()), c, 0, window=2**31),
+     ValueError, r"^window: expected an int in 1\.\.2147483647, got 2147483648$"),
+    ("attention num_splits np.int8(-1)", lambda c, d: cupykv.attention(d(rows()), c, 0, num_splits=np.int8(-1)),
+     ValueError, r"^num_splits: expected an int in 1\.\.1, got -1$"),
+    ("mask q_len 2**30", lambda c, d: c.additive_mask(2**30), ValueError, r"^q_len: expected an int in 1\.\.1073741823, got 1073741824$"),
+    # -- floats the kernel's float32 does not hold ------------------------------------------------------------------
+    ("attention scale 1e39 (inf in float32)", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=1e39),
+     ValueError, rf"^scale: expected {FLOAT32}, got 1e\+39$"),
+    ("attention scale 1e-50 (zero in float32)", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=1e-50),
+     ValueError, r"^scale: .*got 1e-50$"),
+    ("attention scale subnormal in float32", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=1e-40),
+     ValueError, r"^scale: .*got 1e-40$"),
+    ("attention scale an int past float64", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=10**400),
+     ValueError, r"^scale: .*got 1000"),
+    ("attention softcap 1e39", lambda c, d: cupykv.attention(d(rows()), c, 0, softcap=np.float64(1e39)),
+     ValueError, r"^softcap: .*got np\.float64\(1e\+39\)$"),
+    ("attention softcap past 2**64", lambda c, d: cupykv.attention(d(rows()), c, 0, softcap=2.0**64 * (1 + 2.0**-20)),
+     ValueError, r"^softcap: expected a float in 1\.1754944e-38\.\.1\.8446744e\+19 \(.* flush s / softcap to 0\), got 1\.844676166"),
+    ("append rope theta below 1", lambda c, d: c.append(0, d(rows()), d(rows()), rope=cupykv.Rope(0.5)),
+     ValueError, r"^Rope\.theta: expected a float in 1\.\.1\.7976931e\+308"),
+    # -- strided device arrays read as if contiguous --------------------------------------------------------------
+    ("advance device n every other element", lambda c, d: c.advance(ints_device(d, [5, 100, 7, 100])[::2]),
+     ValueError, r"^n: expected a C-contiguous array, got strides \(8,\)"),
+    ("advance device n reversed", lambda c, d: c.advance(ints_device(d, [1, 2])[::-1]),
+     ValueError, r"^n: expected a C-contiguous array, got strides \(-4,\)"),
+    ("truncate device new_lengths reversed", lambda c, d: c.truncate(ints_device(d, [1, 2])[::-1]),
+     ValueError, r"^new_lengths: expected a C-contiguous array, got strides \(-4,\)"),
+    ("reset device mask every other element", lambda c, d: c.reset(ints_device(d, [1, 0, 0, 0])[::2]),
+     ValueError, r"^slots: expected a C-contiguous array"),
+    ("append v reversed batch", lambda c, d: c.append(0, d(rows()), d(rows())[::-1]), ValueError, r"^v: expected a C-contiguous array"),
+    ("attention q reversed heads", lambda c, d: cupykv.attention(d(rows())[:, :, ::-1], c, 0),
+     ValueError, r"^q: expected a C-contiguous array"),
+    ("attention out every other query", lambda c, d: cupykv.attention(d(rows()), c, 0, out=d(rows(n_new=2))[:, ::2]),
+     ValueError, r"^out: expected a C-contiguous array"),
+    ("mask out reversed positions", lambda c, d: c.additive_mask(1, out=d(np.zeros((2, 1, 1, 16), np.float32))[..., ::-1]),
+     ValueError, r"^out: expected a C-contiguous array"),
+    # -- outputs and inputs aliasing each other or the cache ------------------------------------------------------
+    ("attention out views the cache's v", lambda c, d: cupykv.attention(d(rows(heads=4)), c, 0, out=cache_view(c.v, (2, 1, 4, 8))),
+     ValueError, r"^out: expected an array that does not overlap the cache's v, got one that shares 128 bytes with it$"),
+    ("attention out views the cache's k", lambda c, d: cupykv.attention(d(rows()), c, 1, out=cache_view(c.k[1], (2, 1, 2, 8))),
+     ValueError, r"^out: expected an array that does not overlap the cache's k"),
+    ("attention out one element past q", lambda c, d: (lambda q, out: cupykv.attention(q, c, 0, out=out))(*shifted_pair(d, (2, 1, 2, 8))),
+     ValueError, r"^out: expected an array that does not overlap q, got one that shares 62 bytes with it$"),
+    ("attention out is q", lambda c, d: (lambda q: cupykv.attention(q, c, 0, out=q))(d(rows())),
+     ValueError, r"^out: expected an array that does not overlap q"),
+    ("mask out views the cache's k", lambda c, d: c.additive_mask(1, out=cache_view(c.k, (2, 1, 1, 16), np.float32)),
+     ValueError, r"^out: expected an array that does not overlap the cache's k"),
+    ("append k rows taken from the cache's k", lambda c, d: c.append(0, cache_view(c.k, (2, 2, 2, 8)), d(rows(n_new=2))),
+     ValueError, r"^k: expected an array that does not overlap the cache's k, got one that shares 128 bytes with it$"),
+    ("append v rows taken from the cache's v", lambda c, d: c.append(1, d(rows()), cache_view(c.v[1], (2, 1, 2, 8))),
+     ValueError, r"^v: expected an array that does not overlap the cache's v"),
+    ("advance device n is the cache's lengths", lambda c, d: c.advance(c.lengths),
+     ValueError, r"^n: expected an array that does not overlap the cache's lengths, got one that shares 8 bytes with it$"),
+    ("truncate device new_lengths is the cache's overflow flags", lambda c, d: c.truncate(c.overflow),
+     ValueError, r"^new_lengths: expected an array that does not overlap the cache's overflow flags"),
+    ("reset device mask is the cache's lengths", lambda c, d: c.reset(c.lengths),
+     ValueError, r"^slots: expected an array that does not overlap the cache's lengths"),
 ]
 
 
@@ -125,3 +237,70 @@ def test_default_backend_follows_gpu_availability(monkeypatch):
     from cupykv.backends import cuda_available
     monkeypatch.delenv("CUPYKV_BACKEND", raising=False)
     assert cupykv.KVCache(SPEC).backend == ("cupy" if cuda_available()[0] else "emulator")
+
+
+def test_a_mask_written_over_the_cache_lengths_is_refused():
+    # the fuzz's reproduction: with max_seq 1 a float32 view of lengths has the mask's shape [batch, 1, 1, 1]
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=2, max_seq=1, batch=2)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    cache.advance([1, 0])
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap the cache's lengths, "
+                                         r"got one that shares 8 bytes with it$"):
+        cache.additive_mask(1, out=cache.lengths.view(np.float32).reshape(2, 1, 1, 1))
+    assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(cache)))
+
+
+def read_only(array):
+    array.flags.writeable = False
+    return array
+
+
+# Emulator only: CuPy arrays have no read-only flag. Before issue 17 the emulator found these after the kernel ran.
+READ_ONLY_OUTPUTS = [
+    ("attention out, a device array", lambda c, d: cupykv.attention(d(rows()), c, 0, out=read_only(d(rows())))),
+    ("attention out, a host array", lambda c, d: cupykv.attention(d(rows()), c, 0, out=read_only(rows()))),
+    ("mask out", lambda c, d: c.additive_mask(1, out=read_only(d(np.zeros((2, 1, 1, 16), np.float32))))),
+]
+
+
+@pytest.mark.parametrize("name, call", READ_ONLY_OUTPUTS, ids=[case[0] for case in READ_ONLY_OUTPUTS])
+def test_a_read_only_output_is_refused_before_launch(name, call):
+    cache, oracle = cupykv.KVCache(SPEC, backend="emulator"), reference.KVCache(SPEC)
+    testing.fill(cache, oracle, [3, 7], np.random.default_rng(0))
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"^out: expected a writeable array, got a read-only one"):
+        call(cache, cache._backend.asarray)
+    assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(cache))), f"{name} changed the cache"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_op_writes_into_any_cache(backend):
+    # an op has no cache argument, yet its output must not land in a cache's buffers (issue 17)
+    from cupykv import ops
+    cache, oracle = cupykv.KVCache(SPEC, backend=backend), reference.KVCache(SPEC)
+    testing.fill(cache, oracle, [3, 7], np.random.default_rng(0))
+    other = cupykv.KVCache(SPEC, backend=backend)
+    d = cache._backend.asarray
+    x, w = d(np.ones((2, 8), np.float16)), d(np.ones((4, 8), np.float16))
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap a KVCache's k, "
+                                         r"got one that shares 16 bytes with it$"):
+        ops.linear(x, w, out=cache_view(cache.k, (2, 4)))
+    with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap a KVCache's lengths"):
+        ops.argmax(x, out=cache.lengths)
+    with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap a KVCache's v"):
+        cupykv.attention(d(rows()), other, 0, out=cache_view(cache.v, (2, 1, 2, 8)))
+    assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(cache)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_may_not_write_into_the_split_kv_workspace(backend):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=8, max_seq=256, batch=1)
+    cache = cupykv.KVCache(spec, backend=backend)
+    q = cache.to_device(np.ones((1, 1, 1, 8), np.float32))
+    cupykv.attention(q, cache, 0, num_splits=2)   # the first split call allocates the workspace
+    partial_out = cache._workspace.buffers[0]
+    with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap the cache's attention "
+                                         r"workspace, got one that shares 32 bytes with it$"):
+        cupykv.attention(q, cache, 0, num_splits=2, out=partial_out[:8].reshape(1, 1, 1, 8))

@@ -9,7 +9,7 @@ import pytest
 
 import cupykv
 from cupykv import ops, testing
-from cupykv._inputs import device_input
+from cupykv._args import device_operand
 from cupykv.backends import get_backend
 from cupykv.backends.base import Backend
 from backends import BACKENDS
@@ -84,7 +84,7 @@ class Uint16StorageBackend(Backend):
 
 def test_a_bfloat16_array_is_viewed_as_uint16_storage_without_a_copy():
     given = np.arange(12, dtype=np.float32).reshape(3, 4).astype(BF16)
-    got = device_input("q", given, Uint16StorageBackend(), "bfloat16", shape=(3, 4))
+    got = device_operand("q", given, Uint16StorageBackend(), "bfloat16", shape=(3, 4))
     assert got.dtype == np.uint16
     assert np.shares_memory(got, given)
     assert np.array_equal(got, given.view(np.uint16))
@@ -93,9 +93,9 @@ def test_a_bfloat16_array_is_viewed_as_uint16_storage_without_a_copy():
 def test_uint16_storage_takes_its_own_dtype_as_is_and_refuses_other_floats():
     backend = Uint16StorageBackend()
     bits = np.zeros((3, 4), np.uint16)
-    assert device_input("q", bits, backend, "bfloat16") is bits
+    assert device_operand("q", bits, backend, "bfloat16") is bits
     with pytest.raises(TypeError, match=r"^q: expected dtype bfloat16 .*ml_dtypes.bfloat16 or uint16 .*got float16"):
-        device_input("q", np.zeros((3, 4), np.float16), backend, "bfloat16")
+        device_operand("q", np.zeros((3, 4), np.float16), backend, "bfloat16")
 
 
 def host_backed_cupy_array(host):
@@ -115,6 +115,6 @@ def test_the_cupy_backend_views_a_cupy_bfloat16_array_as_uint16_without_a_copy()
 
     host = np.arange(8, dtype=np.float32).astype(BF16)
     given = host_backed_cupy_array(host)
-    got = device_input("k", given, CupyBackendWithoutADevice(), "bfloat16", shape=(8,))
+    got = device_operand("k", given, CupyBackendWithoutADevice(), "bfloat16", shape=(8,))
     assert got.dtype == np.uint16
     assert got.data.ptr == given.data.ptr == host.ctypes.data

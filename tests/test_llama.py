@@ -150,10 +150,43 @@ def test_bfloat16_safetensors_load_as_ml_dtypes_bfloat16(tmp_path, config):
     ([[1, 2], []], 2, r"^prompts\[1\]: expected a non-empty list of token ids in 0\.\.199"),
     ([[1, 200]], 2, r"^prompts\[0\]: .*got \[1, 200\]"),
     ([[1] * 30], 5, r"^prompts\[0\]: expected len\(prompt\) \+ max_new_tokens <= max_seq=32, got 30 \+ 5"),
-    ([[1]], 0, r"^max_new_tokens: expected an int >= 1, got 0"),
+    ([[1]], 0, r"^max_new_tokens: expected an int in 1\.\.31, got 0"),
+    ([[1]], 2**64, r"^max_new_tokens: expected an int in 1\.\.31, got 18446744073709551616"),
 ])
 def test_bad_prompts_are_rejected_before_anything_runs(config, prompts, new, message):
     model = Llama.random(config, max_seq=32, batch=2, backend="emulator")
     with pytest.raises(ValueError, match=message):
         model.generate(prompts, new)
     assert model.cache.lengths_host().tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(max_seq=2**31), ValueError, r"^max_seq: expected an int in 1\.\.1073741824, got 2147483648$"),
+    (dict(batch=np.uint64(2**64 - 1)), ValueError,
+     r"^batch: expected an int in 1\.\.2147483647, got 18446744073709551615$"),
+    (dict(dtype="float64"), ValueError, r"^dtype: expected one of 'float32', 'float16', 'bfloat16', got 'float64'$"),
+    (dict(seed=-1), ValueError, r"^seed: expected an int >= 0, got -1$"),
+])
+def test_bad_model_arguments_are_named(config, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        Llama.random(config, **{"max_seq": 32, "backend": "emulator", **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(use_graph="no"), r"^use_graph: expected a bool, got 'no' \(str\)$"),
+    (dict(return_logits=1), r"^return_logits: expected a bool, got 1 \(int\)$"),
+    (dict(progress="print"), r"^progress: expected None or a callable, got 'print' \(str\)$"),
+])
+def test_bad_generate_flags_are_named_before_anything_runs(config, kwargs, message):
+    model = Llama.random(config, max_seq=32, batch=2, backend="emulator")
+    with pytest.raises(TypeError, match=message):
+        model.generate([[1, 2]], 2, **kwargs)
+    assert model.cache.lengths_host().tolist() == [0, 0]
+
+
+def test_config_floats_must_hold_in_the_kernels_types():
+    with pytest.raises(ValueError,
+                       match=r"^LlamaConfig\.rms_norm_eps: expected a float in 1\.1754944e-38\.\.3\.4028235e\+38"):
+        LlamaConfig.from_hf(dict(HF_CONFIG, rms_norm_eps=1e-50))          # 0 in float32: rmsnorm would give NaN
+    with pytest.raises(ValueError, match=r"^LlamaConfig\.rope_theta: expected a float in 1\.\.1\.7976931e\+308"):
+        LlamaConfig.from_hf(dict(HF_CONFIG, rope_theta=0.5))

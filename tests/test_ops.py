@@ -320,8 +320,10 @@ def _emulator_arrays(**arrays):
 
 
 F32, F16 = np.float32, np.float16
+IN_PLACE = " the very array given as"
+APART = " an array that does not overlap"
 BAD_CALLS = [
-    # (call, error type, argument named in the message)
+    # (call, error type, argument named in the message[, what the message says it expected])
     (lambda a: ops.linear(a["x64"], a["w"]), TypeError, "x"),
     (lambda a: ops.linear([[1.0]], a["w"]), TypeError, "x"),
     (lambda a: ops.linear(a["x"], a["w16"]), TypeError, "weight"),
@@ -346,14 +348,72 @@ BAD_CALLS = [
     (lambda a: ops.argmax(a["x"], out=a["ids64"]), TypeError, "out"),
     (lambda a: ops.argmax(a["x"], out=a["ids"][:1]), ValueError, "out"),
     (lambda a: ops.argmax(a["ids"]), TypeError, "logits"),
+    # issue 17: scalars the kernel's float32 does not hold, strided views, read-only and aliased outputs
+    (lambda a: ops.rmsnorm(a["x"], a["x"][0], 1e-50), ValueError, "eps", " a float in 1.1754944e-38"),  # 0 in float32
+    (lambda a: ops.rmsnorm(a["x"], a["x"][0], np.float64(1e39)), ValueError, "eps", " a float in"),
+    (lambda a: ops.add(a["x"][:, ::-1], a["x"]), ValueError, "a", " a C-contiguous array, got strides \\(24, -4\\)"),
+    (lambda a: ops.linear(a["x"], a["w"][::2]), ValueError, "weight", " a C-contiguous"),
+    (lambda a: ops.embedding(a["buf"][:4].view(np.int32)[::2], a["w"]), ValueError, "ids", " a C-contiguous"),
+    (lambda a: ops.add(a["x"], a["x"], out=read_only(a["y"])), ValueError, "out", " a writeable array"),
+    (lambda a: ops.argmax(a["x"], out=read_only(a["ids"])), ValueError, "out", " a writeable array"),
+    (lambda a: ops.embedding(a["ids"], a["w"], error_flag=read_only(a["flag"])), ValueError, "error_flag",
+     " a writeable"),
+    (lambda a: ops.add(*shifted(a["buf"], (2, 6), 0, 0), out=shifted(a["buf"], (2, 6), 1)[0]), ValueError, "out",
+     IN_PLACE),
+    (lambda a: ops.add(a["x"], shifted(a["buf"], (2, 6), 0)[0], out=shifted(a["buf"], (2, 6), 1)[0]), ValueError, "out",
+     IN_PLACE + " b"),
+    (lambda a: ops.silu_mul(*shifted(a["buf"], (2, 6), 1, 0), out=shifted(a["buf"], (2, 6), 2)[0]), ValueError, "out",
+     IN_PLACE + " gate"),
+    (lambda a: ops.rmsnorm(shifted(a["buf"], (2, 6), 0)[0], a["w"][0], 1e-5, out=shifted(a["buf"], (2, 6), 1)[0]),
+     ValueError, "out", IN_PLACE + " x"),
+    (lambda a: ops.rmsnorm(a["y"], shifted(a["buf"], (6,), 0)[0], 1e-5, out=shifted(a["buf"], (2, 6), 3)[0]),
+     ValueError, "out", APART + " weight"),
+    (lambda a: ops.linear(shifted(a["buf"], (2, 6), 0)[0], a["w"], out=shifted(a["buf"], (2, 3), 5)[0]),
+     ValueError, "out", APART + " x"),
+    (lambda a: ops.embedding(a["buf"][:2].view(np.int32), a["w"], out=shifted(a["buf"], (2, 6), 1)[0]),
+     ValueError, "out", APART + " ids"),
+    (lambda a: ops.embedding(a["ids"], a["w"], error_flag=a["ids"][:1]), ValueError, "error_flag", APART + " ids"),
+    (lambda a: ops.argmax(a["x"], out=a["x"].reshape(-1)[:2].view(np.int32)), ValueError, "out", APART + " logits"),
 ]
 
 
-@pytest.mark.parametrize("call, error, name", BAD_CALLS, ids=[f"{i}-{c[2]}" for i, c in enumerate(BAD_CALLS)])
-def test_bad_inputs_are_rejected_naming_the_argument(call, error, name):
+def read_only(array):
+    array.flags.writeable = False
+    return array
+
+
+def shifted(buffer, shape, *offsets):
+    """Views of ``shape`` into one flat buffer, starting ``offsets`` elements in: overlapping neighbours."""
+    size = math.prod(shape)
+    return [buffer[offset : offset + size].reshape(shape) for offset in offsets]
+
+
+@pytest.mark.parametrize("call, error, name, expected", [(*case, "")[:4] for case in BAD_CALLS],
+                         ids=[f"{i}-{c[2]}" for i, c in enumerate(BAD_CALLS)])
+def test_bad_inputs_are_rejected_naming_the_argument_and_write_nothing(call, error, name, expected):
     arrays = _emulator_arrays(
         x=np.ones((2, 6), F32), x64=np.ones((2, 6)), w=np.ones((3, 6), F32), w16=np.ones((3, 6), F16),
-        w_in5=np.ones((3, 5), F32), y16=np.ones((2, 6), F16), sq=np.ones((4, 4), F32),
-        ids=np.zeros(2, np.int32), ids64=np.zeros(2, np.int64))
-    with pytest.raises(error, match=rf"^{name}: expected"):
+        w_in5=np.ones((3, 5), F32), y16=np.ones((2, 6), F16), sq=np.ones((4, 4), F32), y=np.ones((2, 6), F32),
+        ids=np.zeros(2, np.int32), ids64=np.zeros(2, np.int64), flag=np.zeros(1, np.int32),
+        buf=np.arange(20, dtype=F32))
+    before = {key: value.copy() for key, value in arrays.items()}
+    with pytest.raises(error, match=rf"^{name}: expected{expected}"):
         call(arrays)
+    for key, value in arrays.items():
+        assert np.array_equal(value, before[key], equal_nan=True), f"a refused call wrote into {key}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["add", "silu_mul"])
+def test_an_output_one_element_past_an_input_is_refused_but_the_input_itself_is_in_place(backend, op):
+    # before issue 17, out = a shifted by one element gave wrong values: each block read what another had written
+    buffer = device(backend, np.arange(1, 34, dtype=np.float32))
+    a, out = buffer[:32].reshape(4, 8), buffer[1:].reshape(4, 8)
+    b = device(backend, np.full((4, 8), 0.5, np.float32))
+    with pytest.raises(ValueError, match=r"^out: expected the very array given as (a|gate) \(in place\) or one that "
+                                         r"does not overlap it, got one that shares 124 bytes with it$"):
+        getattr(ops, op)(a, b, out=out)
+    assert to_host(backend, buffer).tolist() == list(range(1, 34))
+    want = getattr(reference, op)(to_host(backend, a), to_host(backend, b))
+    assert getattr(ops, op)(a, b, out=a) is a
+    assert_within_ulps(to_host(backend, a), want, fp32_error_ulps("float32", 7), f"{op} in place")

@@ -667,15 +667,19 @@ def test_rope_needs_even_head_dim():
 
 
 @pytest.mark.parametrize(
-    "theta, exc", [(0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError), ("1e4", TypeError), (True, TypeError), (None, TypeError)]
+    "theta, exc", [(0.0, ValueError), (-1.0, ValueError), (0.5, ValueError), (np.float32(0.999), ValueError),
+                   (float("nan"), ValueError), (float("inf"), ValueError), (10**400, ValueError), ("1e4", TypeError),
+                   (True, TypeError), (None, TypeError)]
 )
 def test_bad_rope_theta(theta, exc):
-    with pytest.raises(exc, match=r"^Rope\.theta: expected a finite float > 0, got "):
+    # theta >= 1 keeps every inverse frequency <= 1: an angle is at most its position, never inf or NaN
+    with pytest.raises(exc, match=r"^Rope\.theta: expected a float in 1\.\.1\.7976931e\+308 \(finite and >= 1, "):
         Rope(theta)
 
 
 def test_rope_theta_normalised():
     assert Rope(500) == Rope(500.0) and type(Rope(np.int64(7)).theta) is float
+    assert Rope(1).theta == 1.0   # the smallest base: every frequency is 1
 
 
 def test_cache_needs_a_spec():

@@ -65,22 +65,26 @@ GOOD = dict(n_layers=2, n_kv_heads=4, head_dim=64, max_seq=16, batch=2, dtype="f
 
 BAD_FIELDS = [
     # (field, bad value, exception, expected description, shown value)
-    ("n_layers", 0, ValueError, "an int >= 1", "0"),
-    ("n_layers", -3, ValueError, "an int >= 1", "-3"),
-    ("n_layers", 2.0, TypeError, "an int >= 1", "2.0"),
-    ("n_layers", True, TypeError, "an int >= 1", "True"),
-    ("n_layers", "2", TypeError, "an int >= 1", "'2'"),
-    ("n_kv_heads", 0, ValueError, "an int >= 1", "0"),
-    ("n_kv_heads", None, TypeError, "an int >= 1", "None"),
-    ("n_kv_heads", np.float32(4), TypeError, "an int >= 1", "4"),
+    ("n_layers", 0, ValueError, "an int in 1..2147483647", "0"),
+    ("n_layers", -3, ValueError, "an int in 1..2147483647", "-3"),
+    ("n_layers", 2.0, TypeError, "an int in 1..2147483647", "2.0"),
+    ("n_layers", True, TypeError, "an int in 1..2147483647", "True"),
+    ("n_layers", "2", TypeError, "an int in 1..2147483647", "'2'"),
+    ("n_kv_heads", 0, ValueError, "an int in 1..2147483647", "0"),
+    ("n_kv_heads", None, TypeError, "an int in 1..2147483647", "None"),
+    ("n_kv_heads", np.float32(4), TypeError, "an int in 1..2147483647", "4"),
+    ("n_layers", 2**31, ValueError, "an int in 1..2147483647", "2147483648"),
+    ("n_kv_heads", np.uint64(2**64 - 1), ValueError, "an int in 1..2147483647", "18446744073709551615"),
     ("head_dim", 300, ValueError, "an int in 1..256", "300"),
     ("head_dim", 257, ValueError, "an int in 1..256", "257"),
     ("head_dim", 0, ValueError, "an int in 1..256", "0"),
     ("head_dim", np.bool_(True), TypeError, "an int in 1..256", "True"),
-    ("max_seq", 0, ValueError, "an int >= 1", "0"),
-    ("max_seq", 1.5, TypeError, "an int >= 1", "1.5"),
-    ("batch", 0, ValueError, "an int >= 1", "0"),
-    ("batch", [2], TypeError, "an int >= 1", "[2]"),
+    ("max_seq", 0, ValueError, "an int in 1..1073741824", "0"),
+    ("max_seq", 1.5, TypeError, "an int in 1..1073741824", "1.5"),
+    ("max_seq", 2**30 + 1, ValueError, "an int in 1..1073741824", "1073741825"),
+    ("max_seq", np.int64(2**31), ValueError, "an int in 1..1073741824", "2147483648"),
+    ("batch", 0, ValueError, "an int in 1..2147483647", "0"),
+    ("batch", [2], TypeError, "an int in 1..2147483647", "[2]"),
     ("dtype", "float64", ValueError, "one of 'float32', 'float16', 'bfloat16'", "'float64'"),
     ("dtype", "fp16", ValueError, "one of 'float32', 'float16', 'bfloat16'", "'fp16'"),
     ("dtype", np.float16, TypeError, "one of 'float32', 'float16', 'bfloat16'", "float16"),
@@ -102,3 +106,23 @@ def test_bad_field(field, value, exc, expected, shown):
 def test_head_dim_message_example():
     with pytest.raises(ValueError, match=r"^CacheSpec\.head_dim: expected an int in 1\.\.256, got 300$"):
         CacheSpec(**{**GOOD, "head_dim": 300})
+
+
+def test_max_seq_leaves_room_for_every_query_position_in_int32():
+    # max_seq <= MAX_SEQ and q_len <= MAX_NEW: a position lengths[b] + i < max_seq + q_len <= 2**31 - 1
+    from cupykv.spec import MAX_NEW, MAX_SEQ
+    assert MAX_SEQ + MAX_NEW == 2**31 - 1
+    assert CacheSpec(**{**GOOD, "max_seq": MAX_SEQ}).max_seq == 2**30
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(batch=70000, n_kv_heads=40000, head_dim=1),
+     r"^CacheSpec\.batch: expected batch \* n_kv_heads <= 2147483647 \(attention launches one block per sequence and "
+     r"kv head on grid x\), got 70000 \* 40000 = 2800000000$"),
+    (dict(batch=1, n_kv_heads=2**23, head_dim=256),
+     r"^CacheSpec\.n_kv_heads: expected n_kv_heads \* head_dim <= 2147483647 \(append indexes a row of "
+     r"n_kv_heads \* head_dim elements with an int\), got 8388608 \* 256 = 2147483648$"),
+])
+def test_a_spec_that_every_attention_or_append_would_overflow_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        CacheSpec(**{**GOOD, **fields})

@@ -89,6 +89,10 @@ class Backend:
     def check_device(self, name: str, array) -> None:
         """Raise TypeError unless ``array`` lives on the device kernels launch on now (one device here)."""
 
+    def available_memory(self) -> tuple[int | None, str]:
+        """Bytes this backend can allocate now, and where that figure comes from (``None``: unknown)."""
+        return None, "unknown"
+
     def _zeros(self, shape, dtype) -> Any:
         raise NotImplementedError
 

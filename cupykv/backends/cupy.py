@@ -3,7 +3,7 @@
 bfloat16 caches and outputs are stored as uint16 arrays holding the bfloat16
 bit patterns. Inputs may be those bit patterns or CuPy's own bfloat16 dtype
 (``ml_dtypes.bfloat16``, as ``cupy.from_dlpack`` of a torch bfloat16 tensor
-gives); ``cupykv._inputs.device_input`` views either as uint16 without a copy.
+gives); ``cupykv._args.device_operand`` views either as uint16 without a copy.
 """
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ class CupyBackend(Backend):
         if array.device.id != current:
             raise TypeError(f"{name}: expected an array on the current CUDA device {current}, got one on "
                             f"device {array.device.id}; launch under `with cupy.cuda.Device({array.device.id}):`")
+
+    def available_memory(self):
+        """Free device memory (cudaMemGetInfo) plus the free blocks CuPy's default pool holds for reuse."""
+        free, _total = cupy.cuda.runtime.memGetInfo()
+        return free + cupy.get_default_memory_pool().free_bytes(), \
+            "cudaMemGetInfo free bytes plus CuPy's pool's free blocks"
 
     def is_device_array(self, array):
         return isinstance(array, cupy.ndarray)

@@ -1,6 +1,8 @@
 """The emulator backend: NumPy arrays in guarded memory, kernels run on the CPU."""
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 
@@ -66,6 +68,20 @@ class EmulatorBackend(Backend):
 
     def storage_dtype(self, dtype):
         return _STORAGE[dtype]
+
+    def available_memory(self):
+        """Host memory the kernel can give without swapping: MemAvailable, else free physical pages."""
+        try:
+            with open("/proc/meminfo", encoding="ascii") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages (os.sysconf)"
+        except (AttributeError, OSError, ValueError):
+            return None, "unknown"
 
     def _zeros(self, shape, dtype):
         return emulator.zeros(shape, dtype).view(DeviceArray)

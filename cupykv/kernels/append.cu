@@ -7,8 +7,10 @@
 //     pos >= max_seq: nothing is written; overflow[b] = 1.
 // `lengths` is not changed (the rows stay pending until advance).
 //
-// Launch geometry: grid (n_new, batch), block (128); each block writes one row
-// [n_kv, head_dim] of K and of V. Any block size >= 1 works; 128 is what the host uses.
+// Launch geometry: grid (batch * n_new), block (128); block r writes row i = r % n_new
+// of sequence b = r / n_new, [n_kv, head_dim] of K and of V. Every row is on grid x
+// (up to 2**31 - 1 blocks), so no batch reaches CUDA's 65535 limit on y or z.
+// Any block size >= 1 works; 128 is what the host uses.
 //
 // Device-resident arguments (read or written at run time, so a captured graph
 // stays valid when they change): lengths [batch] int32 (read), overflow [batch]
@@ -31,8 +33,8 @@ __global__ void __launch_bounds__(1024) cupykv_append(
     long long stride_batch, long long stride_seq, long long stride_head,
     int n_new, int n_kv, int head_dim, int max_seq,
     int use_rope, double rope_theta) {
-    const int i = blockIdx.x;
-    const int b = blockIdx.y;
+    const int b = blockIdx.x / n_new;
+    const int i = blockIdx.x - b * n_new;
     const int pos = lengths[b] + i;
     if (pos < 0 || pos >= max_seq) {  // uniform across the block: no barrier below
         if (threadIdx.x == 0) overflow[b] = 1;

@@ -12,9 +12,12 @@
 // Versions: cupykv_attention<T, HEAD_DIM> with HEAD_DIM = 64 or 128 (compile-time
 // head size, 16-byte vector loads of K) or 0 (any head_dim in 1..256, scalar loads).
 //
-// Launch geometry of cupykv_attention: block (128); grid (num_splits,
-// batch * n_kv, ceil(q_len * group / 16)) where group = n_heads / n_kv. A block
-// owns up to 16 query rows (query x head of one GQA group) and reads each live
+// Launch geometry of cupykv_attention: block (128); grid (batch * n_kv * tiles,
+// num_splits) where group = n_heads / n_kv and tiles = ceil(q_len * group / 16):
+// block x = (b * n_kv + kv_head) * tiles + tile, block y = split. Sequences, heads
+// and tiles share grid x (up to 2**31 - 1 blocks), so no realistic batch or head
+// count reaches CUDA's 65535 limit on y; num_splits <= 65535 is the host's bound.
+// A block owns up to 16 query rows (query x head of one GQA group) and reads each live
 // K/V row of its split once. Keys are processed in chunks of 128: one key per
 // thread for the scores, a warp per row for the online-softmax update, one
 // head dimension per thread for P.V. Dynamic shared memory:
@@ -38,9 +41,9 @@ constexpr int kWarps = kThreads / 32;
 }  // namespace attention_tiling
 
 // Minimum resident blocks per SM (ptxas's register budget): 4 (<= 128 registers) for 16-bit
-// storage; 3 (<= 168) for float, where NVRTC 13.5 allocates <float, 64> on sm_80 at 164
-// registers and spilled 16 bytes under the 128 cap (13.0 needs 74). `python -m cupykv check`
-// prints every instance's registers.
+// storage; 3 (<= 168) for float, where NVRTC 13.5 allocates <float, 64> on sm_80 at 168
+// registers (13.0.88: 162; before the one-axis grid, 164 and 74) and spilled 16 bytes under
+// the 128 cap. `python -m cupykv check` prints every instance's registers.
 template <typename T> constexpr int attention_min_blocks() { return sizeof(T) == 4 ? 3 : 4; }
 
 template <typename T, int HEAD_DIM>
@@ -66,10 +69,12 @@ __global__ void __launch_bounds__(128, attention_min_blocks<T>()) cupykv_attenti
     const int head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_runtime;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
-    const int split = blockIdx.x;
-    const int b = blockIdx.y / n_kv, kv_head = blockIdx.y % n_kv;
     const int group = n_heads / n_kv;
-    const int first_row = blockIdx.z * kTileRows;                    // row = i * group + g
+    const int tiles = (q_len * group - 1) / kTileRows + 1;           // query-row tiles per sequence and kv head
+    const int head_of_batch = blockIdx.x / tiles;                    // b * n_kv + kv_head
+    const int b = head_of_batch / n_kv, kv_head = head_of_batch % n_kv;
+    const int split = blockIdx.y;
+    const int first_row = (blockIdx.x - head_of_batch * tiles) * kTileRows;   // row = i * group + g
     const int tile_rows = min(kTileRows, q_len * group - first_row);
 
     extern __shared__ float smem[];
@@ -219,7 +224,7 @@ __global__ void __launch_bounds__(128, attention_min_blocks<T>()) cupykv_attenti
 
     // 4. write out (normalised) or the split's partial result.
     const int row_group = tid / kDimStride, dim0 = tid % kDimStride;
-    const long long rows_total = (long long)gridDim.y * q_len * group;   // batch * q_len * n_heads
+    const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
     for (int m = 0; m < kRowsPerThread; ++m) {
         const int r = row_group + m * kRowGroups;
         if (r >= tile_rows) continue;

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cupykv import _checks
+from cupykv import _args
 from cupykv.spec import MAX_HEAD_DIM
 
 _SUPPORTED_ROPE = ("default",)
@@ -20,10 +20,13 @@ class LlamaConfig:
     Parameters
     ----------
     hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size : int
+        Each in 1..2**31-1 (the kernels' int).
     num_key_value_heads : int, optional
         GQA kv heads; defaults to ``num_attention_heads`` (as in HF).
     rms_norm_eps : float, default 1e-6
+        A normal float32 > 0 (rmsnorm adds it in float32).
     rope_theta : float, default 10000.0
+        Finite and >= 1 (see :class:`cupykv.Rope`).
     head_dim : int, optional
         Defaults to ``hidden_size // num_attention_heads``; must be even and <= 256.
     tie_word_embeddings : bool, default False
@@ -44,10 +47,10 @@ class LlamaConfig:
 
     def __post_init__(self):
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-            object.__setattr__(self, name, _checks.check_int(f"LlamaConfig.{name}", getattr(self, name), lo=1))
+            object.__setattr__(self, name, _args.check_int32(f"LlamaConfig.{name}", getattr(self, name), lo=1))
         heads = self.num_attention_heads
         kv = heads if self.num_key_value_heads is None else \
-            _checks.check_int("LlamaConfig.num_key_value_heads", self.num_key_value_heads, lo=1)
+            _args.check_int32("LlamaConfig.num_key_value_heads", self.num_key_value_heads, lo=1)
         if heads % kv:
             raise ValueError(f"LlamaConfig.num_key_value_heads: expected a divisor of num_attention_heads={heads}, "
                              f"got {kv}")
@@ -57,14 +60,13 @@ class LlamaConfig:
                 raise ValueError(f"LlamaConfig.hidden_size: expected a multiple of num_attention_heads={heads} "
                                  f"(or an explicit head_dim), got {self.hidden_size}")
             object.__setattr__(self, "head_dim", self.hidden_size // heads)
-        head_dim = _checks.check_int("LlamaConfig.head_dim", self.head_dim, 2, MAX_HEAD_DIM)
+        head_dim = _args.check_int("LlamaConfig.head_dim", self.head_dim, 2, MAX_HEAD_DIM)
         if head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim: expected an even int (rotary pairs halves), got {head_dim}")
         object.__setattr__(self, "head_dim", head_dim)
-        object.__setattr__(self, "rms_norm_eps", _checks.check_positive_float("LlamaConfig.rms_norm_eps",
+        object.__setattr__(self, "rms_norm_eps", _args.check_positive_float32("LlamaConfig.rms_norm_eps",
                                                                               self.rms_norm_eps))
-        object.__setattr__(self, "rope_theta", _checks.check_positive_float("LlamaConfig.rope_theta",
-                                                                            self.rope_theta))
+        object.__setattr__(self, "rope_theta", _args.check_rope_theta("LlamaConfig.rope_theta", self.rope_theta))
         if not isinstance(self.tie_word_embeddings, (bool, np.bool_)):
             raise TypeError(f"LlamaConfig.tie_word_embeddings: expected a bool, got {self.tie_word_embeddings!r}")
 
@@ -148,7 +150,7 @@ class LlamaConfig:
 
     def random_weights(self, seed: int = 0) -> dict[str, np.ndarray]:
         """Seeded float32 weights with well-scaled activations (projections ~ 1/sqrt(fan_in))."""
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(_args.check_int("seed", seed, lo=0))
         weights = {}
         for name, shape in self.weight_shapes().items():
             if len(shape) == 1:    # norm gains near 1

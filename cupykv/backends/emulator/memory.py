@@ -185,20 +185,25 @@ def empty(shape, dtype=np.float32):
         shape: int or tuple of ints.
         dtype: any numpy dtype, ``ml_dtypes.bfloat16`` included.
     """
+    return _fresh(shape, dtype, fill=POISON)
+
+
+def zeros(shape, dtype=np.float32):
+    """A zero-filled array in guarded memory. A fresh anonymous mapping is already
+    zero, so no page is written (committed) until the array is used."""
+    return _fresh(shape, dtype)
+
+
+def _fresh(shape, dtype, fill=None):
+    """An array over a new Allocation: every byte ``fill``, or as mapped (zero) for None."""
     dtype = np.dtype(dtype)
     shape = _shape(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     alloc = Allocation(nbytes, f"{dtype.name} array of shape {shape}")
     flat = np.asarray(alloc)
-    flat[...] = POISON
+    if fill is not None:
+        flat[...] = fill
     return flat.view(dtype).reshape(shape)
-
-
-def zeros(shape, dtype=np.float32):
-    """A zero-filled array in guarded memory."""
-    a = empty(shape, dtype)
-    a.view(np.uint8)[...] = 0
-    return a
 
 
 def asarray(a, dtype=None):

@@ -1,0 +1,198 @@
+"""Array arguments of the fast path: the backend's own arrays, in the kernel's dtype and layout.
+
+A kernel reads and writes its arrays as contiguous blocks from their first
+element, so an operand must be C-contiguous (a strided view, a reversed one
+included, is refused rather than read as if it were contiguous); a contiguous
+view at an offset into a larger buffer is passed as it is, without a copy. An
+array the kernel writes must be writeable. Shape checks shared with the
+reference live in :mod:`cupykv._args.cache_args`.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from cupykv._args.limits import INT32_MAX
+from cupykv._args.overlap import check_apart_from_caches, check_no_overlap
+
+# The two forms a bfloat16 operand may take on either backend; each is viewed as the storage dtype.
+_BFLOAT16_FORMS = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16))
+# array dtype -> dtype name; uint16 holds bfloat16 bit patterns (CuPy has no bfloat16)
+FLOAT_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.uint16): "bfloat16"}
+
+
+def describe(array) -> str:
+    """``module.Type (shape ..., dtype ...)``, for messages about a foreign object."""
+    module = type(array).__module__.split(".")[0]
+    shape = getattr(array, "shape", None)
+    dtype = getattr(array, "dtype", None)
+    return f"{module}.{type(array).__name__} (shape {shape}, dtype {dtype})"
+
+
+def backend_for(name, array, backend):
+    """The backend named by ``backend``, else the one ``array`` belongs to.
+
+    ``cupy.ndarray`` (or any ``__cuda_array_interface__`` object) -> "cupy",
+    ``numpy.ndarray`` -> "emulator".
+    """
+    from cupykv.backends import get_backend   # deferred: the backends import this package's neighbours
+
+    if backend is not None:
+        return get_backend(backend)
+    if isinstance(array, np.ndarray):
+        return get_backend("emulator")
+    if type(array).__module__.split(".")[0] == "cupy" or hasattr(array, "__cuda_array_interface__"):
+        return get_backend("cupy")
+    raise TypeError(f"{name}: expected a cupy.ndarray, or a numpy.ndarray for the emulator backend, "
+                    f"got {describe(array)}")
+
+
+def to_backend_array(name, array, backend):
+    """``array`` as an array of ``backend`` (zero-copy), or TypeError naming ``name``."""
+    if backend.is_device_array(array):
+        return array
+    if backend.name == "emulator" and isinstance(array, np.ndarray):
+        return array  # the emulator shadows host arrays in guarded memory for each launch
+    if backend.name == "cupy":
+        import cupy
+        if isinstance(array, np.ndarray):
+            raise TypeError(f"{name}: expected a CUDA device array (cupy.ndarray, or an object with "
+                            f"__cuda_array_interface__ or DLPack), got a host numpy.ndarray; "
+                            f"move it with cupy.asarray first")
+        # DLPack first: it carries bfloat16 as bfloat16, where torch's __cuda_array_interface__
+        # gives bfloat16 an untyped "<V2" typestr (older torch versions raise instead).
+        if hasattr(array, "__dlpack__"):
+            return cupy.from_dlpack(array)
+        if hasattr(array, "__cuda_array_interface__"):
+            return cupy.asarray(array)
+    raise TypeError(f"{name}: expected an array of the {backend.name} backend ({backend.xp.__name__}.ndarray), "
+                    f"got {describe(array)}")
+
+
+def check_contiguous(name, array) -> None:
+    """ValueError unless ``array`` is C-contiguous (negative strides and gaps are not)."""
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {array.strides} "
+                         f"for shape {tuple(array.shape)}; pass a contiguous copy")
+
+
+def check_writeable(name, array) -> None:
+    """ValueError when ``array`` is read-only (``flags.writeable`` is False; CuPy arrays always write)."""
+    if not getattr(array.flags, "writeable", True):
+        raise ValueError(f"{name}: expected a writeable array, got a read-only one (flags.writeable is False)")
+
+
+def device_operand(name, array, backend, dtype, shape=None, *, written=False):
+    """Validate ``array`` as a float kernel operand and return it as a backend array.
+
+    Parameters
+    ----------
+    name : str
+        Argument name used in error messages.
+    array : array-like
+        The caller's array.
+    backend : Backend
+    dtype : {"float32", "float16", "bfloat16"}
+        The array must hold exactly this type. bfloat16 may come as
+        ``ml_dtypes.bfloat16`` or as uint16 bit patterns on either backend; it
+        is viewed as the storage dtype without a copy.
+    shape : tuple of int, optional
+        Exact shape required.
+    written : bool
+        The kernel writes the array: it must be writeable.
+
+    Raises
+    ------
+    TypeError
+        Wrong array type, device or dtype.
+    ValueError
+        Wrong shape, a non-contiguous layout, or a read-only array the kernel writes.
+    """
+    array = to_backend_array(name, array, backend)
+    backend.check_device(name, array)
+    array = _as_storage_dtype(name, array, backend.storage_dtype(dtype), dtype)
+    if shape is not None and tuple(array.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(array.shape)}")
+    check_contiguous(name, array)
+    if written:
+        check_writeable(name, array)
+    return array
+
+
+def _as_storage_dtype(name: str, array, storage: np.dtype, dtype: str):
+    """``array`` with dtype ``storage``: as it is, or a bfloat16 form viewed as ``storage`` (no copy)."""
+    if array.dtype == storage:
+        return array
+    if dtype != "bfloat16":
+        raise TypeError(f"{name}: expected dtype {storage} (the cache dtype {dtype}), got {array.dtype}")
+    if array.dtype not in _BFLOAT16_FORMS:
+        raise TypeError(f"{name}: expected dtype bfloat16 (the cache dtype), as ml_dtypes.bfloat16 or uint16 "
+                        f"bit patterns, got {array.dtype}")
+    return array.view(storage)
+
+
+def float_operand(name, array, backend, dtype=None, like=None, *, written=False):
+    """``array`` as a contiguous float array of ``backend``; returns ``(array, dtype name)``.
+
+    With ``dtype``, the array must have that dtype (the one of argument ``like``).
+    """
+    array = to_backend_array(name, array, backend)
+    found = FLOAT_DTYPES.get(np.dtype(array.dtype))
+    if found is None:
+        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16 (uint16 bit patterns on cupy), "
+                        f"got {np.dtype(array.dtype)}")
+    if dtype is not None and found != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (the dtype of {like}), got {np.dtype(array.dtype)}")
+    return device_operand(name, array, backend, found, written=written), found
+
+
+def int32_operand(name, array, backend, *, written=False):
+    """``array`` as a contiguous int32 array of ``backend``; one the kernel writes must be writeable and
+    apart from every cache's buffers."""
+    array = to_backend_array(name, array, backend)
+    backend.check_device(name, array)
+    if np.dtype(array.dtype) != np.int32:
+        raise TypeError(f"{name}: expected dtype int32, got {np.dtype(array.dtype)}")
+    check_contiguous(name, array)
+    if written:
+        check_writeable(name, array)
+        check_apart_from_caches(name, array)
+    return array
+
+
+def check_shape(name, array, expected, axes=None):
+    """Check ``array.shape`` against ``expected`` (ints, or None for any size >= 1).
+
+    Every size must fit the kernels' int32 arithmetic. ``axes`` names the axes
+    for the message, e.g. ``weight: expected shape (out_features, 64)
+    [out_features, in_features], got (5, 63)``.
+    """
+    shape = tuple(array.shape)
+    ok = len(shape) == len(expected) and all(
+        (want is None and 1 <= size <= INT32_MAX) or size == want for size, want in zip(shape, expected))
+    if not ok:
+        if axes is None:
+            raise ValueError(f"{name}: expected shape {tuple(expected)}, got {shape}")
+        shown = "(" + ", ".join(axis if want is None else str(want) for want, axis in zip(expected, axes)) + ")"
+        sizes = " with every size in 1..2**31-1" if None in expected else ""
+        raise ValueError(f"{name}: expected shape {shown} [{', '.join(axes)}]{sizes}, got {shape}")
+    return shape
+
+
+def float_output(out, backend, dtype, shape, like, *, inputs=(), in_place_inputs=()):
+    """The output buffer: ``out`` checked, or new zeros when it is ``None``.
+
+    ``out`` must have ``dtype`` and ``shape``, be C-contiguous and writeable,
+    share no byte with any of ``inputs`` (``(name, array)`` pairs) or with a
+    cache's buffers, and be either exactly one of ``in_place_inputs`` or
+    apart from each of them.
+    """
+    if out is None:
+        return backend.zeros(shape, backend.storage_dtype(dtype))
+    out, _ = float_operand("out", out, backend, dtype, like, written=True)
+    check_shape("out", out, shape)
+    check_no_overlap("out", out, inputs)
+    check_no_overlap("out", out, in_place_inputs, in_place_ok=True)
+    check_apart_from_caches("out", out)
+    return out

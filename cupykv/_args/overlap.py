@@ -1,0 +1,103 @@
+"""Aliasing: an array a kernel writes must not share memory with anything the same launch reads or writes.
+
+Overlap is decided on address ranges, so views, reshapes and dtype views of
+one buffer are all caught, whichever array object the caller holds. Address
+ranges of NumPy (emulator) and CuPy arrays live in one address space each
+(CUDA's unified addressing), so comparing them is exact.
+
+Every live :class:`~cupykv.KVCache` registers the address ranges of its
+buffers here, so that no op's output, whatever call it comes from, can
+write into a cache (:func:`check_apart_from_caches`).
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+try:
+    from numpy.lib.array_utils import byte_bounds   # NumPy >= 2.0
+except ImportError:                                  # pragma: no cover (NumPy 1.x)
+    from numpy import byte_bounds
+
+
+class _DeviceInterface:
+    """A CuPy array's memory described as NumPy's ``__array_interface__`` describes host memory."""
+
+    def __init__(self, array):
+        self.__array_interface__ = {"data": (array.data.ptr, False), "shape": tuple(array.shape),
+                                    "strides": tuple(array.strides), "typestr": array.dtype.str, "version": 3}
+
+
+def byte_range(array) -> tuple[int, int]:
+    """``[first, last)`` byte addresses ``array`` can touch (any strides, negative ones included)."""
+    if array.size == 0:
+        start = array.__array_interface__["data"][0] if isinstance(array, np.ndarray) else array.data.ptr
+        return start, start
+    return byte_bounds(array if isinstance(array, np.ndarray) else _DeviceInterface(array))
+
+
+def shared_bytes(a, b) -> int:
+    """How many bytes the address ranges of ``a`` and ``b`` have in common."""
+    (a0, a1), (b0, b1) = byte_range(a), byte_range(b)
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+def check_no_overlap(name, array, others, *, in_place_ok=False) -> None:
+    """ValueError, naming ``name``, when ``array`` overlaps one of ``others``.
+
+    Parameters
+    ----------
+    name : str
+        The argument the kernel writes (``"out"``), or one that must not touch
+        what it writes.
+    array : backend array
+    others : iterable of (str, array or None)
+        What it must not overlap, each with its description for the message
+        (``("q", q)``); ``None`` entries are skipped.
+    in_place_ok : bool
+        ``array`` may be one of ``others`` exactly (the same bytes: an
+        elementwise op that reads each element before writing it).
+    """
+    first, last = byte_range(array)
+    for what, other in others:
+        if other is None:
+            continue
+        start, end = byte_range(other)
+        common = min(last, end) - max(first, start)
+        if common <= 0 or (in_place_ok and (first, last) == (start, end)):
+            continue
+        if in_place_ok:
+            raise ValueError(f"{name}: expected the very array given as {what} (in place) or one that does not "
+                             f"overlap it, got one that shares {common} bytes with it")
+        raise ValueError(f"{name}: expected an array that does not overlap {what}, "
+                         f"got one that shares {common} bytes with it")
+
+
+_live_caches = weakref.WeakSet()
+
+
+def register_cache(cache) -> None:
+    """Remember ``cache`` while it lives: a KVCache, whose ``_ranges()`` gives ``(what, first, last)`` tuples."""
+    _live_caches.add(cache)
+
+
+def check_apart_from_caches(name, array, own=None, *, others=True) -> None:
+    """ValueError, naming ``name``, when ``array`` shares memory with a cache's buffers.
+
+    ``own`` (the call's cache) is named "the cache's ..."; with ``others``,
+    every other live KVCache is checked too ("a KVCache's ..."). The ranges
+    were taken once per cache, so this costs one range and a few comparisons
+    per cache.
+    """
+    first, last = byte_range(array)
+    caches = [own] if own is not None else []
+    if others:
+        caches += [cache for cache in tuple(_live_caches) if cache is not own]
+    for cache in caches:
+        whose = "the cache's" if cache is own else "a KVCache's"
+        for what, start, end in cache._ranges():
+            common = min(last, end) - max(first, start)
+            if common > 0:
+                raise ValueError(f"{name}: expected an array that does not overlap {whose} {what}, "
+                                 f"got one that shares {common} bytes with it")

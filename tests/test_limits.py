@@ -1,0 +1,159 @@
+"""Launch limits and memory: realistic shapes never reach a CUDA grid limit, and a cache too large is refused.
+
+Before issue 17, ``batch * n_kv_heads > 65535`` (attention's grid y),
+``batch > 65535`` (append's grid y) and ``batch * q_len`` rows of
+``additive_mask`` past 65535 (its grid y and z) reached the emulator's
+LaunchError, after the arguments were checked. Now sequences, heads and query
+tiles share grid x (up to 2**31 - 1 blocks), the mask strides over its rows,
+and every launch is checked against CUDA's limits before it is made.
+"""
+import math
+import time
+
+import numpy as np
+import pytest
+
+import cupykv
+from cupykv import reference, testing
+from cupykv.backends import get_backend
+from cupykv.backends.base import Backend
+from cupykv.backends.emulator import memory
+from backends import BACKENDS
+
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """Every launch's (op, grid, block, shared_mem), recorded instead of run."""
+    launches = []
+
+    def record(self, op, instance, grid, block, args, shared_mem=0):
+        launches.append((op, tuple(grid), tuple(block), shared_mem))
+
+    monkeypatch.setattr(Backend, "launch", record)
+    return launches
+
+
+def assert_within_cuda_limits(launches):
+    assert launches
+    for op, grid, block, shared_mem in launches:
+        grid = grid + (1,) * (3 - len(grid))
+        assert all(1 <= size <= limit for size, limit in zip(grid, GRID_LIMITS)), (op, grid)
+        assert math.prod(block) <= 1024 and shared_mem <= 48 * 1024, (op, block, shared_mem)
+
+
+@pytest.mark.parametrize("batch, n_kv_heads, q_len, group", [
+    (70000, 1, 1, 1),        # batch alone past 65535
+    (2, 40000, 1, 1),        # batch * n_kv_heads past 65535
+    (1, 1, 2**20, 8),        # a long prefill: 2**23 query rows, 2**19 tiles of 16
+])
+def test_large_batches_heads_and_prefills_fit_the_grid(recorded_launches, batch, n_kv_heads, q_len, group):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=n_kv_heads, head_dim=1, max_seq=300, batch=batch)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    rows = np.zeros((batch, q_len, n_kv_heads, 1), np.float32)
+    cache.append(0, rows, rows)
+    cupykv.attention(np.zeros((batch, q_len, n_kv_heads * group, 1), np.float32), cache, 0)
+    cupykv.attention(np.zeros((batch, 1, n_kv_heads, 1), np.float32), cache, 0, num_splits=3)
+    cache.additive_mask(q_len)
+    assert_within_cuda_limits(recorded_launches)
+    append_grid, attention_grid, split_grid, combine_grid, mask_grid = (grid for _, grid, _, _ in recorded_launches)
+    assert append_grid == (batch * q_len,)
+    assert attention_grid == (batch * n_kv_heads * math.ceil(q_len * group / 16), 1)
+    assert split_grid == (batch * n_kv_heads, 3) and combine_grid == (batch * n_kv_heads,)
+    assert mask_grid == (2, min(batch * q_len, 1024))   # 300 positions: two blocks of 256 a row
+
+
+def test_append_to_70000_sequences_writes_every_row():
+    # the reference's per-sequence loop is slow at this batch: the expected cache is built with NumPy indexing
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=2, max_seq=4, batch=70000)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 4, 70000)
+    cache.advance(lengths)
+    k, v = (rng.standard_normal((70000, 2, 1, 2)).astype(np.float32) for _ in range(2))
+    cache.append(0, k, v)
+    want_k, want_v = np.zeros(spec.shape, np.float32), np.zeros(spec.shape, np.float32)
+    for i in range(2):
+        fits = np.flatnonzero(lengths + i < 4)
+        want_k[0, fits, lengths[fits] + i] = k[fits, i]
+        want_v[0, fits, lengths[fits] + i] = v[fits, i]
+    assert np.array_equal(testing.bits(cache.k), testing.bits(want_k))
+    assert np.array_equal(testing.bits(cache.v), testing.bits(want_v))
+    assert np.array_equal(cache._backend.to_host(cache.overflow), (lengths + 2 > 4).astype(np.int32))
+
+
+def test_a_mask_of_70000_queries_matches_the_reference():
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=2, max_seq=16, batch=2)
+    cache, oracle = cupykv.KVCache(spec, backend="emulator"), reference.KVCache(spec)
+    cache.advance([3, 9])
+    oracle.advance([3, 9])
+    assert np.array_equal(cache.additive_mask(70000), oracle.additive_mask(70000))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_block_of_the_one_axis_attention_grid_finds_its_sequence_head_tile_and_split(backend):
+    # 3 sequences x 3 kv heads x 3 tiles (q_len 5 x group 8 = 40 rows) on grid x, 2 splits on y
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=3, head_dim=8, max_seq=160, batch=3)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(1)
+    testing.fill(cache, oracle, [150, 7, 131], rng)
+    q = testing.random_rows(rng, spec, (3, 5, 24, 8))
+    got = cupykv.attention(cache.to_device(q), cache, 0, num_splits=2)
+    testing.assert_attention_close(testing.to_numpy(got, spec), reference.attention(q, oracle, 0), spec.dtype,
+                                   float(np.abs(oracle.v).max()))
+
+
+@pytest.mark.gpu
+def test_attention_over_70000_sequence_heads_matches_the_reference_on_a_gpu():
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=8, max_seq=4, batch=35000)
+    cache, oracle = cupykv.KVCache(spec, backend="cupy"), reference.KVCache(spec)
+    rng = np.random.default_rng(2)
+    testing.fill(cache, oracle, rng.integers(0, 5, 35000), rng)
+    q = testing.random_rows(rng, spec, (35000, 1, 4, 8))
+    got = cupykv.attention(cache.to_device(q), cache, 0)
+    testing.assert_attention_close(testing.to_numpy(got, spec), reference.attention(q, oracle, 0), spec.dtype,
+                                   float(np.abs(oracle.v).max()))
+
+
+# -- memory ---------------------------------------------------------------------------------------------
+LLAMA_8B_64K = cupykv.CacheSpec(n_layers=32, n_kv_heads=8, head_dim=128, max_seq=65536, batch=8, dtype="bfloat16")
+
+
+def test_a_cache_larger_than_the_machine_is_refused_at_once_with_both_sizes():
+    available, _ = get_backend("emulator").available_memory()
+    needed = LLAMA_8B_64K.nbytes + 3 * 4 * 8           # K and V, then lengths, overflow and staging
+    if available is None or available >= needed:
+        pytest.skip(f"this machine can give {available} bytes: the 64 GiB cache would fit")
+    start = time.monotonic()
+    with pytest.raises(MemoryError, match=rf"^spec: expected a cache of at most \d+ bytes \(\d+\.\d\d GiB\), what the "
+                                          rf"emulator backend can give \(MemAvailable in /proc/meminfo\), got one "
+                                          rf"that needs {needed} bytes \(64\.00 GiB\)$"):
+        cupykv.KVCache(LLAMA_8B_64K, backend="emulator")
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nothing_is_allocated_for_a_cache_the_backend_cannot_hold(monkeypatch, backend):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4, max_seq=8, batch=2)
+    allocations = []
+    target = get_backend(backend)
+    monkeypatch.setattr(target, "available_memory", lambda: (spec.nbytes, "a test's budget"))
+    monkeypatch.setattr(target, "_zeros", lambda shape, dtype: allocations.append(shape))
+    with pytest.raises(MemoryError, match=rf"^spec: expected a cache of at most {spec.nbytes} bytes .* \(a test's "
+                                          rf"budget\), got one that needs {spec.nbytes + 24} bytes"):
+        cupykv.KVCache(spec, backend=backend)
+    assert allocations == []
+
+
+def resident_bytes():
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * memory.PAGE
+
+
+def test_emulator_zeros_commit_no_memory_until_used():
+    before = resident_bytes()
+    array = memory.zeros((2**28,), np.float32)   # 1 GiB
+    grown = resident_bytes() - before
+    assert grown < 64 * 2**20, f"zeros committed {grown} bytes"
+    assert not array[:: 2**20].any() and array[-1] == 0
