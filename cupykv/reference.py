@@ -9,9 +9,8 @@ against it.
 import ml_dtypes
 import numpy as np
 
-from ._checks import (
+from ._args.cache_args import (
     check_advance,
-    check_int,
     check_layer,
     check_new_lengths,
     check_q,
@@ -24,11 +23,12 @@ from ._checks import (
     check_softcap,
     check_window,
 )
+from ._args.scalars import check_int
 from .errors import CacheOverflowError
 from .rope import Rope, rope_angles
 from .spec import MASK_VALUE, CacheSpec
 
-__all__ = ["KVCache", "attention", "CacheSpec", "CacheOverflowError", "Rope", "MASK_VALUE", "FLOAT_DTYPES"]
+__all__ = ["KVCache", "attention", "attention_weights", "CacheSpec", "CacheOverflowError", "Rope", "MASK_VALUE", "FLOAT_DTYPES"]
 
 # Input dtypes the reference accepts for k, v and q.
 FLOAT_DTYPES = (
@@ -163,8 +163,8 @@ class KVCache:
         Parameters
         ----------
         n : int or array_like of int, shape ``[batch]``
-            Non-negative. A length that would exceed ``max_seq`` is clamped
-            and sets that sequence's overflow flag.
+            Each in ``0..2**31-1`` (the kernels' int). A length that would
+            exceed ``max_seq`` is clamped and sets that sequence's overflow flag.
 
         Raises
         ------
@@ -217,7 +217,7 @@ class KVCache:
         Parameters
         ----------
         q_len : int, default 1
-            Queries per sequence (>= 1); query ``i`` sits at ``lengths[b] + i``.
+            Queries per sequence (``1..2**30-1``); query ``i`` sits at ``lengths[b] + i``.
 
         Returns
         -------
@@ -282,11 +282,12 @@ def attention(q, cache, layer, scale=None, window=None, softcap=None, rope=None)
     layer : int
         Layer index.
     scale : float, optional
-        Logit scale (finite, > 0); default ``1 / sqrt(head_dim)``.
+        Logit scale, a normal float32 > 0 (as the kernels receive it); default
+        ``1 / sqrt(head_dim)``.
     window : int, optional
-        Sliding window (>= 1): attend only to ``j > p - window``.
+        Sliding window (``1..2**31-1``): attend only to ``j > p - window``.
     softcap : float, optional
-        Logit soft cap (> 0): ``s = softcap * tanh(s / softcap)``.
+        Logit soft cap, a normal float32 in ``(0, 2**64]``: ``s = softcap * tanh(s / softcap)``.
     rope : Rope, optional
         Rotate each query at its position ``p`` first.
 
@@ -302,28 +303,64 @@ def attention(q, cache, layer, scale=None, window=None, softcap=None, rope=None)
     TypeError, ValueError
         Bad arguments.
     """
+    layer, scale, window, softcap, rope = _attention_arguments(q, cache, layer, scale, window, softcap, rope)
+    spec = cache.spec
+    n_heads = q.shape[2]
+    kv_head = np.arange(n_heads) // (n_heads // spec.n_kv_heads)  # [n_heads]
+    out = np.zeros((spec.batch, q.shape[1], n_heads, spec.head_dim))
+    for b, i, first, last, weights in _attended(q, cache, layer, scale, window, softcap, rope):
+        values = cache._sequence(cache.v, layer, b).astype(np.float64)[first : last + 1, kv_head]
+        out[b, i] = np.einsum("hj,jhd->hd", weights, values)   # unattended rows are never read
+    return out
+
+
+def attention_weights(q, cache, layer, scale=None, window=None, softcap=None, rope=None):
+    """The softmax weights of :func:`attention`, in float64: which positions each query reads, and how much.
+
+    Same parameters as :func:`attention`.
+
+    Returns
+    -------
+    numpy.ndarray, float64, shape ``[batch, q_len, n_heads, max_seq]``
+        Each query's weights over the cache positions; 0 at positions it does
+        not attend to. A row sums to 1, or is all zeros when nothing is attended.
+    """
+    layer, scale, window, softcap, rope = _attention_arguments(q, cache, layer, scale, window, softcap, rope)
+    spec = cache.spec
+    out = np.zeros((spec.batch, q.shape[1], q.shape[2], spec.max_seq))
+    for b, i, first, last, weights in _attended(q, cache, layer, scale, window, softcap, rope):
+        out[b, i, :, first : last + 1] = weights
+    return out
+
+
+def _attention_arguments(q, cache, layer, scale, window, softcap, rope):
+    """The checked ``(layer, scale, window, softcap, rope)`` of an attention call (raises on bad ones)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a cupykv.reference.KVCache, got {type(cache).__name__}")
     spec = cache.spec
     layer = check_layer(layer, spec)
-    q_len, n_heads = check_q(q, spec, dtypes=FLOAT_DTYPES)
-    scale = check_scale(scale, spec)
-    window = check_window(window)
-    softcap = check_softcap(softcap)
-    rope = check_rope(rope, spec)
+    check_q(q, spec, dtypes=FLOAT_DTYPES)
+    return (layer, check_scale(scale, spec), check_window(window), check_softcap(softcap), check_rope(rope, spec))
 
+
+def _attended(q, cache, layer, scale, window, softcap, rope):
+    """For every query with something to attend to: ``(b, i, first, last, weights [n_heads, last - first + 1])``.
+
+    Query ``i`` of sequence ``b`` sits at ``p = lengths[b] + i`` and attends to
+    positions ``first..last``: ``j <= p``, ``j < max_seq``, inside the window.
+    """
+    spec = cache.spec
+    n_heads = q.shape[2]
     kv_head = np.arange(n_heads) // (n_heads // spec.n_kv_heads)  # [n_heads]
     q64 = np.asarray(q).astype(np.float64)
-    out = np.zeros((spec.batch, q_len, n_heads, spec.head_dim))
     for b in range(spec.batch):
         keys = cache._sequence(cache.k, layer, b).astype(np.float64)[:, kv_head]  # [max_seq, n_heads, hd]
-        values = cache._sequence(cache.v, layer, b).astype(np.float64)[:, kv_head]
-        for i in range(q_len):
+        for i in range(q.shape[1]):
             p = int(cache.lengths[b]) + i
             first = 0 if window is None else max(0, p - window + 1)
             last = min(p, spec.max_seq - 1)
             if first > last:
-                continue  # nothing to attend to: zeros
+                continue  # nothing to attend to
             query = q64[b, i]  # [n_heads, hd]
             if rope is not None:
                 query = _rotate(query, p, rope.theta)
@@ -331,6 +368,4 @@ def attention(q, cache, layer, scale=None, window=None, softcap=None, rope=None)
             if softcap is not None:
                 logits = softcap * np.tanh(logits / softcap)
             weights = np.exp(logits - logits.max(axis=1, keepdims=True))
-            weights /= weights.sum(axis=1, keepdims=True)
-            out[b, i] = np.einsum("hj,jhd->hd", weights, values[first : last + 1])
-    return out
+            yield b, i, first, last, weights / weights.sum(axis=1, keepdims=True)

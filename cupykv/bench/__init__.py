@@ -14,6 +14,8 @@ side by side:
 - ``linear``: :func:`cupykv.linear` for 1..16 rows; bytes of W per second.
 - ``model_decode``: eager against graph-replayed decode step of
   ``cupykv.models.llama``.
+- ``smollm2_decode``: tokens/s of a random-weight model with SmolLM2-135M's
+  shape, batch 1 and 8, eager and graph.
 
 On CuPy, times come from CUDA events around one call, after warm-up, with an
 L2 flush and a device-side delay before each timed call, so that the window
@@ -59,6 +61,8 @@ class Plan:
     model_batch: int
     model_max_seq: int
     model_context: int           # live tokens when each timing phase starts
+    smollm2_config: tuple = ()   # LlamaConfig keyword arguments of the SmolLM2-shaped model, as pairs
+    smollm2_batches: tuple = (1, 8)
     n_heads: int = 64
     n_kv_heads: int = 8
     head_dim: int = 128
@@ -77,20 +81,26 @@ _LLAMA_1B = (("hidden_size", 2048), ("intermediate_size", 8192), ("num_hidden_la
              ("num_attention_heads", 32), ("num_key_value_heads", 8), ("vocab_size", 128256),
              ("rope_theta", 500000.0), ("tie_word_embeddings", True))
 
+# SmolLM2-135M-Instruct's shape (the GGUF's llama.* keys); cupykv.models.generate runs the real one.
+_SMOLLM2 = (("hidden_size", 576), ("intermediate_size", 1536), ("num_hidden_layers", 30),
+            ("num_attention_heads", 9), ("num_key_value_heads", 3), ("vocab_size", 49152),
+            ("rope_theta", 100000.0), ("rms_norm_eps", 1e-5), ("tie_word_embeddings", True))
+
 PLANS = {
     "full": Plan(
         mode="full", warmup=5, repeat=30, copy_bytes=1 * GiB,
         decode_batches=(1, 8, 32), decode_lives=(512, 1024, 2048, 4096, 8192, 16384, 32768), decode_max_seq=32768,
         full_axis_max_seq=32768, full_axis_batch=8, full_axis_divisors=(64, 32, 16, 8, 4, 2, 1),
         linear_rows=(1, 2, 4, 8, 16), linear_shapes=((4096, 4096), (14336, 4096)),
-        model_config=_LLAMA_1B, model_batch=1, model_max_seq=2048, model_context=1024),
+        model_config=_LLAMA_1B, model_batch=1, model_max_seq=2048, model_context=1024,
+        smollm2_config=_SMOLLM2),
     "quick": Plan(
         mode="quick", warmup=3, repeat=10, copy_bytes=256 * MiB,
         decode_batches=(1, 32), decode_lives=(512, 4096, 32768), decode_max_seq=32768,
         full_axis_max_seq=32768, full_axis_batch=8, full_axis_divisors=(64, 8, 1),
         linear_rows=(1, 16), linear_shapes=((4096, 4096), (14336, 4096)),
         model_config=tuple((k, 4) if k == "num_hidden_layers" else (k, v) for k, v in _LLAMA_1B),
-        model_batch=1, model_max_seq=2048, model_context=1024),
+        model_batch=1, model_max_seq=2048, model_context=1024, smollm2_config=_SMOLLM2),
     # The emulator's smoke run: the real head configuration, tiny lengths and weights.
     "smoke": Plan(
         mode="smoke", warmup=1, repeat=3, copy_bytes=32 * MiB,
@@ -99,12 +109,15 @@ PLANS = {
         linear_rows=(1, 16), linear_shapes=((512, 512), (1024, 512)),
         model_config=(("hidden_size", 256), ("intermediate_size", 512), ("num_hidden_layers", 2),
                       ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 1000)),
-        model_batch=1, model_max_seq=64, model_context=16),
+        model_batch=1, model_max_seq=64, model_context=16,
+        smollm2_config=tuple((k, {"num_hidden_layers": 2, "vocab_size": 2048}.get(k, v)) for k, v in _SMOLLM2),
+        smollm2_batches=(1, 2)),
 }
 
 #: section name -> function of a Context, in run order (copy first: the others divide by it).
 SECTIONS = (("copy", sections.copy_bandwidth), ("attention_decode", sections.attention_decode),
-            ("full_axis", sections.full_axis), ("linear", sections.linear), ("model_decode", model.model_decode))
+            ("full_axis", sections.full_axis), ("linear", sections.linear), ("model_decode", model.model_decode),
+            ("smollm2_decode", model.smollm2_decode))
 
 
 def plan_for(backend_name: str, quick: bool) -> Plan:

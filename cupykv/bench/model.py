@@ -2,7 +2,7 @@
 
 :func:`eager_vs_graph` times any zero-argument decode step both ways;
 :func:`_llama_step` builds a random-weight model and returns its
-``decode_step``.
+``decode_step``; :func:`smollm2_decode` times SmolLM2-135M's shape per batch.
 """
 from __future__ import annotations
 
@@ -40,20 +40,22 @@ def eager_vs_graph(ctx, step, params: dict, start=None, after=None) -> dict:
     }
 
 
-def _llama_step(llama, ctx):
+def _llama_step(llama, ctx, config_items=None, batch=None):
     """Build a random-weight bf16 LLaMA on the bench backend; return ``(step, start, after, params)``.
 
-    Uses ``LlamaConfig(**plan.model_config)``, ``Llama.random(...)`` and
-    ``Llama.decode_step()`` (one token for every sequence: reads the device
-    ids, writes the next ids, advances).
-    The cache is filled with random K/V, and each phase starts at
-    ``plan.model_context`` tokens.
+    Uses ``LlamaConfig(**config_items)`` (``plan.model_config`` by default),
+    ``Llama.random(...)`` and ``Llama.decode_step()`` (one token for every
+    sequence: reads the device ids, writes the next ids, advances), with
+    ``batch`` sequences (``plan.model_batch`` by default). The cache is filled
+    with random K/V, and each phase starts at ``plan.model_context`` tokens.
     """
     plan, backend = ctx.plan, ctx.backend
+    config_items = dict(plan.model_config if config_items is None else config_items)
+    batch = plan.model_batch if batch is None else batch
     started = time.perf_counter()
-    config = llama.LlamaConfig(**dict(plan.model_config))
+    config = llama.LlamaConfig(**config_items)
     model = llama.Llama.random(config, seed=0, dtype="bfloat16", max_seq=plan.model_max_seq,
-                               batch=plan.model_batch, backend=backend.name)
+                               batch=batch, backend=backend.name)
     step = model.decode_step
     cache = model.cache
     fill_random(backend, cache.k, "bfloat16", seed=500)
@@ -70,8 +72,8 @@ def _llama_step(llama, ctx):
             return [{"what": "no cache overflow during the timed steps", "error": str(exc), "passed": False}]
         return [{"what": "no cache overflow during the timed steps", "passed": True}]
 
-    params = {"model": "cupykv.models.llama.Llama (random weights)", "config": dict(plan.model_config),
-              "dtype": "bfloat16", "batch": plan.model_batch, "max_seq": plan.model_max_seq,
+    params = {"model": "cupykv.models.llama.Llama (random weights)", "config": config_items,
+              "dtype": "bfloat16", "batch": batch, "max_seq": plan.model_max_seq,
               "context_len": plan.model_context,
               "note": "context_len tokens are live when each phase starts; every timed call adds one",
               "build_s": time.perf_counter() - started}
@@ -84,3 +86,32 @@ def model_decode(ctx) -> dict:
 
     step, start, after, params = _llama_step(llama, ctx)
     return eager_vs_graph(ctx, step, params, start=start, after=after)
+
+
+def smollm2_decode(ctx) -> dict:
+    """SmolLM2-135M's shape with random weights: tokens/s per batch, eager and graph.
+
+    The real checkpoint cannot travel to a GPU machine without network, so its
+    shape stands in (``plan.smollm2_config``); tokens/s = batch / step time.
+    """
+    from cupykv.models import llama
+
+    rows, checks, params = [], [], {}
+    for batch in ctx.plan.smollm2_batches:
+        step, start, after, params = _llama_step(llama, ctx, ctx.plan.smollm2_config, batch)
+        timed = eager_vs_graph(ctx, step, params, start=start, after=after)
+        row = timed["results"][0]
+        rows.append({"batch": batch, **row, "eager_tokens_per_s": batch / (row["eager_time_ms"] * 1e-3),
+                     "graph_tokens_per_s": batch / (row["graph_time_ms"] * 1e-3)})
+        checks += [dict(check, what=f"batch {batch}: {check['what']}") for check in timed["checks"]]
+        del step, start, after
+    return {
+        "status": "ok",
+        "description": "decode step of a random-weight model with SmolLM2-135M's shape (the real GGUF cannot reach "
+                       "a GPU machine without network): tokens/s per batch, eager launches and graph replay",
+        "params": {**{k: v for k, v in params.items() if k != "batch"}, "batches": list(ctx.plan.smollm2_batches)},
+        "units": {"eager_tokens_per_s": "new tokens per second, all sequences", "graph_tokens_per_s": "same, graph",
+                  "eager_time_ms": "ms per step, median", "graph_time_ms": "ms per step, median"},
+        "results": rows,
+        "checks": checks,
+    }

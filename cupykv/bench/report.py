@@ -91,6 +91,7 @@ def table(data: dict) -> str:
     block("full_axis", ("live_len", "cupykv_time_ms", "baseline_time_ms", "ratio_baseline_over_cupykv"))
     block("linear", ("out_features", "in_features", "rows", "time_ms", "bandwidth_GBps", "pct_of_copy"))
     block("model_decode", ("eager_time_ms", "graph_time_ms", "ratio_eager_over_graph"))
+    block("smollm2_decode", ("batch", "eager_tokens_per_s", "graph_tokens_per_s"))
     failed = [check["what"] for check in all_checks(data) if not check["passed"]]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED: ' + '; '.join(failed)}")
     return "\n".join(lines)
@@ -124,14 +125,15 @@ def figure(data: dict, fig=None):
     data : dict
         A parsed ``bench.json``.
     fig : matplotlib.figure.Figure, optional
-        Drawn into (e.g. ``plt.figure(figsize=(12, 9), layout="constrained")`` in
+        Drawn into (e.g. ``plt.figure(figsize=(16, 9), layout="constrained")`` in
         a notebook); by default a new bare ``Figure`` that no pyplot backend sees.
     """
     if fig is None:
         from matplotlib.figure import Figure
-        fig = Figure(figsize=(12, 9), layout="constrained")
+        fig = Figure(figsize=(16, 9), layout="constrained")
     sections = data["sections"]
-    (ax_att, ax_full), (ax_lin, ax_model) = fig.subplots(2, 2)
+    (ax_att, ax_full, ax_smollm2), (ax_lin, ax_model, ax_unused) = fig.subplots(2, 3)
+    ax_unused.set_axis_off()
     title = f"cupykv bench: {data['backend']} on {data['environment']['device']}"
     if not data.get("is_gpu_figures"):
         title += f"\n{EMULATOR_TITLE}"
@@ -187,6 +189,20 @@ def figure(data: dict, fig=None):
                      title=f"model decode step (eager / graph = {row['ratio_eager_over_graph']:.2f})")
     else:
         _skipped(ax_model, "model decode step", model)
+
+    smollm2 = sections.get("smollm2_decode", {})
+    if smollm2.get("status") == "ok":
+        batches = [str(r["batch"]) for r in smollm2["results"]]
+        positions = range(len(batches))
+        ax_smollm2.bar([p - 0.2 for p in positions], [r["eager_tokens_per_s"] for r in smollm2["results"]], 0.4,
+                       label="eager")
+        ax_smollm2.bar([p + 0.2 for p in positions], [r["graph_tokens_per_s"] for r in smollm2["results"]], 0.4,
+                       label="graph")
+        ax_smollm2.set_xticks(list(positions), batches)
+        ax_smollm2.set(xlabel="batch", ylabel="new tokens per second", title="SmolLM2-135M shape, random weights")
+        ax_smollm2.legend(fontsize=8)
+    else:
+        _skipped(ax_smollm2, "SmolLM2-135M shape", smollm2)
     return fig
 
 

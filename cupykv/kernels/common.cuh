@@ -2,7 +2,7 @@
 //
 // - storage-type conversions (float, __half, __nv_bfloat16) through fp32,
 //   round-to-nearest-even on the way back;
-// - warp-wide max/sum by butterfly shuffles;
+// - warp-wide max/sum by butterfly shuffles (and a paired sum of two values);
 // - the half-split rotary embedding (LLaMA / GPT-NeoX), computed in double
 //   so that the angle pos * theta^(-2i/d) stays accurate at long positions;
 // - the float constants NVRTC does not define.
@@ -38,6 +38,16 @@ __device__ __forceinline__ float warp_max(float x) {
 
 __device__ __forceinline__ float warp_sum(float x) {
     for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+// Sums two values over the warp with five exchanges instead of ten: the first exchange leaves
+// partial sums of `first` in lanes 0-15 and of `second` in lanes 16-31, then each half-warp
+// finishes its own. Lane 0 returns the total of `first`, lane 16 that of `second`.
+__device__ __forceinline__ float warp_sum_pair(float first, float second) {
+    const bool upper = (threadIdx.x & 16) != 0;
+    float x = (upper ? second : first) + __shfl_xor_sync(0xffffffffu, upper ? first : second, 16);
+    for (int offset = 8; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;
 }
 

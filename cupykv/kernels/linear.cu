@@ -21,13 +21,14 @@
 // Each weight element is loaded from global memory once per row tile, so
 // exactly once per launch for rows <= 16, and is used for every row of the
 // tile from registers. x is small and is re-read through L1 by every warp.
-// Per-lane partial sums are combined by a warp butterfly (warp_sum), and
-// lane 0 writes the outputs. There is no __syncthreads: warps are independent,
+// Per-lane partial sums of the warp's two outputs are combined by one paired
+// butterfly (warp_sum_pair: 5 shuffles per row for both), and lanes 0 and 16
+// write them. There is no __syncthreads: warps are independent,
 // and a warp whose outputs are all past out_features does no work.
 //
 // __launch_bounds__(128, 4) caps registers at 128. Without the minimum, NVRTC 13.5 stopped
 // <float, 16> on sm_90 at 96 registers and spilled 4 bytes; with it, every instance fits in
-// 96 or fewer under NVRTC 13.0 and 13.5 (python -m cupykv check).
+// 108 or fewer under NVRTC 13.0 and 13.5 (python -m cupykv check).
 //
 // Device-resident arguments: x and weight (read), out (written). rows,
 // in_features and out_features are fixed per launch; nothing step-dependent.
@@ -104,13 +105,13 @@ __global__ void __launch_bounds__(128, 4) cupykv_linear(
             }
         }
 
+        static_assert(kOutsPerWarp == 2, "the reduction below sums the warp's two outputs as a pair");
         for (int r = 0; r < ROW_TILE; ++r) {
             if (r < tile_rows) {  // uniform across the warp
-                for (int o = 0; o < kOutsPerWarp; ++o) {
-                    const float sum = cupykv::warp_sum(acc[r][o]);
-                    if (lane == 0 && first_out + o < out_features)
-                        out[(long long)(row0 + r) * out_features + first_out + o] = cupykv::from_float<T>(sum);
-                }
+                const float sum = cupykv::warp_sum_pair(acc[r][0], acc[r][1]);   // output lane / 16 in lanes 0, 16
+                const int o = lane / 16;
+                if (lane % 16 == 0 && first_out + o < out_features)
+                    out[(long long)(row0 + r) * out_features + first_out + o] = cupykv::from_float<T>(sum);
             }
         }
     }

@@ -18,13 +18,13 @@ import os
 
 import numpy as np
 
-from cupykv import _checks, ops
+from cupykv import _args, ops
 from cupykv.attention import attention
 from cupykv.cache import KVCache
 from cupykv.graph import capture
 from cupykv.models.config import LlamaConfig
 from cupykv.rope import Rope
-from cupykv.spec import CacheSpec
+from cupykv.spec import DTYPES, MAX_SEQ, CacheSpec
 
 __all__ = ["LlamaConfig", "Llama"]
 
@@ -67,15 +67,24 @@ class Llama:
     dtype : {"float32", "float16", "bfloat16"}, default "float32"
         Storage type of weights, activations and the cache.
     max_seq : int, default 256
-        Cache capacity per sequence (prompt plus new tokens).
+        Cache capacity per sequence (prompt plus new tokens), in 1..2**30.
     batch : int, default 1
         Sequence slots; ``generate`` takes up to ``batch`` prompts.
     backend : {"cupy", "emulator"} or None
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, named; MemoryError for a cache the backend cannot
+        hold (see :class:`cupykv.KVCache`).
     """
 
     def __init__(self, config: LlamaConfig, weights, *, dtype="float32", max_seq=256, batch=1, backend=None):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
+        dtype = _args.check_choice("dtype", dtype, DTYPES)
+        max_seq = _args.check_int("max_seq", max_seq, 1, MAX_SEQ)
+        batch = _args.check_int32("batch", batch, lo=1)
         self.config = config
         self.cache = KVCache(CacheSpec(n_layers=config.num_hidden_layers, n_kv_heads=config.num_key_value_heads,
                                        head_dim=config.head_dim, max_seq=max_seq, batch=batch, dtype=dtype),
@@ -105,6 +114,28 @@ class Llama:
     def from_safetensors(cls, config_path_or_dict, path, **kwargs) -> "Llama":
         """Load HF-named weights from a ``.safetensors`` (or ``.npz``) file and a config.json path or dict."""
         return cls(_load_config(config_path_or_dict), load_weights(path), **kwargs)
+
+    @classmethod
+    def from_gguf(cls, path_or_checkpoint, **kwargs) -> "Llama":
+        """Load a LLaMA-architecture GGUF file (llama.cpp's format), dequantized to ``dtype``.
+
+        Parameters
+        ----------
+        path_or_checkpoint : str, os.PathLike or GGUFCheckpoint
+            The file, or what :func:`cupykv.models.gguf.read_gguf` returned for it.
+        **kwargs
+            ``dtype``, ``max_seq``, ``batch``, ``backend``, as for :class:`Llama`.
+
+        Raises
+        ------
+        cupykv.models.gguf.GGUFError
+            Another architecture, an unsupported tensor type, a missing tensor or a damaged file.
+        """
+        from cupykv.models.gguf import GGUFCheckpoint, read_gguf
+
+        checkpoint = path_or_checkpoint if isinstance(path_or_checkpoint, GGUFCheckpoint) \
+            else read_gguf(path_or_checkpoint)
+        return cls(checkpoint.config, checkpoint.weights, **kwargs)
 
     # -- the forward pass ------------------------------------------------------
     def _w(self, layer: int, name: str):
@@ -154,6 +185,25 @@ class Llama:
         self._head(self._decode.hidden)
         self.cache.advance(1)
 
+    def feed(self, token_ids) -> None:
+        """Set the token each sequence embeds at the next :meth:`decode_step` (host ids, one per sequence).
+
+        With :meth:`KVCache.truncate <cupykv.KVCache.truncate>` this rolls a
+        sequence back and sends it down another path: truncate to the shared
+        prefix, ``feed`` the new token, then ``decode_step()``. Not inside a
+        captured step (it uploads host values).
+        """
+        batch = self.cache.spec.batch
+        if not isinstance(token_ids, (list, tuple, np.ndarray)) or len(token_ids) != batch or not all(
+                _args.is_int(t) and 0 <= t < self.config.vocab_size for t in token_ids):
+            raise ValueError(f"token_ids: expected {batch} token ids in 0..{self.config.vocab_size - 1} "
+                             f"(one per sequence), got {token_ids!r:.80}")
+        self.backend.upload(self._decode.ids, np.array([int(t) for t in token_ids], np.int32))
+
+    def next_tokens(self) -> list[int]:
+        """The greedy token of each sequence from the last step: what the next :meth:`decode_step` embeds."""
+        return self.backend.to_host(self._decode.ids).tolist()
+
     def _prefill(self, prompts: list[list[int]]) -> None:
         """Run every prompt (padded to the longest) through the model; leaves the first new token in ids."""
         batch, longest = self.cache.spec.batch, max(len(p) for p in prompts)
@@ -172,13 +222,13 @@ class Llama:
     # -- generation --------------------------------------------------------------
     def _check_prompts(self, prompts, max_new_tokens) -> list[list[int]]:
         spec = self.cache.spec
-        max_new_tokens = _checks.check_int("max_new_tokens", max_new_tokens, lo=1)
+        max_new_tokens = _args.check_int("max_new_tokens", max_new_tokens, 1, max(1, spec.max_seq - 1))
         if not isinstance(prompts, (list, tuple)) or not 1 <= len(prompts) <= spec.batch:
             raise ValueError(f"prompts: expected a list of 1..{spec.batch} token lists, got {prompts!r:.80}")
         checked = []
         for b, prompt in enumerate(prompts):
             tokens = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
-            if not tokens or not all(_checks.is_int(t) and 0 <= t < self.config.vocab_size for t in tokens):
+            if not tokens or not all(_args.is_int(t) and 0 <= t < self.config.vocab_size for t in tokens):
                 raise ValueError(f"prompts[{b}]: expected a non-empty list of token ids in "
                                  f"0..{self.config.vocab_size - 1}, got {prompt!r:.80}")
             if len(tokens) + max_new_tokens > spec.max_seq:
@@ -189,7 +239,7 @@ class Llama:
         return checked + [[0]] * (spec.batch - len(checked))
 
     def generate(self, prompts, max_new_tokens: int, *, use_graph: bool = True, return_logits: bool = False,
-                 progress=None):
+                 progress=None, stop_ids=(), on_token=None):
         """Greedy decoding of a batch of prompts.
 
         Parameters
@@ -204,45 +254,82 @@ class Llama:
             Also return the float32 logits of every generated step, ``[steps, batch, vocab]``.
         progress : callable, optional
             Called as ``progress(done, total)`` after each token.
+        stop_ids : sequence of int, optional
+            Token ids that end a sequence (end of text, end of turn): a
+            sequence's tokens stop after the first one, which is kept, and
+            decoding stops once every sequence has emitted one.
+        on_token : callable, optional
+            Called as ``on_token(ids)`` after each step with that step's new
+            token of every prompt (a list), for streaming.
 
         Returns
         -------
         tokens : list of list of int
             The new tokens, one list per prompt.
-        logits : np.ndarray float32 ``[max_new_tokens, len(prompts), vocab]``
-            Only with ``return_logits=True``.
+        logits : np.ndarray float32 ``[steps, len(prompts), vocab]``
+            Only with ``return_logits=True``; ``steps`` is ``max_new_tokens``
+            unless every sequence stopped earlier.
         """
         n_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else 0
         padded = self._check_prompts(prompts, max_new_tokens)
+        use_graph = _args.check_bool("use_graph", use_graph)
+        return_logits = _args.check_bool("return_logits", return_logits)
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress: expected None or a callable, got {_args.got(progress)}")
+        stops = self._check_stop_ids(stop_ids)
         self._prefill(padded)
         steps_ids, steps_logits = [], []
+        stopped = np.zeros(n_prompts, bool)
 
         def collect(done):
-            steps_ids.append(self.backend.to_host(self._decode.ids))
+            ids = self.backend.to_host(self._decode.ids)
+            steps_ids.append(ids)
             if return_logits:
                 steps_logits.append(self._host_logits())
+            if on_token is not None:
+                on_token(ids[:n_prompts].tolist())
             if progress is not None:
                 progress(done, max_new_tokens)
+            stopped[:] |= np.isin(ids[:n_prompts], stops)
+            return bool(stopped.all())
 
-        collect(1)
+        finished = collect(1)
         for step in range(1, max_new_tokens):
+            if finished:
+                break
             if not use_graph:
                 self.decode_step()
             elif self._graph is None:
                 self._graph = capture(self.decode_step)   # the warm-up run is this step
             else:
                 self._graph.replay()
-            collect(step + 1)
+            finished = collect(step + 1)
         if self.backend.to_host(self._embedding_error)[0]:   # cannot happen for validated prompts and argmax ids
             raise RuntimeError("embedding: a token id outside 0..vocab_size-1 reached the model")
-        tokens = np.stack(steps_ids, axis=1)[:n_prompts].tolist()   # [prompts, steps]
+        tokens = [_cut_after_stop(row, stops) for row in np.stack(steps_ids, axis=1)[:n_prompts].tolist()]
         if return_logits:
             return tokens, np.stack(steps_logits)[:, :n_prompts]
         return tokens
 
+    def _check_stop_ids(self, stop_ids) -> np.ndarray:
+        if isinstance(stop_ids, (int, np.integer)) and not isinstance(stop_ids, bool):
+            stop_ids = [stop_ids]
+        if not isinstance(stop_ids, (list, tuple, np.ndarray)) or not all(
+                _args.is_int(i) and 0 <= i < self.config.vocab_size for i in stop_ids):
+            raise ValueError(f"stop_ids: expected token ids in 0..{self.config.vocab_size - 1}, got {stop_ids!r:.80}")
+        return np.array([int(i) for i in stop_ids], np.int64)
+
     def _host_logits(self) -> np.ndarray:
         host = self.backend.to_host(self._logits)
         return host.view(self.cache.spec.np_dtype).astype(np.float32)
+
+
+def _cut_after_stop(tokens: list[int], stop_ids) -> list[int]:
+    """``tokens`` up to and including the first stop id."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: i + 1]
+    return tokens
 
 
 def _load_config(config_path_or_dict) -> LlamaConfig:

@@ -32,8 +32,11 @@ class LlamaReference:
             self.weights["lm_head.weight"] = self.weights["model.embed_tokens.weight"]
         self.rope = Rope(theta=config.rope_theta)
 
-    def _step(self, cache, ids) -> np.ndarray:
-        """Run ``ids`` (one sequence's new tokens) through the model; returns the last token's logits."""
+    def _step(self, cache, ids, maps=None) -> np.ndarray:
+        """Run ``ids`` (one sequence's new tokens) through the model; returns the last token's logits.
+
+        ``maps``, a list, receives each layer's attention weights ``[n_heads, n, max_seq]``.
+        """
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         n = len(ids)
         hidden = ops.embedding(np.asarray(ids, np.int32), w["model.embed_tokens.weight"])     # [n, hidden]
@@ -45,6 +48,8 @@ class LlamaReference:
             v = ops.linear(normed, w[p + "self_attn.v_proj.weight"]).reshape(1, n, c.num_key_value_heads, c.head_dim)
             cache.append(i, k, v, rope=self.rope)
             attn = round_to_storage(reference.attention(q, cache, i, rope=self.rope), self.spec.np_dtype)
+            if maps is not None:
+                maps.append(reference.attention_weights(q, cache, i, rope=self.rope)[0].transpose(1, 0, 2))
             hidden = ops.add(hidden, ops.linear(attn.reshape(n, -1), w[p + "self_attn.o_proj.weight"]))
             normed = ops.rmsnorm(hidden, w[p + "post_attention_layernorm.weight"], eps)
             act = ops.silu_mul(ops.linear(normed, w[p + "mlp.gate_proj.weight"]),
@@ -53,6 +58,17 @@ class LlamaReference:
         cache.advance(n)
         last = ops.rmsnorm(hidden[-1:], w["model.norm.weight"], eps)
         return ops.linear(last, w["lm_head.weight"])[0].astype(np.float64)      # [vocab]
+
+    def attention_maps(self, prompt) -> np.ndarray:
+        """Every layer's attention weights over one prompt, ``[n_layers, n_heads, n, n]`` (float64).
+
+        ``maps[l, h, i, j]`` is how much token ``i`` of ``prompt`` reads token
+        ``j`` in head ``h`` of layer ``l`` (0 for ``j > i``).
+        """
+        maps = []
+        self._step(reference.KVCache(self.spec), list(prompt), maps)
+        n = len(prompt)
+        return np.stack(maps)[..., :n]
 
     def logits(self, prompts, tokens) -> np.ndarray:
         """Teacher-forced logits ``[steps, len(prompts), vocab]`` (float64).
