@@ -1,9 +1,14 @@
-"""Shared test setup: hypothesis profiles and the ``gpu`` marker.
+"""Shared test setup: hypothesis profiles, the ``gpu`` marker and the emulator's schedule seed.
 
 Profiles: ``dev`` (50 examples per property, the default on a workstation)
 and ``ci`` (200 examples, the default when the ``CI`` environment variable is
 set, as on the CI machine); ``HYPOTHESIS_PROFILE`` overrides both. Tests marked
 ``gpu`` are skipped, with the reason, unless CuPy can use a CUDA device.
+
+Every emulator launch of the session runs in the order of one schedule seed:
+``CUPYKV_EMULATOR_SEED`` when set, else ``SESSION_SEED``. tests/test_schedules.py
+re-runs every kernel under a second seed. A failing test's report names the seed;
+setting ``CUPYKV_EMULATOR_SEED`` to it replays the same order.
 """
 import os
 import sys
@@ -14,6 +19,9 @@ from hypothesis import HealthCheck, settings
 from cupykv.backends import cuda_available
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests/backends.py and friends
+
+SESSION_SEED = 1
+os.environ.setdefault("CUPYKV_EMULATOR_SEED", str(SESSION_SEED))   # read by every emulator launch
 
 settings.register_profile(
     "ci",
@@ -29,7 +37,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 def pytest_report_header(config):
     available, reason = cuda_available()
     return [f"hypothesis: {settings.default.max_examples} examples per property",
-            f"gpu tests: {'run' if available else 'skipped: ' + reason}"]
+            f"gpu tests: {'run' if available else 'skipped: ' + reason}",
+            f"emulator schedule seed: CUPYKV_EMULATOR_SEED={os.environ['CUPYKV_EMULATOR_SEED']}"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report names the emulator schedule seed it ran under."""
+    report = (yield).get_result()
+    if report.failed:
+        seed = os.environ.get("CUPYKV_EMULATOR_SEED", "")
+        report.sections.append(("emulator schedule", f"this test ran under CUPYKV_EMULATOR_SEED={seed}; "
+                                                     f"set it to replay the same order of blocks and threads"))
 
 
 def pytest_runtest_setup(item):

@@ -55,7 +55,8 @@ __global__ void half_warp(int* out) {
   out[lane] = v;
 }
 
-// Atomics from every thread of every block.
+// Atomics from every thread of every block. The CAS loop starts from an atomic read: a plain
+// read of a word other threads update atomically is a data race (the race checker says so).
 // ints: [7] int: add, max, min, or, and, cas counter, exch; f: [1] float; u64: [1] ull.
 __global__ void atomics(int* ints, float* f, unsigned long long* u64) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -64,7 +65,7 @@ __global__ void atomics(int* ints, float* f, unsigned long long* u64) {
   atomicMin(&ints[2], -t);
   atomicOr(&ints[3], 1 << (t % 31));
   atomicAnd(&ints[4], ~(1 << (t % 7)));
-  int old = ints[5], assumed;
+  int old = atomicAdd(&ints[5], 0), assumed;
   do {
     assumed = old;
     old = atomicCAS(&ints[5], assumed, assumed + 2);

@@ -2,8 +2,9 @@
 
 Every CUDA thread is a fiber, so ``__syncthreads`` and the warp intrinsics have their
 real semantics; the emulator raises on divergent barriers, bad warp masks, deadlocks,
-out-of-bounds global or dynamic shared memory accesses, failed device asserts and
-launches that break CUDA's limits or the kernel's signature.
+data races in shared memory and in written arguments, out-of-bounds global or dynamic
+shared memory accesses, failed device asserts and launches that break CUDA's limits or the
+kernel's signature. ``CUPYKV_EMULATOR_SEED`` shuffles the order of blocks and threads.
 
     mod = Module(code, ["cupykv_append<float>"])
     fn = mod.get_function("cupykv_append<float>")
@@ -14,12 +15,12 @@ Arrays are numpy arrays; ``empty``/``zeros``/``asarray`` put them in guarded mem
 """
 
 from .errors import (BarrierError, CompileError, DeviceAssertError, EmulatorError,
-                     EmulatorFault, LaunchError)
+                     EmulatorFault, LaunchError, RaceError)
 from .launch import Function, Module, synchronize
 from .memory import asarray, asnumpy, empty, is_device_array, zeros
 
 __all__ = [
     "Module", "Function", "empty", "zeros", "asarray", "asnumpy", "is_device_array",
     "synchronize", "EmulatorError", "CompileError", "LaunchError", "EmulatorFault",
-    "BarrierError", "DeviceAssertError",
+    "BarrierError", "DeviceAssertError", "RaceError",
 ]

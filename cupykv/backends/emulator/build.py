@@ -1,8 +1,11 @@
 """Compiling kernels for the emulator: g++ into shared libraries, cached on disk.
 
-The runtime (runtime.cpp) is one library loaded once with RTLD_GLOBAL; each module
-is the kernel source (rewritten) plus a registry, linked against nothing and resolving
-the runtime's symbols at load time. Libraries are cached under
+The runtime (runtime.cpp, access.cpp, racecheck.cpp, schedule.cpp) is one library loaded
+once with RTLD_GLOBAL; each module is the kernel source (rewritten) plus a registry, linked
+against nothing and resolving the runtime's symbols at load time. Modules are compiled with
+GCC's address-sanitizer instrumentation in call mode (every load and store calls a hook of
+the runtime, see access.cpp), memcpy/memmove/memset wrapped the same way, and line tables
+(-g1) so that race reports can name source lines. Libraries are cached under
 ``$CUPYKV_CACHE_DIR/emulator`` (default ``~/.cache/cupykv/emulator``), keyed by the
 sha256 of everything that can change the binary, and written atomically so that
 concurrent processes can share the cache.
@@ -16,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 from . import source
@@ -24,11 +28,21 @@ from .errors import CompileError
 HERE = Path(__file__).resolve().parent
 INCLUDE_DIR = HERE / "include"
 RUNTIME_SOURCE = HERE / "runtime.cpp"
+RUNTIME_SOURCES = (RUNTIME_SOURCE, HERE / "access.cpp", HERE / "racecheck.cpp", HERE / "schedule.cpp")
 CXX = os.environ.get("CUPYKV_EMULATOR_CXX", "g++")
 COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
                 "-fno-strict-aliasing", "-fno-math-errno", "-ffp-contract=off")
-MODULE_FLAGS = COMMON_FLAGS + ("-fstack-clash-protection", "-Wno-attributes", "-include", "cuemu.h",
-                               "-Wl,--wrap=__assert_fail")
+# Every load and store of a kernel first reads its shadow byte (the runtime maps the shadow at
+# SHADOW_OFFSET, access.cpp) and calls __asan_report_*_noabort, defined by the runtime, only
+# when it is set; no runtime library, no redzones around locals or globals.
+SHADOW_OFFSET = 0x100000000000
+INSTRUMENT_FLAGS = ("-fsanitize=kernel-address", f"-fasan-shadow-offset={SHADOW_OFFSET:#x}",
+                    "--param", "asan-instrumentation-with-call-threshold=1000000000",
+                    "--param", "asan-stack=0", "--param", "asan-globals=0",
+                    "-Wl,--wrap=memcpy", "-Wl,--wrap=memmove", "-Wl,--wrap=memset")
+BASE_MODULE_FLAGS = COMMON_FLAGS + ("-fstack-clash-protection", "-Wno-attributes", "-include", "cuemu.h",
+                                    "-Wl,--wrap=__assert_fail", "-g1")
+MODULE_FLAGS = BASE_MODULE_FLAGS + INSTRUMENT_FLAGS
 _HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".cuh", ".inc", ".inl", ".cu")
 
 #: Counters for tests and curiosity: g++ runs, disk-cache hits, in-process hits.
@@ -75,14 +89,18 @@ def _dir_parts(directory):
     return parts
 
 
-def _compile(sources, flags, out_path, what):
-    """Runs g++ on ``sources`` into ``out_path`` atomically."""
+def _compile(sources, flags, out_path, what, cwd=None):
+    """Runs g++ on ``sources`` into ``out_path`` atomically (in ``cwd``, which debug info
+    then names ``.``)."""
+    out_path = Path(out_path).resolve()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out_path.stem + ".", suffix=".tmp.so", dir=out_path.parent)
     os.close(fd)
+    if cwd is not None:
+        flags = [*flags, f"-fdebug-prefix-map={cwd}=."]
     cmd = [CXX, *flags, *map(str, sources), "-o", tmp]
     stats["compiles"] += 1
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
     if proc.returncode != 0:
         os.unlink(tmp)
         raise CompileError(f"emulator: g++ failed to compile {what}", proc.stderr or proc.stdout)
@@ -94,7 +112,22 @@ class _LaunchParams(ctypes.Structure):
     _fields_ = [("invoke", ctypes.c_void_p), ("args", ctypes.c_void_p),
                 ("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3),
                 ("dyn_smem", ctypes.c_void_p), ("dyn_smem_size", ctypes.c_uint64),
-                ("poison", ctypes.c_uint32), ("reserved", ctypes.c_uint32)]
+                ("poison", ctypes.c_uint32), ("checks", ctypes.c_uint32),
+                ("seed", ctypes.c_uint64), ("regions", ctypes.c_void_p),
+                ("nregions", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+                ("tls_probe", ctypes.c_void_p)]
+
+
+class _Region(ctypes.Structure):
+    _fields_ = [("lo", ctypes.c_uint64), ("hi", ctypes.c_uint64), ("writable", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint32)]
+
+
+class _Hazard(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("region", ctypes.c_int32), ("offset", ctypes.c_uint64),
+                ("block", ctypes.c_uint64 * 2), ("thread", ctypes.c_uint32 * 2),
+                ("site", ctypes.c_uint32 * 2), ("atomic", ctypes.c_uint32 * 2),
+                ("count", ctypes.c_uint64)]
 
 
 class _Result(ctypes.Structure):
@@ -114,17 +147,40 @@ class _Entry(ctypes.Structure):
 def runtime():
     """The loaded runtime library (built on first use)."""
     flags = COMMON_FLAGS + ("-I", str(INCLUDE_DIR))
-    key = _digest([RUNTIME_SOURCE.read_bytes(), *_dir_parts(INCLUDE_DIR), *flags,
-                   compiler_version()])
+    key = _digest([*_runtime_parts(), *_dir_parts(INCLUDE_DIR), *flags, compiler_version()])
     path = cache_dir() / f"cuemu-runtime-{key[:32]}.so"
     if path.exists():
         stats["disk_hits"] += 1
     else:
-        _compile([RUNTIME_SOURCE], flags, path, "the emulator runtime")
+        _compile(RUNTIME_SOURCES, flags, path, "the emulator runtime")
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     lib.cuemu_launch.argtypes = [ctypes.POINTER(_LaunchParams), ctypes.POINTER(_Result)]
     lib.cuemu_launch.restype = ctypes.c_int
+    lib.cuemu_race_hazards.argtypes = [ctypes.POINTER(ctypes.POINTER(_Hazard)),
+                                       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+    lib.cuemu_race_hazards.restype = ctypes.c_uint32
+    lib.cuemu_shadow_ready.restype = ctypes.c_int
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def instrumented():
+    """Whether modules are built with the race checker's instrumentation: only when the
+    runtime could map its shadow (an instrumented module reads it on every access)."""
+    ready = bool(runtime().cuemu_shadow_ready())
+    if not ready:
+        warnings.warn("cupykv emulator: cannot reserve the race checker's shadow memory (16 TiB of "
+                      "address space at 0x100000000000); kernels run without race checking",
+                      RuntimeWarning, stacklevel=2)
+    return ready
+
+
+def module_flags():
+    return MODULE_FLAGS if instrumented() else BASE_MODULE_FLAGS
+
+
+def _runtime_parts():
+    return [part for src in RUNTIME_SOURCES for part in (src.name, src.read_bytes())]
 
 
 # ---- modules -------------------------------------------------------------------------
@@ -145,7 +201,7 @@ def _host_options(options):
 
 
 def _mirror_includes(include_dirs, work):
-    """Include dirs whose headers declare ``extern __shared__`` are copied (rewritten)
+    """Include dirs whose headers declare ``__shared__`` variables are copied (rewritten)
     under ``work``; returns the -I list to use."""
     result = []
     for n, d in enumerate(include_dirs):
@@ -160,7 +216,7 @@ def _mirror_includes(include_dirs, work):
             text = f.read_text(errors="replace")
             if source.needs_rewrite(text):
                 quoted = str(f).replace("\\", "\\\\").replace('"', '\\"')
-                text = f'#line 1 "{quoted}"\n' + source.rewrite_dynamic_shared(text)
+                text = f'#line 1 "{quoted}"\n' + source.rewrite_shared(text)
             dst.write_text(text)
         result.append(str(mirror))
     return result
@@ -172,10 +228,10 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
     runtime()  # the module resolves the runtime's symbols when loaded
     include_dirs = [Path(d).resolve() for d in include_dirs]
     quoted = str(filename).replace("\\", "\\\\").replace('"', '\\"')
-    text = (f'#line 1 "{quoted}"\n' + source.rewrite_dynamic_shared(code)
+    text = (f'#line 1 "{quoted}"\n' + source.rewrite_shared(code)
             + source.registry_source(list(name_expressions)))
     host_opts = _host_options(options)
-    key_parts = [text, *host_opts, *MODULE_FLAGS, compiler_version(), RUNTIME_SOURCE.read_bytes(),
+    key_parts = [text, *host_opts, *module_flags(), compiler_version(), *_runtime_parts(),
                  *_dir_parts(INCLUDE_DIR)]
     for d in include_dirs:
         key_parts += _dir_parts(d)
@@ -193,10 +249,10 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
                 src = work / "kernel.cpp"
                 src.write_text(text)
                 incs = _mirror_includes(include_dirs, work)
-                flags = [*MODULE_FLAGS, "-I", str(INCLUDE_DIR)]
+                flags = [*module_flags(), "-I", str(INCLUDE_DIR)]
                 for d in incs:
                     flags += ["-I", d]
-                _compile([src], [*flags, *host_opts], path, filename)
+                _compile([src], [*flags, *host_opts], path, filename, cwd=work)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)

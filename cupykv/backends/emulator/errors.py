@@ -1,7 +1,8 @@
 """Exceptions raised by the CUDA emulator.
 
 Every error names the kernel instance (``'cupykv_append<float>'``) and, when one is
-to blame, the block and thread, so a failing test points at the bug directly.
+to blame, the block and thread, so a failing test points at the bug directly. Under a
+perturbed schedule (``CUPYKV_EMULATOR_SEED``) the message ends with the seed that replays it.
 """
 
 
@@ -32,3 +33,14 @@ class BarrierError(EmulatorError):
 
 class DeviceAssertError(EmulatorError):
     """A device-side ``assert`` failed, or the kernel trapped."""
+
+
+class RaceError(EmulatorError):
+    """A data race: two threads of one launch touched the same bytes, at least one of them
+    writing, with nothing ordering them (no ``__syncthreads()``, no ``__syncwarp()`` or warp
+    collective over both lanes, not both atomic). ``hazards`` lists them (see
+    ``racecheck.Hazard``): kind, memory, where, both accesses and a count."""
+
+    def __init__(self, message, hazards=()):
+        super().__init__(message)
+        self.hazards = list(hazards)

@@ -3,7 +3,9 @@
 ``Module(code, name_expressions).get_function(name)(grid, block, args, shared_mem)``
 checks the launch (geometry, launch bounds, shared memory, argument count and sizes),
 packs the arguments the way CUDA does (one pointer per argument value), runs every
-block on the emulator runtime, then checks canaries and maps faults to arguments.
+block on the emulator runtime (in the order ``CUPYKV_EMULATOR_SEED`` picks, with the race
+checker on unless ``CUPYKV_EMULATOR_RACECHECK=0``), then checks canaries, maps faults to
+arguments and reports data races.
 """
 
 import ctypes
@@ -12,7 +14,7 @@ import threading
 
 import numpy as np
 
-from . import build, memory, source
+from . import build, memory, racecheck, schedule, source
 from .errors import (BarrierError, DeviceAssertError, EmulatorError, EmulatorFault,
                      LaunchError)
 
@@ -54,6 +56,9 @@ class Module:
         self.launch_bounds = source.parse_launch_bounds(code)
         self._lib, self._entries = build.load_module(code, names, include_dirs, options,
                                                      filename)
+        self.path = self._lib._name  # the built .so: its line tables name race sites
+        self.instrumented = build.instrumented()  # False: the race checker cannot run
+        self._tls_probe = ctypes.cast(self._lib.cuemu_module_tls_probe, ctypes.c_void_p).value
         self._functions = {}
 
     def get_function(self, name):
@@ -76,6 +81,14 @@ def _type_name(pretty):
     s = pretty.decode() if isinstance(pretty, bytes) else pretty
     i = s.find("[with T = ")
     return s[i + 10:].rstrip("]").split(";")[0] if i >= 0 else s
+
+
+def _points_to_const(type_name):
+    """Whether a pointer parameter's type (``'const float*'``) points to const data."""
+    pointee = type_name.strip()[:-1].strip() if type_name.strip().endswith("*") else ""
+    if pointee.endswith("*"):
+        return False
+    return "const" in pointee.replace("*", " ").split()
 
 
 def _dims(value, what, limits):
@@ -109,6 +122,9 @@ class Function:
         self.param_sizes = tuple(entry.sizes[i] for i in range(n))
         self.param_kinds = entry.kinds.decode()[:n]
         self.param_types = tuple(_type_name(entry.type_names[i]) for i in range(n))
+        # Non-const pointer parameters: the race checker tracks the bytes of their arrays.
+        self.param_writable = tuple(k == "p" and not _points_to_const(t)
+                                    for k, t in zip(self.param_kinds, self.param_types))
         self.launch_bound = launch_bound  # (expression, int or None) or None
         self.max_threads = launch_bound[1] if launch_bound else None
         offsets, off = [], 0
@@ -125,6 +141,7 @@ class Function:
         self._params.invoke = self._invoke
         self._params.args = ctypes.addressof(self._argv)
         self._params.poison = POISON
+        self._params.tls_probe = module._tls_probe
         self._result = build._Result()
 
     def __repr__(self):
@@ -223,14 +240,21 @@ class Function:
             EmulatorFault: out-of-bounds access or stack overflow.
             BarrierError: divergent barrier, bad warp-intrinsic mask, deadlock.
             DeviceAssertError: failed device assert or trap.
+            RaceError: two threads touched the same bytes without ordering (see racecheck).
+        Every error message ends with the schedule seed when ``CUPYKV_EMULATOR_SEED`` is set.
         """
         grid, block, shared_mem = self._check_geometry(grid, block, shared_mem)
+        seed = schedule.session_seed()
         with _launch_lock:  # one launch at a time: the runtime and the buffers are shared
-            self._launch(grid, block, args, shared_mem)
+            self._launch(grid, block, args, shared_mem, seed)
 
-    def _launch(self, grid, block, args, shared_mem):
+    def _launch(self, grid, block, args, shared_mem, seed):
         array_args = self._pack(args)
         bindings, shadows = self._bind_arrays(array_args)
+        check_races = racecheck.enabled() and self.module.instrumented
+        region_table, regions = racecheck.regions(bindings if check_races else (),
+                                                  self.param_writable)
+        hint = schedule.replay_hint(seed)
         smem = _smem_pool.get(shared_mem)
         if smem is None:
             if len(_smem_pool) >= 32:
@@ -241,19 +265,29 @@ class Function:
         p.block[0], p.block[1], p.block[2] = block
         p.dyn_smem = smem.start
         p.dyn_smem_size = shared_mem
+        p.checks = racecheck.CHECK_RACES if check_races else 0
+        p.seed = schedule.launch_seed(seed, self.name, grid, block, shared_mem)
+        p.regions = ctypes.addressof(region_table)
+        p.nregions = len(regions)
         lib = build.runtime()
         try:
             rc = lib.cuemu_launch(ctypes.byref(p), ctypes.byref(r))
+            found = racecheck.hazards(lib) if check_races and not rc else ([], 0, 0)
         finally:
             canary_errors = self._check_canaries(bindings, shadows, smem)
             for sh in shadows:
                 sh.copy_back()
         if rc:
-            raise self._launch_error(r, bindings, smem, shared_mem)
+            error = self._launch_error(r, bindings, smem, shared_mem)
+            raise type(error)(f"{error}{hint}")
         if canary_errors:
             raise EmulatorFault(f"kernel {self.name!r}: " + "; ".join(canary_errors) +
                                 " (found in the canary bytes after the launch; the thread "
-                                "is unknown)")
+                                "is unknown)" + hint)
+        raw, dropped, _ = found
+        if raw or dropped:
+            described = racecheck.describe(raw, regions, self.module.path, grid, block)
+            raise racecheck.race_error(self.name, described, dropped, hint)
         for sh in shadows:
             sh.check_read_only(self.name)
 

@@ -3,12 +3,16 @@
 // Every CUDA thread of a block is a fiber with its own stack. Fibers run one at a
 // time on the launching OS thread and switch only at __syncthreads, warp intrinsics
 // and exit, with a hand-written x86-64 context switch (no system call). Blocks run
-// one after another. The scheduler checks the synchronisation rules: every thread
-// reaches the same __syncthreads, warp intrinsics are reached by all lanes of their
-// mask at the same call site, no lane reads from outside the mask. Memory faults and
-// fiber stack overflows are turned into error reports with siglongjmp.
+// one after another, in index order or in a seeded random order (schedule.cpp, which
+// also orders the warps and lanes each barrier or warp collective releases). The scheduler checks the synchronisation rules:
+// every thread reaches the same __syncthreads, warp intrinsics are reached by all lanes
+// of their mask at the same call site with the same mask, no lane reads from outside
+// the mask. It reports blocks, barriers and warp collectives to the access-event layer
+// (access.cpp), whose observers (racecheck.cpp) see every memory access. Memory faults
+// and fiber stack overflows are turned into error reports with siglongjmp.
 //
-// Build: g++ -std=c++17 -O2 -fPIC -shared runtime.cpp -I include (done by build.py).
+// Build: g++ -std=c++17 -O2 -fPIC -shared runtime.cpp access.cpp racecheck.cpp
+// schedule.cpp -I include (done by build.py).
 #include <setjmp.h>
 #include <stddef.h>
 #include <signal.h>
@@ -23,6 +27,8 @@
 #include <string>
 
 #include "cuemu_abi.h"
+#include "cuemu_schedule.h"
+#include "cuemu_trace.h"
 
 #define CUEMU_HIDDEN __attribute__((visibility("hidden")))
 #define CUEMU_EXPORT extern "C" __attribute__((visibility("default")))
@@ -254,6 +260,7 @@ static inline void enter(Fiber* f) {
   g_cur = f;
   f->state = RUNNING;
   cuemu_ctx.thread_idx = f->idx;
+  cuemu::trace_set_thread(f->tid);
 }
 
 // The current fiber stops running (its state says why) and the next ready fiber, or
@@ -267,6 +274,39 @@ static void yield_blocked(Fiber* me) {
     g_cur = nullptr;
     cuemu_switch_ctx(&me->sp, S.sched_sp);
   }
+}
+
+// Readies the lanes of `lanes` in the warp at `base`: in lane order, leaving out `me`, or,
+// under a shuffled schedule, all of them in a seeded order (the caller then yields).
+static void push_lanes(uint32_t base, uint32_t lanes, const Fiber* me) {
+  const uint8_t* order = cuemu::schedule_lane_order();
+  for (uint32_t k = 0; k < 32; ++k) {
+    const uint32_t l = order ? order[k] : k;
+    Fiber* f = &g_fibers[base + l];
+    if ((lanes >> l & 1) && (order || f != me)) push_ready(f);
+  }
+}
+
+// Readies every fiber of the block (at its start, or when a barrier completes): in thread
+// order, leaving out `me`, or warps in a seeded order, each in a seeded lane order.
+static void push_block(const Fiber* me) {
+  uint32_t warps[32];
+  for (uint32_t w = 0; w < S.nwarps; ++w) warps[w] = w;
+  if (cuemu::schedule_shuffled()) cuemu::schedule_shuffle(warps, S.nwarps);
+  for (uint32_t k = 0; k < S.nwarps; ++k) push_lanes(warps[k] * 32u, S.warps[warps[k]].present, me);
+}
+
+// Under a shuffled schedule the fiber that released others was queued among them: it runs
+// when its turn comes.
+static void yield_if_shuffled(Fiber* me) {
+  if (!cuemu::schedule_shuffled()) return;
+  Fiber* next = pop_ready();
+  if (next == me) {
+    enter(me);
+    return;
+  }
+  enter(next);
+  cuemu_switch_ctx(&me->sp, next->sp);
 }
 
 // ---- messages ---------------------------------------------------------------------
@@ -338,6 +378,7 @@ static bool same_site(const char* f1, int l1, const char* f2, int l2) {
 // ---- barriers ---------------------------------------------------------------------
 CUEMU_EXPORT int cuemu_barrier(int kind, int pred, const char* file, int line) {
   Fiber* me = g_cur;
+  cuemu::trace_sync_point();
   if (S.bar_count == 0) {
     S.bar_file = file;
     S.bar_line = line;
@@ -360,13 +401,10 @@ CUEMU_EXPORT int cuemu_barrier(int kind, int pred, const char* file, int line) {
       case CUEMU_BAR_OR: res = S.bar_acc != 0; break;
     }
     S.bar_count = 0;
-    for (uint32_t i = 0; i < S.n; ++i) {
-      Fiber* f = &g_fibers[i];
-      if (f != me) {
-        f->result = (uint64_t)(int64_t)res;
-        push_ready(f);
-      }
-    }
+    cuemu::trace_barrier();
+    for (uint32_t i = 0; i < S.n; ++i) g_fibers[i].result = (uint64_t)(int64_t)res;
+    push_block(me);
+    yield_if_shuffled(me);
     return res;
   }
   me->state = AT_BARRIER;
@@ -431,6 +469,7 @@ static void release_group(Warp& W, uint32_t base, uint32_t mask, int op, Fiber* 
     }
     default: break;
   }
+  if (op != CUEMU_ACTIVEMASK) cuemu::trace_warp_sync(base / 32u, mask);  // orders the lanes
   for (uint32_t l = 0; l < 32; ++l) {
     if (!(mask >> l & 1)) continue;
     Fiber& f = F[l];
@@ -465,8 +504,7 @@ static void release_group(Warp& W, uint32_t base, uint32_t mask, int op, Fiber* 
     }
   }
   W.waiting &= ~mask;
-  for (uint32_t l = 0; l < 32; ++l)
-    if ((mask >> l & 1) && &F[l] != me) push_ready(&F[l]);
+  push_lanes(base, mask, me);
 }
 
 // True when every lane of `mask` waits at the same operation as `me`.
@@ -488,6 +526,7 @@ CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned lo
   Fiber* me = g_cur;
   const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
   Warp& W = S.warps[w];
+  cuemu::trace_sync_point();
   me->op = (uint8_t)op;
   me->file = file;
   me->line = line;
@@ -510,6 +549,7 @@ CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned lo
         if (same >> l & 1) g_fibers[base + l].mask = same;
       me->mask = same;
       release_group(W, base, same, op, me);
+      yield_if_shuffled(me);
       return me->result;
     }
   } else {
@@ -526,6 +566,7 @@ CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned lo
     W.waiting |= 1u << lane;
     if (group_complete(W, base, mask, me)) {
       release_group(W, base, mask, op, me);
+      yield_if_shuffled(me);
       return me->result;
     }
   }
@@ -561,6 +602,7 @@ static bool release_activemasks() {
 
 // ---- thread exit ------------------------------------------------------------------
 [[noreturn]] static void fiber_exit(Fiber* me) {
+  cuemu::trace_sync_point();
   me->state = EXITED;
   --S.alive;
   ++S.exited;
@@ -598,6 +640,31 @@ static std::string describe(const Fiber& f) {
   return "running";
 }
 
+// Two waiting lanes that name each other in their masks, at the same operation (any
+// __syncwarp(), else the same call site), with different masks: neither group can ever
+// complete. Appends the explanation to `out`; false when there is none.
+static bool explain_mask_mismatch(std::string& out) {
+  for (uint32_t w = 0; w < S.nwarps; ++w) {
+    const uint32_t base = w * 32u, waiting = S.warps[w].waiting;
+    for (uint32_t l = 0; l < 32; ++l) {
+      const Fiber& f = g_fibers[base + l];
+      if (!(waiting >> l & 1) || f.op == CUEMU_ACTIVEMASK) continue;
+      for (uint32_t k = 0; k < 32; ++k) {
+        const Fiber& g = g_fibers[base + k];
+        if (!(waiting >> k & 1) || g.op != f.op || g.mask == f.mask) continue;
+        if (!(f.mask >> k & 1) || !(g.mask >> l & 1)) continue;
+        if (f.op != CUEMU_SYNCWARP && !same_site(f.file, f.line, g.file, g.line)) continue;
+        msgf(out, "%s at %s:%d in warp %u: lane %u (thread %u) passes mask 0x%08x, but lane %u "
+             "(thread %u), which both masks name, waits at %s:%d with mask 0x%08x; lanes that "
+             "synchronise together must pass the same mask", op_name(f.op), f.file, f.line, w, l,
+             base + l, f.mask, k, base + k, g.file, g.line, g.mask);
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 static void report_stuck() {
   uint32_t at_bar = 0, at_warp = 0;
   for (uint32_t i = 0; i < S.n; ++i) {
@@ -611,10 +678,12 @@ static void report_stuck() {
   else if (at_bar && S.bar_mismatch)
     msgf(g_msg, "divergent barriers: threads wait at different __syncthreads() call sites "
          "(every thread of the block must reach the same barrier)");
-  else if (at_warp)
-    msgf(g_msg, "deadlock: warp-synchronous operations cannot complete (lanes of a mask must reach "
-         "the same call site with the same mask, and no lane may wait at a barrier meanwhile)");
-  else
+  else if (at_warp) {
+    if (!explain_mask_mismatch(g_msg))
+      msgf(g_msg, "deadlock: warp-synchronous operations cannot complete (lanes of a mask must "
+           "reach the same call site with the same mask, and no lane may wait at a barrier "
+           "meanwhile)");
+  } else
     msgf(g_msg, "deadlock: no thread of the block can make progress");
   g_msg += "; thread states (linear ids):";
   int lines = 0;
@@ -657,8 +726,8 @@ static int run_block(const uint32_t bd[3]) {
         f.op = 0;
         f.mask = 0;
         f.sp = init_frame(stack_top(t), &f);
-        push_ready(&f);
       }
+  push_block(nullptr);
   for (;;) {
     Fiber* f = pop_ready();
     if (f) {
@@ -764,6 +833,13 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   }
   S.n = n;
   S.nwarps = (n + 31) / 32;
+  const uint64_t nblocks = (uint64_t)p->grid[0] * p->grid[1] * p->grid[2];
+  cuemu::schedule_begin(p->seed, nblocks);
+  if (!cuemu::trace_launch_begin(p, n, (uintptr_t)g_stacks.base, g_stacks.count * g_stacks.stride)) {
+    r->kind = CUEMU_ERR_SETUP;
+    snprintf(r->msg, sizeof r->msg, "cannot map the race checker's shadow memory");
+    return r->kind;
+  }
   capture_csr();
   g_invoke = p->invoke;
   g_args = p->args;
@@ -784,14 +860,16 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   volatile int rc = CUEMU_OK;  // survives siglongjmp
   if (sigsetjmp(g_jb, 1) == 0) {
     t_in_launch = true;
-    for (uint32_t bz = 0; bz < p->grid[2] && rc == CUEMU_OK; ++bz)
-      for (uint32_t by = 0; by < p->grid[1] && rc == CUEMU_OK; ++by)
-        for (uint32_t bx = 0; bx < p->grid[0] && rc == CUEMU_OK; ++bx) {
-          cuemu_ctx.block_idx = uint3{bx, by, bz};
-          if (p->dyn_smem_size && p->poison <= 255) memset(p->dyn_smem, (int)p->poison, p->dyn_smem_size);
-          rc = run_block(p->block);
-          if (rc != CUEMU_OK) r->kind = rc;
-        }
+    const uint64_t gx = p->grid[0], gxy = gx * p->grid[1];
+    for (uint64_t k = 0; k < nblocks && rc == CUEMU_OK; ++k) {
+      const uint64_t b = cuemu::schedule_block(k);  // linear block index, x fastest
+      cuemu_ctx.block_idx = uint3{(uint32_t)(b % gx), (uint32_t)(b % gxy / gx), (uint32_t)(b / gxy)};
+      if (p->dyn_smem_size && p->poison <= 255) memset(p->dyn_smem, (int)p->poison, p->dyn_smem_size);
+      cuemu::trace_block_begin(b);
+      rc = run_block(p->block);
+      cuemu::trace_block_end();
+      if (rc != CUEMU_OK) r->kind = rc;
+    }
     t_in_launch = false;
   } else {
     t_in_launch = false;
@@ -811,6 +889,7 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
       r->thread_idx[2] = g_err_fiber->idx.z;
     }
   }
+  cuemu::trace_launch_end();
   restore_host_csr();
   restore_handlers();
   if (!(old_ss.ss_flags & SS_DISABLE)) sigaltstack(&old_ss, nullptr);

@@ -1,5 +1,5 @@
-"""Source-text work for the emulator: dynamic shared memory rewrite, launch bounds,
-and the registry translation unit appended to every module.
+"""Source-text work for the emulator: shared memory rewrites (dynamic and static), launch
+bounds, and the registry translation unit appended to every module.
 
 Every rewrite keeps the line count, so compiler errors and runtime reports point at
 the real line of the .cu file.
@@ -96,8 +96,54 @@ def rewrite_dynamic_shared(text):
     return "".join(pieces)
 
 
+# ---- static __shared__ ---------------------------------------------------------------
+# `__shared__ [align] T name[dims];` inside a function (one declarator, no initializer).
+_STATIC_SHARED = re.compile(
+    r"(?<![\w])(?:static\s+)?__shared__\s+(?P<decl>[^;\[\]{}()=,]*(?:\([^()]*\)[^;\[\]{}()=,]*)*?)"
+    r"\s*\b(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\[\];{}]*\]\s*)*);")
+STATIC_SHARED_PREFIX = "cuemu_shared_"
+
+
+def rewrite_static_shared(text):
+    """Turns a function's ``__shared__ [align] T name[dims];`` into thread-local storage
+    reached through a reference the compiler cannot see through, on the same line(s).
+
+    Static ``__shared__`` variables are ``thread_local``, and GCC does not instrument direct
+    accesses to thread-local variables at constant offsets; through the reference, every
+    access reaches the race checker. Declarations outside functions, with several
+    declarators or a comma in the type stay plain ``thread_local`` (``cuemu.h``).
+    """
+    blanked = blank(text)
+    pieces, last = [], 0
+    for m in _STATIC_SHARED.finditer(blanked):
+        before = blanked[max(0, m.start() - 16):m.start()]
+        line_start = blanked.rfind("\n", 0, m.start()) + 1
+        if (re.search(r"\bextern\s*$", before) or not m.group("decl").strip()
+                or blanked[line_start:m.start()].lstrip().startswith("#")
+                or not _in_function(blanked, m.start())):
+            continue
+        decl = " ".join(text[m.start("decl"):m.end("decl")].split())
+        dims = " ".join(text[m.start("dims"):m.end("dims")].split())
+        name, storage = m.group("name"), STATIC_SHARED_PREFIX + m.group("name")
+        repl = (f"thread_local {decl} {storage}{dims}; "
+                f"auto& {name} = *::cuemu::opaque(&{storage});")
+        repl += "\n" * text.count("\n", m.start(), m.end())
+        pieces += [text[last:m.start()], repl]
+        last = m.end()
+    pieces.append(text[last:])
+    return "".join(pieces)
+
+
+def rewrite_shared(text):
+    """Both rewrites: dynamic shared memory, then static ``__shared__`` variables."""
+    return rewrite_static_shared(rewrite_dynamic_shared(text))
+
+
 def needs_rewrite(text):
-    return "__shared__" in text and bool(_EXTERN_SHARED.search(blank(text)))
+    if "__shared__" not in text:
+        return False
+    blanked = blank(text)
+    return bool(_EXTERN_SHARED.search(blanked) or _STATIC_SHARED.search(blanked))
 
 
 # ---- __launch_bounds__ ---------------------------------------------------------------
@@ -233,7 +279,7 @@ def _c_string(s):
 
 def registry_source(name_expressions):
     """C++ appended after the kernel source: one type-erased entry per name expression,
-    the module's exported table, and the device-assert hook."""
+    the module's exported table, the device-assert hook and the static shared memory probe."""
     lines = ['\n#line 1 "<cupykv emulator registry>"',
              "static const cuemu_entry cuemu_registry_table[] = {"]
     for name in name_expressions:
@@ -253,6 +299,11 @@ def registry_source(name_expressions):
         "void __wrap___assert_fail(const char* e, const char* f, unsigned l, const char* fn) {",
         "  cuemu_device_assert(e, f, l, fn);",
         "}",
+        "// Static __shared__ variables are thread_local: touching this byte allocates the",
+        "// module's thread-local block, which the runtime then finds as static shared memory.",
+        "static thread_local char cuemu_tls_probe_byte;",
+        'extern "C" __attribute__((visibility("default")))',
+        "void* cuemu_module_tls_probe() { return &cuemu_tls_probe_byte; }",
         "",
     ]
     return "\n".join(lines)

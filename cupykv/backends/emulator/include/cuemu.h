@@ -9,9 +9,13 @@
 //    allowed); the Python builder rewrites that line into a pointer to the launch's
 //    dynamic shared memory, keeping line numbers.
 //  * Static `__shared__` variables are thread_local storage shared by the fibers of
-//    the running block. They are not bounds-checked and keep the previous block's
-//    values (they are not poisoned).
+//    the running block, reached through a reference (the builder rewrites a function's
+//    declarations; see cuemu::opaque). They are not bounds-checked and keep the previous
+//    block's values (they are not poisoned).
 //  * Barriers and warp operations are identified by call site (__FILE__:__LINE__).
+//  * The builder compiles kernels with GCC's address-sanitizer instrumentation in call mode:
+//    every load and store calls a hook of the runtime (access.cpp), which feeds the race
+//    checker. Accesses to locals that stay in registers cost nothing.
 //  * __CUDA_ARCH__ and __CUDACC__ are NOT defined; CUPYKV_EMULATOR is.
 #pragma once
 #define CUPYKV_EMULATOR 1
@@ -106,6 +110,16 @@ constexpr int warpSize = 32;
 
 namespace cuemu {
 inline char* dynamic_shared() { return ::cuemu_ctx.dyn_smem; }
+
+// The builder declares each static __shared__ variable of a function as
+// `thread_local T cuemu_shared_x[N]; auto& x = *::cuemu::opaque(&cuemu_shared_x);`: GCC does
+// not instrument direct accesses to thread-local variables, but does those through a pointer
+// whose value it cannot know.
+template <class T>
+__attribute__((always_inline)) inline T* opaque(T* p) {
+  asm("" : "+r"(p));
+  return p;
+}
 
 template <class T>
 struct promoted {  // CUDA's warp intrinsics take int for small integers
@@ -219,11 +233,15 @@ static inline long long clock64() { return cuemu_clock64(); }
 static inline void __nanosleep(unsigned) {}
 
 // ---- atomics (plain read-modify-write: fibers never interleave inside one) ---------
-#define CUEMU_ATOMIC(NAME, T, EXPR)                 \
-  static inline T NAME(T* address, T val) {         \
-    T old = *address;                               \
-    *address = (EXPR);                              \
-    return old;                                     \
+// Not instrumented and never inlined: each reports one atomic access at its caller's site to
+// the race checker, which does not count two atomics as a race.
+#define CUEMU_ATOMIC_FN static inline __attribute__((noinline, no_sanitize_address))
+#define CUEMU_ATOMIC(NAME, T, EXPR)                                         \
+  CUEMU_ATOMIC_FN T NAME(T* address, T val) {                               \
+    cuemu_atomic_access(address, sizeof(T), __builtin_return_address(0));   \
+    T old = *address;                                                       \
+    *address = (EXPR);                                                      \
+    return old;                                                             \
   }
 CUEMU_ATOMIC(atomicAdd, int, old + val)
 CUEMU_ATOMIC(atomicAdd, unsigned int, old + val)
@@ -256,17 +274,19 @@ CUEMU_ATOMIC(atomicXor, unsigned long long, old ^ val)
 CUEMU_ATOMIC(atomicInc, unsigned int, old >= val ? 0u : old + 1u)
 CUEMU_ATOMIC(atomicDec, unsigned int, (old == 0u || old > val) ? val : old - 1u)
 #undef CUEMU_ATOMIC
-#define CUEMU_ATOMIC_CAS(T)                                   \
-  static inline T atomicCAS(T* address, T compare, T val) {   \
-    T old = *address;                                         \
-    if (old == compare) *address = val;                       \
-    return old;                                               \
+#define CUEMU_ATOMIC_CAS(T)                                                 \
+  CUEMU_ATOMIC_FN T atomicCAS(T* address, T compare, T val) {               \
+    cuemu_atomic_access(address, sizeof(T), __builtin_return_address(0));   \
+    T old = *address;                                                       \
+    if (old == compare) *address = val;                                     \
+    return old;                                                             \
   }
 CUEMU_ATOMIC_CAS(int)
 CUEMU_ATOMIC_CAS(unsigned int)
 CUEMU_ATOMIC_CAS(unsigned long long)
 CUEMU_ATOMIC_CAS(unsigned short)
 #undef CUEMU_ATOMIC_CAS
+#undef CUEMU_ATOMIC_FN
 
 // ---- bit reinterpretation and conversions ------------------------------------------
 static inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }

@@ -56,6 +56,19 @@ enum {
   CUEMU_ERR_SETUP = 6,      // the runtime could not prepare the launch (out of memory)
 };
 
+// Memory spaces of the regions a launch's accesses are sorted into (cuemu_hazard.region).
+enum { CUEMU_GLOBAL = 0, CUEMU_SHARED_DYNAMIC = 1, CUEMU_SHARED_STATIC = 2 };
+
+// One array argument's bytes (overlapping arguments are merged into one region by launch.py).
+struct cuemu_region {
+  uint64_t lo, hi;     // [lo, hi)
+  uint32_t writable;   // 1: some argument over these bytes is a non-const pointer (races are checked)
+  uint32_t reserved;
+};
+
+// Checks a launch can turn on (cuemu_launch_params.checks).
+enum { CUEMU_CHECK_RACES = 1 };
+
 struct cuemu_launch_params {
   void (*invoke)(void**);
   void** args;
@@ -64,7 +77,29 @@ struct cuemu_launch_params {
   char* dyn_smem;
   uint64_t dyn_smem_size;
   uint32_t poison;  // byte written over dynamic shared memory before each block; > 255: none
+  uint32_t checks;  // CUEMU_CHECK_* bits
+  uint64_t seed;    // schedule seed: 0 runs blocks and threads in index order, else a seeded shuffle
+  const cuemu_region* regions;   // the array arguments
+  uint32_t nregions;
   uint32_t reserved;
+  void* (*tls_probe)(void);      // the module's cuemu_module_tls_probe (finds static __shared__)
+};
+
+// Hazard kinds (cuemu_hazard.kind).
+enum { CUEMU_RAW = 0, CUEMU_WAR = 1, CUEMU_WAW = 2 };
+
+// A data race found by the race checker: the first pair of accesses between two call sites.
+// Index 0 is the earlier access, 1 the later one. Region 0 is the dynamic shared memory,
+// 1 the module's static __shared__ variables, 2 + i the launch's regions[i].
+struct cuemu_hazard {
+  int32_t kind;
+  int32_t region;
+  uint64_t offset;      // byte offset in the region
+  uint64_t block[2];    // linear block index (x fastest)
+  uint32_t thread[2];   // linear thread index in the block (x fastest)
+  uint32_t site[2];     // return address of the instrumentation call - module base
+  uint32_t atomic[2];   // 1: an atomic read-modify-write
+  uint64_t count;       // hazards of this kind between the same two call sites
 };
 
 struct cuemu_result {
@@ -87,6 +122,8 @@ unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value
                                       const char* func);
 [[noreturn]] void cuemu_trap(const char* what, const char* file, int line);
 long long cuemu_clock64(void);
+// Atomics report their read-modify-write here (they are not instrumented themselves).
+void cuemu_atomic_access(void* addr, unsigned size, void* site);
 
 // One kernel instance in a module's registry.
 struct cuemu_entry {

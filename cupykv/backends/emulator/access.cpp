@@ -1,0 +1,368 @@
+// access.cpp: the instrumentation hooks of kernel modules, and the dispatch of their accesses.
+//
+// build.py compiles kernels with GCC's -fsanitize=kernel-address, inline form: before every
+// load and store that GCC cannot prove harmless (locals kept in registers and direct accesses
+// to globals such as cuemu_ctx are not instrumented) it reads one shadow byte,
+// *((addr >> 3) + kShadowOffset), and only when that byte is not zero calls
+// __asan_report_{load,store}{1,2,4,8,16}_noabort(addr) or ..._n_noabort(addr, size), which
+// return here. This file maps the shadow (16 TiB reserved, backed only where written) when the
+// runtime loads, and sets the shadow bytes of the regions observers watch, so accesses to
+// everything else (local memory, read-only arguments) cost a few inline instructions and no
+// call. memcpy, memmove and memset calls come here through -Wl,--wrap, and the atomics of
+// cuemu.h through cuemu_atomic_access. For each access that reaches it, record():
+//   1. returns at once unless a launch with observers runs, or for a fiber stack (local memory);
+//   2. finds the watched region: dynamic shared memory, the module's static __shared__
+//      variables (its thread-local storage block, located through cuemu_module_tls_probe), or
+//      an array argument; anything else sharing an 8-byte shadow granule is ignored;
+//   3. builds one Access (thread, address, size, kind, call site as an offset into the module)
+//      and hands it to each observer.
+// See cuemu_trace.h for the observer interface.
+#include <dlfcn.h>
+#include <link.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include <vector>
+
+#include "cuemu_trace.h"
+
+#define CUEMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace cuemu {
+namespace {
+
+constexpr uint32_t kMaxObservers = 4;
+// Shadow byte of address a: kShadowOffset + (a >> 3). Must match build.py's -fasan-shadow-offset.
+// [16 TiB, 32 TiB) lies between the low mappings (program, heap) and the high ones (libraries,
+// mmap) of an x86-64 Linux process with 47-bit addresses.
+constexpr uintptr_t kShadowOffset = 0x100000000000ull;
+constexpr size_t kShadowSize = 1ull << 44;
+constexpr uint8_t kWatchedGranule = 0xFF;  // negative: every access to the granule is reported
+
+// A watched region, laid out for the lookup every access makes.
+struct Watch {
+  uintptr_t lo, len;
+  const Region* region;
+};
+
+struct TraceState {
+  bool active = false;        // a launch with at least one observer is running
+  bool settle = false;        // an observer asked for settle() before the next event
+  uint32_t tid = 0;           // the running fiber
+  uintptr_t stack_lo = 0, stack_len = 0;
+  uintptr_t module_base = 0;
+  const Watch* watch = nullptr;
+  uint32_t nwatch = 0;
+  Observer* observers[kMaxObservers];
+  uint32_t nobservers = 0;
+};
+
+TraceState T;
+std::vector<Region> g_regions;
+std::vector<Watch> g_watch;
+
+// ---- shadow bytes ---------------------------------------------------------------------
+bool g_shadow_ready = false;
+
+__attribute__((constructor)) void map_shadow() {
+  void* want = reinterpret_cast<void*>(kShadowOffset);
+  void* got = mmap(want, kShadowSize, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+  if (got == MAP_FAILED) return;
+  if (got != want) {  // a kernel without MAP_FIXED_NOREPLACE placed it elsewhere
+    munmap(got, kShadowSize);
+    return;
+  }
+  madvise(got, kShadowSize, MADV_NOHUGEPAGE);  // marking a few bytes must not commit 2 MiB
+  g_shadow_ready = true;
+}
+
+// Shadow bytes [lo, hi) of a set of granules.
+struct Span {
+  uintptr_t lo, hi;
+  bool operator==(const Span& o) const { return lo == o.lo && hi == o.hi; }
+  bool overlaps(const Span& o) const { return lo < o.hi && o.lo < hi; }
+};
+std::vector<Span> g_marked;  // spans marked now (kept across launches: most launches repeat)
+
+bool contains(const std::vector<Span>& spans, const Span& s) {
+  for (const Span& t : spans)
+    if (t == s) return true;
+  return false;
+}
+
+void set_span(const Span& s, uint8_t value) {
+  constexpr uintptr_t kPage = 4096, kRelease = 1u << 20;
+  const uintptr_t inner_lo = (s.lo + kPage - 1) & ~(kPage - 1), inner_hi = s.hi & ~(kPage - 1);
+  if (value == 0 && inner_hi > inner_lo && inner_hi - inner_lo >= kRelease) {
+    // Large spans go back to the kernel: they read as zero again without staying committed.
+    memset(reinterpret_cast<void*>(s.lo), 0, inner_lo - s.lo);
+    madvise(reinterpret_cast<void*>(inner_lo), inner_hi - inner_lo, MADV_DONTNEED);
+    memset(reinterpret_cast<void*>(inner_hi), 0, s.hi - inner_hi);
+    return;
+  }
+  memset(reinterpret_cast<void*>(s.lo), value, s.hi - s.lo);
+}
+
+// Marks the watched regions' granules, clearing those of the last launch that are not watched.
+void mark_watched(const std::vector<Watch>& watch) {
+  std::vector<Span> next;
+  for (const Watch& w : watch)
+    next.push_back(Span{kShadowOffset + (w.lo >> 3), kShadowOffset + ((w.lo + w.len + 7) >> 3)});
+  std::vector<Span> cleared;
+  for (const Span& s : g_marked)
+    if (!contains(next, s)) {
+      set_span(s, 0);
+      cleared.push_back(s);
+    }
+  for (const Span& s : next) {
+    bool mark = !contains(g_marked, s);
+    for (const Span& c : cleared) mark = mark || s.overlaps(c);
+    if (mark) set_span(s, kWatchedGranule);
+  }
+  g_marked.swap(next);
+}
+
+inline const Region* find_region(uintptr_t addr) {
+  for (uint32_t i = 0; i < T.nwatch; ++i)
+    if (addr - T.watch[i].lo < T.watch[i].len) return T.watch[i].region;
+  return nullptr;
+}
+
+void settle_observers() {
+  T.settle = false;
+  for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->settle();
+}
+
+inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
+  if (!T.active || size == 0) return;
+  if (addr - T.stack_lo < T.stack_len) return;  // local memory
+  if (T.settle) settle_observers();
+  const Region* r = find_region(addr);
+  if (!r) return;
+  const size_t room = r->hi - addr;
+  Access a;
+  a.addr = addr;
+  a.size = (uint32_t)(size < room ? size : room);
+  a.kind = kind;
+  a.region = r;
+  a.tid = T.tid;
+  a.site = (uint32_t)((uintptr_t)ra - T.module_base);
+  for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->access(a);
+}
+
+// ---- locating a module and its static __shared__ variables ----------------------------
+struct TlsQuery {
+  uintptr_t base;
+  uintptr_t lo;
+  size_t size;
+};
+
+int find_tls_block(dl_phdr_info* info, size_t, void* data) {
+  TlsQuery* q = static_cast<TlsQuery*>(data);
+  if ((uintptr_t)info->dlpi_addr != q->base) return 0;
+  for (int i = 0; i < info->dlpi_phnum; ++i)
+    if (info->dlpi_phdr[i].p_type == PT_TLS) {
+      q->size = info->dlpi_phdr[i].p_memsz;
+      q->lo = (uintptr_t)info->dlpi_tls_data;
+    }
+  return 1;
+}
+
+uintptr_t module_base_of(const void* code) {
+  static const void* last_code = nullptr;
+  static uintptr_t last_base = 0;
+  if (code != last_code) {
+    Dl_info info;
+    last_base = dladdr(code, &info) ? (uintptr_t)info.dli_fbase : 0;
+    last_code = code;
+  }
+  return last_base;
+}
+
+// The calling OS thread's TLS block of the module at `base`: static __shared__ variables are
+// thread_local, and every thread_local of a module is one (plus the registry's probe byte).
+struct TlsCacheEntry {
+  uintptr_t base, lo;
+  size_t size;
+};
+thread_local TlsCacheEntry t_tls_cache[16];
+thread_local uint32_t t_tls_count = 0;
+
+void static_shared_range(const cuemu_launch_params* p, uintptr_t base, uintptr_t* lo, size_t* size) {
+  *lo = 0;
+  *size = 0;
+  if (!p->tls_probe || !base) return;
+  for (uint32_t i = 0; i < t_tls_count; ++i)
+    if (t_tls_cache[i].base == base) {
+      *lo = t_tls_cache[i].lo;
+      *size = t_tls_cache[i].size;
+      return;
+    }
+  p->tls_probe();  // allocates this thread's block (glibc allocates dynamic TLS lazily)
+  TlsQuery q{base, 0, 0};
+  dl_iterate_phdr(find_tls_block, &q);
+  if (!q.lo) q.size = 0;
+  t_tls_cache[t_tls_count % 16] = TlsCacheEntry{base, q.lo, q.size};
+  ++t_tls_count;
+  *lo = q.lo;
+  *size = q.size;
+}
+
+}  // namespace
+
+// ---- scheduler interface --------------------------------------------------------------
+bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr_t stacks_lo,
+                        size_t stacks_len) {
+  T = TraceState();
+  if (p->checks & CUEMU_CHECK_RACES) T.observers[T.nobservers++] = racecheck_observer();
+  if (!T.nobservers) {
+    g_watch.clear();
+    if (g_shadow_ready && !g_marked.empty()) mark_watched(g_watch);  // nothing is watched
+    return true;
+  }
+  T.module_base = module_base_of((const void*)p->invoke);
+  T.stack_lo = stacks_lo;
+  T.stack_len = stacks_len;
+  g_regions.assign(2 + p->nregions, Region());
+  Region& dyn = g_regions[0];
+  dyn.lo = (uintptr_t)p->dyn_smem;
+  dyn.hi = dyn.lo + p->dyn_smem_size;
+  dyn.space = CUEMU_SHARED_DYNAMIC;
+  Region& stat = g_regions[1];
+  size_t static_size;
+  static_shared_range(p, T.module_base, &stat.lo, &static_size);
+  stat.hi = stat.lo + static_size;
+  stat.space = CUEMU_SHARED_STATIC;
+  for (uint32_t i = 0; i < p->nregions; ++i) {
+    Region& g = g_regions[2 + i];
+    g.lo = p->regions[i].lo;
+    g.hi = p->regions[i].hi;
+    g.space = CUEMU_GLOBAL;
+    g.writable = p->regions[i].writable != 0;
+  }
+  for (uint32_t i = 0; i < g_regions.size(); ++i) g_regions[i].index = i;
+  LaunchInfo info;
+  for (int d = 0; d < 3; ++d) {
+    info.grid[d] = p->grid[d];
+    info.block[d] = p->block[d];
+  }
+  info.nthreads = nthreads;
+  info.regions = g_regions.data();
+  info.nregions = (uint32_t)g_regions.size();
+  for (uint32_t i = 0; i < T.nobservers; ++i)
+    if (!T.observers[i]->launch_begin(info)) {
+      for (uint32_t j = 0; j <= i; ++j) T.observers[j]->launch_end();
+      T.nobservers = 0;
+      return false;
+    }
+  g_watch.clear();
+  for (const Region& r : g_regions)
+    if (r.watched && r.hi > r.lo) g_watch.push_back(Watch{r.lo, r.hi - r.lo, &r});
+  if (g_shadow_ready) mark_watched(g_watch);
+  T.watch = g_watch.data();
+  T.nwatch = (uint32_t)g_watch.size();
+  T.active = true;
+  return true;
+}
+
+void trace_launch_end() {
+  if (!T.nobservers) return;
+  if (T.settle) settle_observers();
+  T.active = false;
+  for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->launch_end();
+}
+
+void trace_block_begin(uint64_t block_linear) {
+  for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->block_begin(block_linear);
+}
+
+void trace_block_end() {
+  if (T.settle) settle_observers();
+  for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->block_end();
+}
+
+void trace_set_thread(uint32_t tid) { T.tid = tid; }
+
+void trace_sync_point() {
+  if (T.settle) settle_observers();
+}
+
+void trace_barrier() {
+  for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->barrier();
+}
+
+void trace_warp_sync(uint32_t warp, uint32_t lanes) {
+  for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->warp_sync(warp, lanes);
+}
+
+void request_settle() { T.settle = true; }
+
+}  // namespace cuemu
+
+// Whether the shadow is mapped: build.py instruments modules only then (an instrumented
+// module reads the shadow on every access).
+CUEMU_EXPORT int cuemu_shadow_ready(void) { return cuemu::g_shadow_ready ? 1 : 0; }
+
+// ---- the hooks kernel modules call ---------------------------------------------------------
+using cuemu::ACCESS_ATOMIC;
+using cuemu::ACCESS_READ;
+using cuemu::ACCESS_WRITE;
+
+// The inline checks call the report functions for watched granules only; a function with
+// more accesses than asan-instrumentation-with-call-threshold would call the others always.
+#define CUEMU_SIZED_HOOKS(N)                                                              \
+  CUEMU_EXPORT void __asan_report_load##N##_noabort(uintptr_t addr) {                     \
+    cuemu::record(addr, N, ACCESS_READ, __builtin_return_address(0));                     \
+  }                                                                                       \
+  CUEMU_EXPORT void __asan_report_store##N##_noabort(uintptr_t addr) {                    \
+    cuemu::record(addr, N, ACCESS_WRITE, __builtin_return_address(0));                    \
+  }                                                                                       \
+  CUEMU_EXPORT void __asan_load##N##_noabort(uintptr_t addr) {                            \
+    cuemu::record(addr, N, ACCESS_READ, __builtin_return_address(0));                     \
+  }                                                                                       \
+  CUEMU_EXPORT void __asan_store##N##_noabort(uintptr_t addr) {                           \
+    cuemu::record(addr, N, ACCESS_WRITE, __builtin_return_address(0));                    \
+  }
+CUEMU_SIZED_HOOKS(1)
+CUEMU_SIZED_HOOKS(2)
+CUEMU_SIZED_HOOKS(4)
+CUEMU_SIZED_HOOKS(8)
+CUEMU_SIZED_HOOKS(16)
+#undef CUEMU_SIZED_HOOKS
+
+CUEMU_EXPORT void __asan_report_load_n_noabort(uintptr_t addr, size_t size) {
+  cuemu::record(addr, size, ACCESS_READ, __builtin_return_address(0));
+}
+CUEMU_EXPORT void __asan_report_store_n_noabort(uintptr_t addr, size_t size) {
+  cuemu::record(addr, size, ACCESS_WRITE, __builtin_return_address(0));
+}
+CUEMU_EXPORT void __asan_loadN_noabort(uintptr_t addr, size_t size) {
+  cuemu::record(addr, size, ACCESS_READ, __builtin_return_address(0));
+}
+CUEMU_EXPORT void __asan_storeN_noabort(uintptr_t addr, size_t size) {
+  cuemu::record(addr, size, ACCESS_WRITE, __builtin_return_address(0));
+}
+// Emitted around dynamic initialisers and before noreturn calls; nothing to do here.
+CUEMU_EXPORT void __asan_handle_no_return(void) {}
+CUEMU_EXPORT void __asan_before_dynamic_init(const char*) {}
+CUEMU_EXPORT void __asan_after_dynamic_init(void) {}
+
+CUEMU_EXPORT void* __wrap_memcpy(void* dst, const void* src, size_t n) {
+  cuemu::record((uintptr_t)src, n, ACCESS_READ, __builtin_return_address(0));
+  cuemu::record((uintptr_t)dst, n, ACCESS_WRITE, __builtin_return_address(0));
+  return memcpy(dst, src, n);
+}
+CUEMU_EXPORT void* __wrap_memmove(void* dst, const void* src, size_t n) {
+  cuemu::record((uintptr_t)src, n, ACCESS_READ, __builtin_return_address(0));
+  cuemu::record((uintptr_t)dst, n, ACCESS_WRITE, __builtin_return_address(0));
+  return memmove(dst, src, n);
+}
+CUEMU_EXPORT void* __wrap_memset(void* dst, int value, size_t n) {
+  cuemu::record((uintptr_t)dst, n, ACCESS_WRITE, __builtin_return_address(0));
+  return memset(dst, value, n);
+}
+
+CUEMU_EXPORT void cuemu_atomic_access(void* addr, unsigned size, void* site) {
+  cuemu::record((uintptr_t)addr, size, ACCESS_ATOMIC, site);
+}

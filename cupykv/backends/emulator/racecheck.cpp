@@ -1,0 +1,385 @@
+// racecheck.cpp: the data-race checker, an Observer of the access layer (cuemu_trace.h).
+//
+// It decides, for every pair of accesses to one byte by two different threads of a launch,
+// whether something orders them (happens-before), independently of the order in which the
+// emulator happened to run the fibers:
+//  * Shadow state: every byte of shared memory (dynamic and static) and of every writable
+//    array argument has a Cell: its last write and the latest reads of two different threads.
+//    Each is a Rec: thread, epoch, warp clock, call site, plain or atomic. The four bytes of an
+//    aligned word share one Cell until a narrower access splits them (see Shadow).
+//  * Epochs: one counter, bumped when a block starts and when a __syncthreads() completes.
+//    Two accesses of one block in different epochs are ordered by a barrier.
+//  * Warps: each thread has a vector clock over the 32 lanes of its warp. A completed warp
+//    collective (__syncwarp, a shuffle, a vote, ...) joins the clocks of its lanes. In one
+//    epoch, an access of lane a at clock c is ordered before thread t when t's entry for a
+//    exceeds c. Threads of different warps are ordered only by barriers.
+//  * Blocks: global accesses of different blocks are never ordered within a launch; shared
+//    memory of an earlier block belongs to that block, so its records are ignored.
+// A hazard: different threads, at least one write, not ordered, not both atomic. Reads and
+// writes against an atomic read-modify-write count (as in the CUDA memory model). Two plain
+// writes of the same bytes with the same value are benign (a flag set by many threads): such a
+// write is judged in settle(), once its store has completed. The first example of each
+// (kind, region, call site pair) is kept, with a count; cuemu_race_hazards() returns them.
+#include <string.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuemu_trace.h"
+#include "cuemu_warp_clocks.h"
+
+#define CUEMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace cuemu {
+namespace {
+
+enum : uint8_t { REC_NONE = 0, REC_PLAIN = 1, REC_ATOMIC = 2 };
+
+struct Rec {
+  uint32_t epoch;
+  uint32_t clock;   // the thread's own warp clock at the access
+  uint32_t site;
+  uint16_t tid;
+  uint8_t kind;
+  uint8_t unused;
+};
+
+struct Cell {
+  Rec write;
+  Rec read[2];      // the latest reads of two different threads, newest first
+};
+static_assert(sizeof(Cell) == 48, "a shadow cell is 48 bytes");
+
+constexpr size_t kMaxHazards = 64;       // distinct (kind, region, site pair) kept per launch
+constexpr uint32_t kMaxPendingBytes = 64;
+constexpr uint32_t kEpochLimit = 0xF0000000u;
+
+// The shadow of a region of memory: a cell per 4-byte granule, used while the granule's four
+// bytes share one state (accesses of whole aligned words keep them so), and a cell per byte
+// for granules that a narrower access has split; a full-granule access that leaves the four
+// byte cells equal merges them again. One anonymous mapping holds the granule cells, the byte
+// cells and the split flags, backed by memory only where touched. Offsets are from the
+// region's start.
+struct Shadow {
+  Cell* granules = nullptr;
+  Cell* bytes = nullptr;
+  uint8_t* split = nullptr;
+  void* base = nullptr;
+  size_t capacity = 0;  // bytes of memory it covers
+  size_t mapped = 0;
+
+  bool map(size_t n) {
+    const size_t g = n / 4 + 1, len = (g + n) * sizeof(Cell) + g;
+    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) return false;
+    base = p;
+    mapped = len;
+    capacity = n;
+    granules = static_cast<Cell*>(p);
+    bytes = granules + g;
+    split = reinterpret_cast<uint8_t*>(bytes + n);
+    return true;
+  }
+  void unmap() {
+    if (base) munmap(base, mapped);
+    *this = Shadow();
+  }
+  bool reserve(size_t n) {  // for shadows reused by every launch (shared memory)
+    if (n <= capacity) return true;
+    unmap();
+    return map(std::max(n, (size_t)4096));
+  }
+  void clear() {  // zero again, without committing the untouched pages
+    if (base) madvise(base, mapped, MADV_DONTNEED);
+  }
+};
+
+// A plain write that conflicts with an earlier plain write, waiting for its store to complete.
+struct PendingWrite {
+  bool active = false;
+  const uint8_t* addr;
+  uint32_t size;
+  uint64_t bytes;    // bit i: byte i conflicts
+  uint8_t old[kMaxPendingBytes];
+  Rec first, second;
+  uint32_t region;
+  uint64_t offset;
+};
+
+class RaceCheck final : public Observer {
+ public:
+  bool launch_begin(const LaunchInfo& info) override;
+  void block_begin(uint64_t block_linear) override;
+  void access(const Access& a) override;
+  void barrier() override { epoch_ = ++last_epoch_; }
+  void warp_sync(uint32_t warp, uint32_t lanes) override;
+  void settle() override;
+  void launch_end() override;
+
+  std::vector<cuemu_hazard> hazards;
+  uint64_t dropped = 0;            // hazards beyond kMaxHazards distinct ones
+  uint64_t same_value_writes = 0;  // benign write-after-write pairs
+
+ private:
+  bool stale(const Rec& r, bool shared) const {
+    return r.kind == REC_NONE || r.epoch < launch_epoch0_ || (shared && r.epoch < block_epoch0_);
+  }
+  // Whether the earlier access r and the current access cur form a hazard pair (when one writes).
+  bool unordered(const Rec& r, const Rec& cur, bool shared) const {
+    if (r.kind == REC_NONE || r.epoch < launch_epoch0_) return false;
+    if (r.epoch < block_epoch0_) return !shared;  // an earlier block of this launch
+    if (r.tid == cur.tid) return false;           // program order
+    if (r.epoch != cur.epoch) return false;       // a __syncthreads() lies between
+    if ((r.tid ^ cur.tid) >> 5) return true;      // different warps
+    return clocks_.known(cur.tid, r.tid & 31u) <= r.clock;
+  }
+  // Check one cell against the current access and update it; true: a write that may repeat
+  // the value of an unordered earlier write (judged in settle()).
+  bool read(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
+  bool write(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
+  void report(int kind, const Rec& first, const Rec& second, uint32_t region, uint64_t offset);
+  uint64_t block_of(uint32_t epoch) const;
+
+  uint32_t last_epoch_ = 0;
+  uint32_t launch_epoch0_ = 1, block_epoch0_ = 1, epoch_ = 1;
+  uint64_t block_ = 0;
+  uint32_t nthreads_ = 0;
+  uint32_t reported_ = 0;          // hazard kinds already reported for the current access
+  bool waw_seen_ = false;          // the current access has a write-after-write candidate
+  Rec waw_first_;                  // the earlier write of its first such byte
+  std::vector<std::pair<uint32_t, uint64_t>> blocks_;   // (first epoch, linear block) of the launch
+  std::vector<Shadow> launch_shadows_;   // writable arguments' shadows, unmapped at the end
+  Shadow dynamic_shadow_, static_shadow_;  // reused: records of earlier launches are stale
+  PendingWrite pending_;
+  WarpClocks clocks_;
+};
+
+bool RaceCheck::launch_begin(const LaunchInfo& info) {
+  if (last_epoch_ > kEpochLimit) {
+    last_epoch_ = 0;
+    dynamic_shadow_.clear();
+    static_shadow_.clear();
+  }
+  launch_epoch0_ = block_epoch0_ = epoch_ = last_epoch_ + 1;
+  nthreads_ = info.nthreads;
+  clocks_.reset(nthreads_);
+  hazards.clear();
+  dropped = same_value_writes = 0;
+  blocks_.clear();
+  pending_.active = false;
+  launch_shadows_.clear();
+  launch_shadows_.reserve(info.nregions);  // Region::shadow points into it: no reallocation
+  for (uint32_t i = 0; i < info.nregions; ++i) {
+    Region& r = info.regions[i];
+    const size_t n = r.hi - r.lo;
+    r.shadow = nullptr;
+    if (!n) continue;
+    if (r.space == CUEMU_SHARED_DYNAMIC) {
+      if (!dynamic_shadow_.reserve(n)) return false;
+      r.shadow = &dynamic_shadow_;
+    } else if (r.space == CUEMU_SHARED_STATIC) {
+      if (!static_shadow_.reserve(n)) return false;
+      r.shadow = &static_shadow_;
+    } else if (r.writable) {
+      launch_shadows_.emplace_back();
+      if (!launch_shadows_.back().map(n)) return false;
+      r.shadow = &launch_shadows_.back();
+    } else {
+      continue;  // read-only arguments: reads of bytes nobody writes cannot race
+    }
+    r.watched = true;
+  }
+  return true;
+}
+
+void RaceCheck::launch_end() {
+  for (Shadow& shadow : launch_shadows_) shadow.unmap();
+  launch_shadows_.clear();
+}
+
+void RaceCheck::block_begin(uint64_t block_linear) {
+  epoch_ = block_epoch0_ = ++last_epoch_;
+  block_ = block_linear;
+  blocks_.emplace_back(epoch_, block_linear);
+}
+
+uint64_t RaceCheck::block_of(uint32_t epoch) const {
+  auto it = std::upper_bound(blocks_.begin(), blocks_.end(), epoch,
+                             [](uint32_t e, const std::pair<uint32_t, uint64_t>& b) { return e < b.first; });
+  return it == blocks_.begin() ? block_ : std::prev(it)->second;
+}
+
+void RaceCheck::warp_sync(uint32_t warp, uint32_t lanes) { clocks_.sync(warp, lanes); }
+
+void RaceCheck::report(int kind, const Rec& first, const Rec& second, uint32_t region,
+                       uint64_t offset) {
+  for (cuemu_hazard& h : hazards)
+    if (h.kind == kind && h.region == (int32_t)region && h.site[0] == first.site &&
+        h.site[1] == second.site) {
+      ++h.count;
+      return;
+    }
+  if (hazards.size() >= kMaxHazards) {
+    ++dropped;
+    return;
+  }
+  cuemu_hazard h;
+  memset(&h, 0, sizeof h);
+  h.kind = kind;
+  h.region = (int32_t)region;
+  h.offset = offset;
+  h.block[0] = block_of(first.epoch);
+  h.block[1] = block_;
+  h.thread[0] = first.tid;
+  h.thread[1] = second.tid;
+  h.site[0] = first.site;
+  h.site[1] = second.site;
+  h.atomic[0] = first.kind == REC_ATOMIC;
+  h.atomic[1] = second.kind == REC_ATOMIC;
+  h.count = 1;
+  hazards.push_back(h);
+}
+
+bool RaceCheck::read(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset) {
+  if (unordered(c.write, cur, shared) && !(reported_ & (1u << CUEMU_RAW))) {
+    reported_ |= 1u << CUEMU_RAW;
+    report(CUEMU_RAW, c.write, cur, a.region->index, offset);
+  }
+  Rec& r0 = c.read[0];
+  const Rec& r1 = c.read[1];
+  if (r0.epoch == cur.epoch && r0.kind != REC_NONE && r0.tid == cur.tid && r0.clock == cur.clock)
+    return false;  // this thread's read since its last synchronisation is on record already
+  if (r0.epoch == cur.epoch && r1.epoch == cur.epoch && r0.kind != REC_NONE &&
+      r1.kind != REC_NONE && ((r0.tid ^ r1.tid) >> 5))
+    return false;  // readers of two warps in this epoch: any write of this epoch races already
+  if (stale(r0, shared) || (r0.tid == cur.tid && r0.epoch >= block_epoch0_)) {
+    r0 = cur;  // a thread's newer read subsumes its older one
+  } else {
+    c.read[1] = r0;
+    r0 = cur;
+  }
+  return false;
+}
+
+bool RaceCheck::write(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset) {
+  bool same_value_candidate = false;
+  if (unordered(c.write, cur, shared)) {
+    if (c.write.kind == REC_PLAIN && cur.kind == REC_PLAIN) {
+      same_value_candidate = true;
+      if (!waw_seen_) waw_first_ = c.write;
+      waw_seen_ = true;
+    } else if (!(c.write.kind == REC_ATOMIC && cur.kind == REC_ATOMIC) &&
+               !(reported_ & (1u << CUEMU_WAW))) {
+      reported_ |= 1u << CUEMU_WAW;
+      report(CUEMU_WAW, c.write, cur, a.region->index, offset);
+    }
+  }
+  for (const Rec& r : c.read)
+    if (unordered(r, cur, shared)) {
+      if (!(reported_ & (1u << CUEMU_WAR))) {
+        reported_ |= 1u << CUEMU_WAR;
+        report(CUEMU_WAR, r, cur, a.region->index, offset);
+      }
+      break;
+    }
+  c.write = cur;
+  c.read[0].kind = c.read[1].kind = REC_NONE;
+  return same_value_candidate;
+}
+
+void RaceCheck::access(const Access& a) {
+  Shadow* shadow = static_cast<Shadow*>(a.region->shadow);
+  if (!shadow) return;
+  const bool shared = a.region->space != CUEMU_GLOBAL;
+  const bool is_write = a.kind & (ACCESS_WRITE | ACCESS_ATOMIC);
+  Rec cur;
+  cur.epoch = epoch_;
+  cur.clock = clocks_.own(a.tid);
+  cur.site = a.site;
+  cur.tid = (uint16_t)a.tid;
+  cur.kind = (a.kind & ACCESS_ATOMIC) ? REC_ATOMIC : REC_PLAIN;
+  cur.unused = 0;
+  reported_ = 0;
+  waw_seen_ = false;
+  uint64_t waw_bytes = 0;  // bit k: byte k of the access may be a same-value write
+  uint64_t waw_offset = 0;
+  const uint64_t first = a.addr - a.region->lo, end = first + a.size;
+  auto check = [&](Cell& c, uint64_t offset, uint64_t n) {
+    if (!(is_write ? write(c, cur, shared, a, offset) : read(c, cur, shared, a, offset))) return;
+    if (!waw_bytes) waw_offset = offset;
+    const uint64_t k = offset - first;
+    waw_bytes |= (k + n >= kMaxPendingBytes ? ~0ull << std::min(k, (uint64_t)63) : ((1ull << n) - 1) << k);
+  };
+  for (uint64_t g = first >> 2; (g << 2) < end; ++g) {
+    const uint64_t g0 = g << 2, lo = std::max(first, g0), hi = std::min(end, g0 + 4);
+    Cell* bytes = shadow->bytes + g0;
+    if (!shadow->split[g]) {
+      if (hi - lo == 4) {  // a whole granule in one state: decided once
+        check(shadow->granules[g], g0, 4);
+        continue;
+      }
+      for (int k = 0; k < 4; ++k) bytes[k] = shadow->granules[g];
+      shadow->split[g] = 1;
+    }
+    for (uint64_t b = lo; b < hi; ++b) check(bytes[b - g0], b, 1);
+    if (hi - lo == 4 && !memcmp(&bytes[0], &bytes[1], sizeof(Cell)) &&
+        !memcmp(&bytes[0], &bytes[2], sizeof(Cell)) && !memcmp(&bytes[0], &bytes[3], sizeof(Cell))) {
+      shadow->granules[g] = bytes[0];
+      shadow->split[g] = 0;
+    }
+  }
+  if (!waw_bytes) return;
+  if (a.size > kMaxPendingBytes) {
+    report(CUEMU_WAW, waw_first_, cur, a.region->index, waw_offset);
+    return;
+  }
+  pending_.active = true;
+  pending_.addr = reinterpret_cast<const uint8_t*>(a.addr);
+  pending_.size = a.size;
+  pending_.bytes = waw_bytes;
+  memcpy(pending_.old, pending_.addr, a.size);  // the store has not happened yet
+  pending_.first = waw_first_;
+  pending_.second = cur;
+  pending_.region = a.region->index;
+  pending_.offset = waw_offset;
+  request_settle();
+}
+
+void RaceCheck::settle() {
+  if (!pending_.active) return;
+  pending_.active = false;
+  for (uint32_t i = 0; i < pending_.size; ++i)
+    if ((pending_.bytes >> i & 1) && pending_.addr[i] != pending_.old[i]) {
+      report(CUEMU_WAW, pending_.first, pending_.second, pending_.region, pending_.offset);
+      return;
+    }
+  ++same_value_writes;
+}
+
+RaceCheck* g_racecheck = nullptr;
+
+}  // namespace
+
+Observer* racecheck_observer() {
+  if (!g_racecheck) g_racecheck = new RaceCheck();
+  return g_racecheck;
+}
+
+}  // namespace cuemu
+
+// The hazards of the last launch that checked races; valid until the next launch.
+CUEMU_EXPORT uint32_t cuemu_race_hazards(const cuemu_hazard** out, uint64_t* dropped,
+                                         uint64_t* same_value_writes) {
+  cuemu::RaceCheck* rc = cuemu::g_racecheck;
+  if (!rc) {
+    *out = nullptr;
+    *dropped = *same_value_writes = 0;
+    return 0;
+  }
+  *out = rc->hazards.data();
+  *dropped = rc->dropped;
+  *same_value_writes = rc->same_value_writes;
+  return (uint32_t)rc->hazards.size();
+}

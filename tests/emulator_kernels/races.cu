@@ -1,0 +1,101 @@
+// races.cu: planted data races and synchronisation misuse for the emulator's race checker
+// (tests/test_races.py). Each kernel takes a switch: 0 plants the bug, 1 runs the correct
+// version of the same code, which the checker must accept. They compile for NVRTC too.
+
+// Lanes exchange values through shared memory: lane l reads what lane l ^ 1 wrote. Without
+// the __syncwarp() the read races with the neighbour's write (lanes of one warp are not
+// ordered under independent thread scheduling). out: [blockDim.x] int.
+__global__ void warp_exchange(int* out, int synced) {
+  __shared__ int slots[256];
+  const int tid = threadIdx.x;
+  slots[tid] = 10 * tid;
+  if (synced) __syncwarp();
+  out[tid] = slots[tid ^ 1];
+}
+
+// Every block writes one output element (its own index + 1): unless blocks write separate
+// elements, two blocks race on out[0]. out: [gridDim.x] float.
+__global__ void blocks_share_output(float* out, int separate) {
+  if (threadIdx.x == 0) out[separate ? blockIdx.x : 0] = (float)(blockIdx.x + 1);
+}
+
+// Every thread of every block sets the same flag to the same value: benign, not reported.
+// With distinct values (different = 1) it is a race. flag: [1] int.
+__global__ void set_flag(int* flag, int different) {
+  flag[0] = different ? (int)(blockIdx.x * blockDim.x + threadIdx.x) : 1;
+}
+
+// Threads count themselves with a shared-memory atomic; thread 0 reads the count. Without
+// the second barrier the plain read races with the other threads' atomics. out: [1] int.
+__global__ void atomic_count(int* out, int synced) {
+  __shared__ int count;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  atomicAdd(&count, 1);
+  if (synced) __syncthreads();
+  if (threadIdx.x == 0) out[0] = count;
+}
+
+// A block-wide sum whose result is read before the barrier that publishes it:
+// warp 0's lane 0 writes the total, every thread reads it. out: [blockDim.x] float.
+__global__ void publish_total(const float* x, float* out, int synced) {
+  __shared__ float total;
+  __shared__ float partial[32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  float v = x[tid];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (tid == 0) {
+    float t = 0.f;
+    for (int w = 0; w < (int)(blockDim.x / 32); ++w) t += partial[w];
+    total = t;
+  }
+  if (synced) __syncthreads();
+  out[tid] = total;
+}
+
+// A shuffle whose mask leaves out the calling lanes 16-31 (all 32 lanes call it).
+// out: [32] int.
+__global__ void shuffle_mask_misses_callers(int* out, int full_mask) {
+  const unsigned mask = full_mask ? 0xffffffffu : 0x0000ffffu;
+  out[threadIdx.x] = __shfl_xor_sync(mask, (int)threadIdx.x, 1);
+}
+
+// Lane 0 passes 0x0000ffff and lanes 1-31 pass 0xffffffff at the same shuffle: the masks
+// name each other but differ. out: [32] int.
+__global__ void shuffle_masks_differ(int* out, int same_masks) {
+  const unsigned mask = (threadIdx.x == 0 && !same_masks) ? 0x0000ffffu : 0xffffffffu;
+  out[threadIdx.x] = __shfl_xor_sync(mask, (int)threadIdx.x, 1);
+}
+
+// __syncwarp with a mask that leaves out the calling lane 0. out: [32] int.
+__global__ void syncwarp_mask_misses_caller(int* out, int full_mask) {
+  __syncwarp(full_mask ? 0xffffffffu : 0xfffffffeu);
+  out[threadIdx.x] = 1;
+}
+
+// Lanes 0-15 exchange through shared memory ordered by a half-warp __syncwarp; lanes 16-31
+// take no part. Without it the half-warp exchange races. out: [32] int.
+__global__ void half_warp_exchange(int* out, int synced) {
+  __shared__ int halves[16];
+  const int lane = threadIdx.x;
+  int v = -1;
+  if (lane < 16) {
+    halves[lane] = 3 * lane;
+    if (synced) __syncwarp(0x0000ffffu);
+    v = halves[lane ^ 8];
+  }
+  out[lane] = v;
+}
+
+// Lane 0 writes, syncs with lane 1, which syncs with lane 2, which reads: ordered through the
+// chain. Without the second __syncwarp lane 2's read races with lane 0's write. out: [1] int.
+__global__ void sync_chain(int* out, int chained) {
+  __shared__ int shared_value;
+  const int lane = threadIdx.x;
+  if (lane == 0) shared_value = 42;
+  if (lane <= 1) __syncwarp(0x3u);
+  if (chained && (lane == 1 || lane == 2)) __syncwarp(0x6u);
+  if (lane == 2) out[0] = shared_value;
+}

@@ -1,0 +1,307 @@
+"""The emulator's race checker and synchronisation checks on planted bugs.
+
+Every planted bug must be caught with a report that names the kernel, both threads, both
+source lines and the memory offset; the same code without the bug must pass. The planted
+kernels are tests/emulator_kernels/races.cu (each with a switch between the bug and the
+correct code) and patched copies of the real attention and rmsnorm kernels, built at test
+time with one ``__syncthreads()`` removed. The unmodified kernels are checked by the whole
+suite, which runs with the race checker on.
+"""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupykv
+from cupykv import ops
+from cupykv.backends import emulator as E
+from cupykv.backends.emulated import EmulatorBackend
+from cupykv.kernels import KERNEL_DIR, KERNELS
+
+RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
+RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
+              "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
+              "half_warp_exchange", "sync_chain"]
+
+
+def line_of(path, needle):
+    """``'name:LINE'`` of the only line of ``path`` that contains ``needle``."""
+    hits = [i + 1 for i, line in enumerate(Path(path).read_text().splitlines()) if needle in line]
+    assert len(hits) == 1, f"{needle!r} is on lines {hits} of {path}"
+    return f"{Path(path).name}:{hits[0]}"
+
+
+@pytest.fixture(scope="module")
+def races():
+    return E.Module(RACES.read_text(), RACE_NAMES, filename=str(RACES))
+
+
+def only_hazard(error):
+    """The single hazard group of a RaceError (asserting there is exactly one)."""
+    assert len(error.hazards) == 1, str(error)
+    return error.hazards[0]
+
+
+def hazards_between(error, line_a, line_b):
+    """The hazard groups of a RaceError, asserting each is between the two source lines.
+
+    Which of the two lines runs first in the emulator depends on the schedule, so a planted
+    race shows as read-after-write, write-after-read, or both.
+    """
+    assert error.hazards, str(error)
+    for hazard in error.hazards:
+        assert {hazard.first.site, hazard.second.site} == {line_a, line_b}, str(error)
+        assert_names_threads(str(error), hazard)
+    return error.hazards
+
+
+def assert_names_threads(message, hazard):
+    """The message shows both accesses: kind, source line, block and thread."""
+    for access in (hazard.first, hazard.second):
+        b, t = access.block, access.thread
+        assert (f"{access.kind:<6} at {access.site} by block ({b[0]},{b[1]},{b[2]}) "
+                f"thread ({t[0]},{t[1]},{t[2]})") in message
+
+
+# ---- shared memory ----------------------------------------------------------------------
+def test_missing_syncwarp_in_a_warp_exchange_is_reported(races):
+    fn = races.get_function("warp_exchange")
+    with pytest.raises(E.RaceError) as caught:
+        fn(1, 64, (E.zeros(64, np.int32), np.int32(0)))
+    message = str(caught.value)
+    assert message.startswith("kernel 'warp_exchange': data race in shared memory")
+    found = hazards_between(caught.value, line_of(RACES, "slots[tid] = 10 * tid;"),
+                            line_of(RACES, "out[tid] = slots[tid ^ 1];"))
+    for hazard in found:
+        assert hazard.memory == "shared" and hazard.kind in ("read-after-write", "write-after-read")
+        assert hazard.where == "static __shared__ slots (in warp_exchange)"
+        # lane l reads what lane l ^ 1 writes: two lanes of one warp, same block
+        lanes = (hazard.first.thread[0], hazard.second.thread[0])
+        assert lanes[0] ^ lanes[1] == 1 and hazard.first.block == hazard.second.block
+        writer = hazard.first if hazard.first.kind == "write" else hazard.second
+        assert hazard.offset == 4 * writer.thread[0]
+    assert sum(h.count for h in found) == 64  # every thread's read races with one write
+
+    out = E.zeros(64, np.int32)
+    fn(1, 64, (out, np.int32(1)))  # with __syncwarp(): no report, the exchanged values
+    np.testing.assert_array_equal(out, 10 * (np.arange(64) ^ 1))
+
+
+def test_a_half_warp_syncwarp_orders_its_lanes_only(races):
+    fn = races.get_function("half_warp_exchange")
+    with pytest.raises(E.RaceError) as caught:
+        fn(1, 32, (E.zeros(32, np.int32), np.int32(0)))
+    found = hazards_between(caught.value, line_of(RACES, "halves[lane] = 3 * lane;"),
+                            line_of(RACES, "v = halves[lane ^ 8];"))
+    assert all(h.first.thread[0] < 16 and h.second.thread[0] < 16 for h in found)
+    out = E.zeros(32, np.int32)
+    fn(1, 32, (out, np.int32(1)))
+    lane = np.arange(32)
+    np.testing.assert_array_equal(out, np.where(lane < 16, 3 * (lane ^ 8), -1))
+
+
+def test_warp_synchronisation_is_transitive(races):
+    fn = races.get_function("sync_chain")
+    with pytest.raises(E.RaceError) as caught:
+        fn(1, 32, (E.zeros(1, np.int32), np.int32(0)))
+    hazard = only_hazard(caught.value)
+    assert hazard.count == 1 and {hazard.first.thread, hazard.second.thread} == {(0, 0, 0), (2, 0, 0)}
+    assert {hazard.first.site, hazard.second.site} == {line_of(RACES, "if (lane == 0) shared_value = 42;"),
+                                                       line_of(RACES, "if (lane == 2) out[0] = shared_value;")}
+    out = E.zeros(1, np.int32)
+    fn(1, 32, (out, np.int32(1)))  # lane 0 -> lane 1 -> lane 2: ordered
+    assert out[0] == 42
+
+
+def test_result_read_before_the_barrier_that_publishes_it(races):
+    fn = races.get_function("publish_total")
+    x = E.asarray(np.arange(128, dtype=np.float32))
+    with pytest.raises(E.RaceError) as caught:
+        fn(1, 128, (x, E.zeros(128), np.int32(0)))
+    hazards_between(caught.value, line_of(RACES, "total = t;"), line_of(RACES, "out[tid] = total;"))
+    assert "on static __shared__ total (in publish_total), byte offset 0 (" in str(caught.value)
+    out = E.zeros(128)
+    fn(1, 128, (x, out, np.int32(1)))
+    assert (out == np.arange(128).sum()).all()
+
+
+def test_plain_read_of_a_count_other_threads_update_atomically(races):
+    fn = races.get_function("atomic_count")
+    with pytest.raises(E.RaceError) as caught:
+        fn(1, 96, (E.zeros(1, np.int32), np.int32(0)))
+    found = hazards_between(caught.value, line_of(RACES, "atomicAdd(&count, 1);"),
+                            line_of(RACES, "out[0] = count;"))
+    for hazard in found:
+        assert {hazard.first.kind, hazard.second.kind} == {"atomic", "read"}
+    out = E.zeros(1, np.int32)
+    fn(1, 96, (out, np.int32(1)))  # atomics among themselves never race
+    assert out[0] == 96
+
+
+def attention_without_barrier_before_pv(source):
+    """attention.cu without the __syncthreads() between the softmax and the P.V phases."""
+    lines = source.split("\n")
+    phase3 = [i for i, line in enumerate(lines) if "// 3. acc = acc * rescale" in line]
+    assert len(phase3) == 1
+    barrier = max(i for i in range(phase3[0]) if lines[i].strip() == "__syncthreads();")
+    assert phase3[0] - barrier <= 3, "the barrier before phase 3 moved; update this patch"
+    lines[barrier] = ""  # keeps every line number
+    return "\n".join(lines)
+
+
+def rmsnorm_without_barrier(source):
+    """rmsnorm.cu without its only __syncthreads() (before the warp totals are read)."""
+    lines = source.split("\n")
+    barriers = [i for i, line in enumerate(lines) if line.strip() == "__syncthreads();"]
+    assert len(barriers) == 1
+    lines[barriers[0]] = ""
+    return "\n".join(lines)
+
+
+class PatchedBackend(EmulatorBackend):
+    """The emulator backend with one kernel file's source rewritten before it is compiled."""
+
+    def __init__(self, op, patch):
+        super().__init__()
+        self.filename, self.patch = KERNELS[op].filename, patch
+
+    def _compile(self, filename, source, instances):
+        if filename == self.filename:
+            source = self.patch(source)
+        return super()._compile(filename, source, instances)
+
+
+def one_query_attention(backend):
+    """Attention of one query (q_len 1, one head, head_dim 64) over 5 cached float32 rows."""
+    rng = np.random.default_rng(0)
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=64, max_seq=16, batch=1, dtype="float32")
+    cache = cupykv.KVCache(spec, backend=backend)
+    k, v = (backend.asarray(rng.standard_normal((1, 5, 1, 64)).astype(np.float32)) for _ in "kv")
+    cache.append(0, k, v)
+    cache.advance(5)
+    q = backend.asarray(rng.standard_normal((1, 1, 1, 64)).astype(np.float32))
+    return cupykv.attention(q, cache, 0, num_splits=1)
+
+
+def test_attention_without_the_barrier_before_pv_is_reported_at_q_len_1():
+    path = Path(KERNEL_DIR) / "attention.cu"
+    with pytest.raises(E.RaceError) as caught:
+        one_query_attention(PatchedBackend("attention", attention_without_barrier_before_pv))
+    message = str(caught.value)
+    assert message.startswith("kernel 'cupykv_attention<float, 64>': data race in shared memory")
+    softmax_writes = {line_of(path, "row[c] = p;"), line_of(path, "row_rescale[r] = rescale;")}
+    pv_reads = {line_of(path, "const float rescale = row_rescale[row_group + m * kRowGroups];"),
+                line_of(path, "const float4 p = *reinterpret_cast<const float4*>(scores + r * kChunk + c);"),
+                line_of(path, "const float p = scores[r * kChunk + c];")}
+    pairs = [h for h in caught.value.hazards if {h.first.site, h.second.site} & softmax_writes
+             and {h.first.site, h.second.site} & pv_reads]
+    assert pairs, message
+    for h in pairs:
+        assert h.memory == "shared" and h.where == "dynamic shared memory"
+        assert h.first.thread != h.second.thread and h.first.block == h.second.block
+        assert_names_threads(message, h)
+    # the real kernel, same call: no report
+    one_query_attention(EmulatorBackend())
+
+
+def test_rmsnorm_without_its_barrier_is_reported():
+    path = Path(KERNEL_DIR) / "rmsnorm.cu"
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    weight = np.ones(256, np.float32)
+    patched = PatchedBackend("rmsnorm", rmsnorm_without_barrier)
+    with pytest.raises(E.RaceError) as caught:
+        ops.rmsnorm(patched.asarray(x), patched.asarray(weight), 1e-5, backend=patched)
+    message = str(caught.value)
+    assert message.startswith("kernel 'cupykv_rmsnorm<float>': data race in shared memory")
+    found = hazards_between(caught.value, line_of(path, "if (lane == 0) warp_totals[warp] = sum_sq;"),
+                            line_of(path, "total += warp_totals[w];"))
+    for hazard in found:
+        assert hazard.kind in ("read-after-write", "write-after-read")
+        assert hazard.where == "static __shared__ warp_totals (in cupykv_rmsnorm<float>)"
+        writer = hazard.first if hazard.kind == "read-after-write" else hazard.second
+        assert writer.kind == "write" and writer.thread[0] % 32 == 0  # lane 0 of its warp
+        assert hazard.offset == 4 * (writer.thread[0] // 32)          # writes its warp's slot
+    ops.rmsnorm(x, weight, 1e-5, backend="emulator")  # the real kernel: no report
+
+
+# ---- global memory ----------------------------------------------------------------------
+def test_two_blocks_writing_one_output_element(races):
+    fn = races.get_function("blocks_share_output")
+    with pytest.raises(E.RaceError) as caught:
+        fn(4, 32, (E.zeros(4), np.int32(0)))
+    message, hazard = str(caught.value), only_hazard(caught.value)
+    assert message.startswith("kernel 'blocks_share_output': data race in global memory")
+    assert hazard.kind == "write-after-write" and hazard.count == 3  # blocks 2, 3, 4 overwrite
+    assert hazard.first.block != hazard.second.block
+    assert hazard.first.thread == hazard.second.thread == (0, 0, 0)
+    assert hazard.first.site == hazard.second.site == line_of(RACES, "out[separate ? blockIdx.x : 0]")
+    assert "argument 0 (float32 array of shape (4,)) element 0, byte offset 0" in message
+    assert_names_threads(message, hazard)
+    out = E.zeros(4)
+    fn(4, 32, (out, np.int32(1)))
+    np.testing.assert_array_equal(out, [1, 2, 3, 4])
+
+
+def test_a_flag_set_to_one_value_by_many_threads_is_benign(races):
+    fn = races.get_function("set_flag")
+    flag = np.zeros(1, np.int32)  # a host array: shadowed in guarded memory, checked the same
+    fn(3, 64, (flag, np.int32(0)))
+    assert flag[0] == 1
+    with pytest.raises(E.RaceError, match=r"write-after-write on argument 0 \(int32 array of shape "
+                                          r"\(1,\)\) element 0"):
+        fn(3, 64, (flag, np.int32(1)))
+
+
+def test_read_only_arguments_are_not_tracked_but_aliases_of_written_ones_are(races):
+    fn = races.get_function("publish_total")
+    x = E.asarray(np.arange(64, dtype=np.float32))
+    fn(1, 64, (x, E.zeros(64), np.int32(1)))
+    assert fn.param_writable == (False, True, False)
+    # out aliasing x: x's reads are compared with out's writes, but each thread reads and
+    # writes only its own element, so there is no race
+    y = E.asarray(np.arange(64, dtype=np.float32))
+    fn(1, 64, (y, y, np.int32(1)))
+    assert (y == np.arange(64).sum()).all()
+
+
+# ---- warp synchronisation (synccheck) -----------------------------------------------------
+def test_shuffle_whose_mask_leaves_out_calling_lanes(races):
+    fn = races.get_function("shuffle_mask_misses_callers")
+    with pytest.raises(E.BarrierError, match=r"__shfl_xor_sync at .*races\.cu:\d+ \(mask 0x0000ffff\)"
+                                             r".*the calling lane (1[6-9]|2\d|3[01]) \(thread \d+\) "
+                                             r"is not in the mask"):
+        fn(1, 32, (E.zeros(32, np.int32), np.int32(0)))
+    out = E.zeros(32, np.int32)
+    fn(1, 32, (out, np.int32(1)))
+    np.testing.assert_array_equal(out, np.arange(32) ^ 1)
+
+
+def test_shuffle_lanes_passing_different_masks(races):
+    fn = races.get_function("shuffle_masks_differ")
+    with pytest.raises(E.BarrierError, match=r"passes mask 0x(0000ffff|ffffffff), but lane \d+ "
+                                             r"\(thread \d+\), which both masks name, waits at "
+                                             r".*races\.cu:\d+ with mask 0x(ffffffff|0000ffff)"):
+        fn(1, 32, (E.zeros(32, np.int32), np.int32(0)))
+    fn(1, 32, (E.zeros(32, np.int32), np.int32(1)))
+
+
+def test_syncwarp_whose_mask_leaves_out_the_caller(races):
+    fn = races.get_function("syncwarp_mask_misses_caller")
+    with pytest.raises(E.BarrierError, match=r"__syncwarp at .*races\.cu:\d+ \(mask 0xfffffffe\).*"
+                                             r"the calling lane 0 \(thread 0\) is not in the mask"):
+        fn(1, 32, (E.zeros(32, np.int32), np.int32(0)))
+    fn(1, 32, (E.zeros(32, np.int32), np.int32(1)))
+
+
+# ---- switches ---------------------------------------------------------------------------
+def test_the_checker_can_be_turned_off(races, monkeypatch):
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")
+    races.get_function("warp_exchange")(1, 64, (E.zeros(64, np.int32), np.int32(0)))
+
+
+def test_same_source_compiles_with_nvrtc():
+    from cupykv import nvrtc_check
+    nvrtc = nvrtc_check.load_nvrtc()
+    nvrtc_check.compile_file(nvrtc, RACES.name, RACES.read_text(), [], "sm_80")

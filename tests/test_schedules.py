@@ -1,0 +1,122 @@
+"""Every cupykv kernel under other emulator schedules gives the same bits as in index order.
+
+The session runs under one schedule seed (conftest.py). This module runs the sweep of
+:func:`cupykv.validate_launches.launch_every_kernel`, which launches every instance of every
+kernel in :data:`cupykv.kernels.KERNELS` through the public API, under seed 0 (blocks in
+index order, threads first-in first-out), under the session's seed and under a second seed,
+and keeps a copy of every array argument after every launch. cupykv's kernels are
+deterministic (no atomics, fixed reduction orders), so each seeded run must match the
+index-order run bit for bit: a difference is a result that depends on the order of blocks or
+threads, i.e. a race that the race checker does not see (for example through a read-only
+argument). The race checker is on throughout, so every instance also runs race-free under
+all three orders. A failure names the seed; ``CUPYKV_EMULATOR_SEED=<seed>`` replays it, and
+this module then runs that seed again. The last tests show that the seeds do reorder blocks
+and threads.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from cupykv import validate_launches
+from cupykv.backends import emulator as E
+from cupykv.backends.base import Backend
+
+from test_races import RACE_NAMES, RACES
+
+SESSION_SEED = int(os.environ["CUPYKV_EMULATOR_SEED"], 0)   # conftest.py sets it
+SEEDS = sorted({SESSION_SEED, SESSION_SEED + 1} - {0})
+TIMING_OPS = {"delay"}   # the bench timer's guard kernel writes elapsed clock cycles
+
+
+def run_sweep(seed, monkeypatch):
+    """[((op, instance), [array arguments after the launch])] of the sweep under ``seed``."""
+    launches = []
+    original = Backend.launch
+
+    def launch(self, op, instance, grid, block, args, shared_mem=0):
+        original(self, op, instance, grid, block, args, shared_mem)
+        if op not in TIMING_OPS:
+            arrays = [np.ascontiguousarray(a).view(np.ndarray).copy() for a in args
+                      if isinstance(a, np.ndarray)]
+            launches.append(((op, instance), arrays))
+
+    with monkeypatch.context() as patch:
+        patch.setenv("CUPYKV_EMULATOR_SEED", str(seed))
+        patch.setattr(Backend, "launch", launch)
+        validate_launches.launch_every_kernel("emulator")
+    return launches
+
+
+@pytest.fixture(scope="module")
+def index_order():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return run_sweep(0, monkeypatch)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_kernel_gives_the_index_order_bits_under_seed(seed, index_order, monkeypatch):
+    seeded = run_sweep(seed, monkeypatch)
+    assert [name for name, _ in seeded] == [name for name, _ in index_order]
+    for n, ((op, instance), got), (_, want) in zip(range(len(seeded)), seeded, index_order):
+        for k, (g, w) in enumerate(zip(got, want)):
+            differ = g.view(np.uint8) != w.view(np.uint8)
+            assert not differ.any(), (
+                f"launch {n} ({op}: {instance}), array argument {k}: {int(differ.sum())} bytes differ "
+                f"under CUPYKV_EMULATOR_SEED={seed} from index order (seed 0); set "
+                f"CUPYKV_EMULATOR_SEED={seed} to replay")
+
+
+def test_the_sweep_covers_every_kernel_instance(index_order):
+    launched = {name for name, _ in index_order}
+    expected = validate_launches.expected_instances()
+    assert expected - launched == {(op, i) for op, i in expected if op in TIMING_OPS}
+
+
+# ---- the seeds do perturb the order -------------------------------------------------------
+@pytest.fixture(scope="module")
+def races():
+    return E.Module(RACES.read_text(), RACE_NAMES, filename=str(RACES))
+
+
+def last_block_to_write(races, seed, monkeypatch):
+    """Which block's write of out[0] survives when 8 blocks race on it (checker off)."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", str(seed))
+    out = E.zeros(8)
+    races.get_function("blocks_share_output")(8, 32, (out, np.int32(0)))
+    return int(out[0]) - 1
+
+
+def test_seeds_reorder_blocks_and_replay(races, monkeypatch):
+    assert last_block_to_write(races, 0, monkeypatch) == 7          # index order: block 7 runs last
+    winners = {last_block_to_write(races, seed, monkeypatch) for seed in range(1, 17)}
+    assert len(winners) > 1                                          # the seed decides
+    for seed in (SESSION_SEED, 5):
+        assert last_block_to_write(races, seed, monkeypatch) == last_block_to_write(races, seed, monkeypatch)
+
+
+def test_seeds_reorder_threads(races, monkeypatch):
+    """64 threads of one block store their index in one flag: the last one to run wins."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")
+    winners = []
+    for seed in range(8):
+        monkeypatch.setenv("CUPYKV_EMULATOR_SEED", str(seed))
+        flag = E.zeros(1, np.int32)
+        races.get_function("set_flag")(1, 64, (flag, np.int32(1)))
+        winners.append(int(flag[0]))
+    assert winners[0] == 63 and len(set(winners)) > 1
+
+
+def test_a_bad_seed_is_refused(monkeypatch, races):
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "twelve")
+    with pytest.raises(E.LaunchError, match="CUPYKV_EMULATOR_SEED='twelve' is not an integer"):
+        races.get_function("set_flag")(1, 32, (E.zeros(1, np.int32), np.int32(0)))
+
+
+def test_errors_name_the_seed(monkeypatch, races):
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "7")
+    with pytest.raises(E.RaceError, match=r"\[emulator schedule seed 7: set CUPYKV_EMULATOR_SEED=7 to "
+                                          r"replay this order\]"):
+        races.get_function("set_flag")(2, 32, (E.zeros(1, np.int32), np.int32(1)))
