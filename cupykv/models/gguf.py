@@ -91,13 +91,6 @@ def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, head_dim // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def permute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """The inverse of :func:`unpermute_rotary_rows`: half-split rows into llama.cpp's interleaved order."""
-    rows, cols = weight.shape
-    head_dim = rows // n_heads
-    return weight.reshape(n_heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
 def _open(path):
     import gguf
 
@@ -118,6 +111,11 @@ def _metadata(reader) -> dict:
         except Exception:  # pragma: no cover - a key type the reader cannot decode; not one we read
             continue
     return values
+
+
+def read_metadata(path) -> dict:
+    """Every key/value of a GGUF file (tokenizer arrays included), without reading its tensors."""
+    return _metadata(_open(path))
 
 
 def _require(metadata: dict, key: str, path):

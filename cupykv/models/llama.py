@@ -194,8 +194,7 @@ class Llama:
         captured step (it uploads host values).
         """
         batch = self.cache.spec.batch
-        if not isinstance(token_ids, (list, tuple, np.ndarray)) or len(token_ids) != batch or not all(
-                _args.is_int(t) and 0 <= t < self.config.vocab_size for t in token_ids):
+        if not self._is_token_list(token_ids) or len(token_ids) != batch:
             raise ValueError(f"token_ids: expected {batch} token ids in 0..{self.config.vocab_size - 1} "
                              f"(one per sequence), got {token_ids!r:.80}")
         self.backend.upload(self._decode.ids, np.array([int(t) for t in token_ids], np.int32))
@@ -228,7 +227,7 @@ class Llama:
         checked = []
         for b, prompt in enumerate(prompts):
             tokens = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
-            if not tokens or not all(_args.is_int(t) and 0 <= t < self.config.vocab_size for t in tokens):
+            if not tokens or not self._is_token_list(tokens):
                 raise ValueError(f"prompts[{b}]: expected a non-empty list of token ids in "
                                  f"0..{self.config.vocab_size - 1}, got {prompt!r:.80}")
             if len(tokens) + max_new_tokens > spec.max_seq:
@@ -311,11 +310,15 @@ class Llama:
             return tokens, np.stack(steps_logits)[:, :n_prompts]
         return tokens
 
+    def _is_token_list(self, values) -> bool:
+        """Whether ``values`` is a list, tuple or array of token ids in ``0..vocab_size - 1``."""
+        return isinstance(values, (list, tuple, np.ndarray)) and all(
+            _args.is_int(t) and 0 <= t < self.config.vocab_size for t in values)
+
     def _check_stop_ids(self, stop_ids) -> np.ndarray:
-        if isinstance(stop_ids, (int, np.integer)) and not isinstance(stop_ids, bool):
+        if _args.is_int(stop_ids):
             stop_ids = [stop_ids]
-        if not isinstance(stop_ids, (list, tuple, np.ndarray)) or not all(
-                _args.is_int(i) and 0 <= i < self.config.vocab_size for i in stop_ids):
+        if not self._is_token_list(stop_ids):
             raise ValueError(f"stop_ids: expected token ids in 0..{self.config.vocab_size - 1}, got {stop_ids!r:.80}")
         return np.array([int(i) for i in stop_ids], np.int64)
 

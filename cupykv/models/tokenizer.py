@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cupykv.models.gguf import GGUFError
+from cupykv.models.gguf import GGUFError, read_metadata
 
 #: GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -70,7 +70,7 @@ class Tokenizer:
         from tokenizers import AddedToken, decoders, models
         from tokenizers import Tokenizer as HFTokenizer
 
-        metadata = path_or_metadata if isinstance(path_or_metadata, dict) else _read_metadata(path_or_metadata)
+        metadata = path_or_metadata if isinstance(path_or_metadata, dict) else read_metadata(path_or_metadata)
         kind = metadata.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise GGUFError(f"tokenizer.ggml.model: expected 'gpt2' (byte-level BPE), got {kind!r}")
@@ -136,8 +136,3 @@ class Tokenizer:
     def _token(self, token_id):
         return "" if token_id is None else self.backend.id_to_token(token_id)
 
-
-def _read_metadata(path) -> dict:
-    from cupykv.models.gguf import _metadata, _open
-
-    return _metadata(_open(path))
