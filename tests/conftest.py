@@ -1,8 +1,10 @@
 """Shared test setup: hypothesis profiles, the ``gpu`` marker and the emulator's schedule seed.
 
-Profiles: ``dev`` (50 examples per property, the default on a workstation)
-and ``ci`` (200 examples, the default when the ``CI`` environment variable is
-set, as on the CI machine); ``HYPOTHESIS_PROFILE`` overrides both. Tests marked
+Profiles: ``dev`` (50 random examples per property, the default on a
+workstation), ``ci`` (200 derandomized examples, the default when the ``CI``
+environment variable is set, so a CI verdict does not depend on the draw) and
+``deep`` (1000 random examples, to hunt for new failures by hand);
+``HYPOTHESIS_PROFILE`` overrides the default. Tests marked
 ``gpu`` are skipped, with the reason, unless CuPy can use a CUDA device.
 
 Every emulator launch of the session runs in the order of one schedule seed:
@@ -26,10 +28,13 @@ os.environ.setdefault("CUPYKV_EMULATOR_SEED", str(SESSION_SEED))   # read by eve
 settings.register_profile(
     "ci",
     max_examples=200,
+    derandomize=True,   # CI replays the same examples every run; random exploration runs under "dev"
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
+# "deep": a longer random search to run by hand (HYPOTHESIS_PROFILE=deep), for hunting new failures.
+settings.register_profile("deep", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 

@@ -149,8 +149,11 @@ class LlamaConfig:
         return checked
 
     def random_weights(self, seed: int = 0) -> dict[str, np.ndarray]:
-        """Seeded float32 weights with well-scaled activations (projections ~ 1/sqrt(fan_in))."""
-        rng = np.random.default_rng(_args.check_int("seed", seed, lo=0))
+        """Seeded float32 weights with well-scaled activations (projections ~ 1/sqrt(fan_in)).
+
+        ``seed`` is a 64-bit unsigned integer, ``0..2**64 - 1``.
+        """
+        rng = np.random.default_rng(_args.check_int("seed", seed, lo=0, hi=2**64 - 1))
         weights = {}
         for name, shape in self.weight_shapes().items():
             if len(shape) == 1:    # norm gains near 1
