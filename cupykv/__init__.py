@@ -5,7 +5,8 @@ importing ``cupykv`` never imports it.
 """
 
 from .attention import attention
-from .cache import KVCache
+from .attention_plan import AttentionPlan
+from .cache import KernelView, KVCache
 from .errors import CacheOverflowError
 from .graph import CaptureError, Graph, capture
 from .ops import linear
@@ -14,5 +15,5 @@ from .spec import MASK_VALUE, CacheSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheSpec", "KVCache", "attention", "capture", "Graph", "CaptureError", "CacheOverflowError", "Rope",
+__all__ = ["CacheSpec", "KVCache", "KernelView", "AttentionPlan", "attention", "capture", "Graph", "CaptureError", "CacheOverflowError", "Rope",
            "MASK_VALUE", "linear", "__version__"]

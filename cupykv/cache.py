@@ -7,6 +7,9 @@ checks, launch geometry, allocation) happens before any launch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from cupykv import _args
@@ -18,6 +21,32 @@ from cupykv.spec import MASK_VALUE, CacheSpec
 _APPEND_THREADS = 128
 _SMALL_THREADS = 256   # advance / truncate / reset / additive_mask
 _MASK_ROW_BLOCKS = 1024   # additive_mask: grid y strides over the batch * q_len rows
+
+
+@dataclass(frozen=True)
+class KernelView:
+    """What a kernel needs of one layer of a cache: its arrays, the layer's offset and the strides (read-only).
+
+    Offsets and strides count elements of the storage dtype, for the
+    ``layer_offset, stride_batch, stride_seq, stride_head`` kernel arguments
+    every cache kernel takes (``k[layer_offset + b * stride_batch + s *
+    stride_seq + h * stride_head + d]``, the same for ``v``).
+    """
+
+    backend: Any               # the Backend the arrays live on (launch with it)
+    k: Any                     # device array, the whole cache (all layers)
+    v: Any
+    lengths: Any               # device int32 [batch]
+    overflow: Any              # device int32 [batch]
+    layer_offset: int
+    stride_batch: int
+    stride_seq: int
+    stride_head: int
+
+    def layout_args(self) -> tuple:
+        """``layer_offset, stride_batch, stride_seq, stride_head`` as the kernels' ``long long`` arguments."""
+        return (np.int64(self.layer_offset), np.int64(self.stride_batch), np.int64(self.stride_seq),
+                np.int64(self.stride_head))
 
 
 def _blocks(n: int, threads: int) -> int:
@@ -72,13 +101,11 @@ class KVCache:
         self.overflow = self._backend.zeros((spec.batch,), np.int32)
         # [batch] int32 staging for host-given per-sequence values (advance, truncate, reset).
         self._per_seq = self._backend.zeros((spec.batch,), np.int32)
-        # attention's split-KV scratch: one buffer, grown as needed (see cupykv.attention._workspace).
-        self._workspace = None
         # (what, first, last) byte addresses of the buffers above: no op's output may write into them
-        self._fixed_ranges = tuple((what, *_args.byte_range(buffer)) for what, buffer in (
+        self._owned_ranges = tuple((what, *_args.byte_range(buffer)) for what, buffer in (
             ("k", self.k), ("v", self.v), ("lengths", self.lengths), ("overflow flags", self.overflow),
             ("per-sequence staging buffer", self._per_seq)))
-        _args.register_cache(self)
+        _args.register_buffers(self)
 
     @staticmethod
     def _bytes_needed(spec: CacheSpec) -> int:
@@ -90,6 +117,10 @@ class KVCache:
     def backend(self) -> str:
         """Name of the backend: ``"cupy"`` or ``"emulator"``."""
         return self._backend.name
+
+    def device_info(self):
+        """The device this cache lives on (a :class:`cupykv.backends.base.DeviceInfo`)."""
+        return self._backend.device_info()
 
     @property
     def xp(self):
@@ -109,6 +140,22 @@ class KVCache:
         """
         return self._backend.asarray(host_array)
 
+    def kernel_view(self, layer) -> KernelView:
+        """The arrays, offset and strides a kernel needs to read or write ``layer`` (read-only).
+
+        For code that launches its own kernels over the cache (as
+        :class:`~cupykv.AttentionPlan` does). Checks that ``layer`` is in
+        ``0..n_layers-1`` and that the cache lives on the device kernels
+        launch on now.
+        """
+        self._check_device()
+        layer = _args.check_layer(layer, self.spec)
+        return KernelView(self._backend, self.k, self.v, self.lengths, self.overflow, *self._layout(layer))
+
+    def owned_ranges(self):
+        """``(what, first, last)`` byte addresses of every buffer the cache owns: no op's output may write there."""
+        return self._owned_ranges
+
     def _launch(self, op: str, instance: str, grid, block, args, shared_mem: int = 0) -> None:
         self._backend.launch(op, instance, grid, block, args, shared_mem)
 
@@ -116,20 +163,16 @@ class KVCache:
         """The cache's arrays must live on the device kernels launch on now (checked before any launch)."""
         self._backend.check_device("cache", self.k)
 
-    def _ranges(self):
-        """``(what, first, last)`` byte addresses of every buffer the cache owns, the workspace's included."""
-        return self._fixed_ranges + (self._workspace.ranges if self._workspace is not None else ())
-
     def _state(self):
         """The buffers advance, truncate and reset write: lengths and overflow flags."""
         return [("the cache's lengths", self.lengths), ("the cache's overflow flags", self.overflow)]
 
-    def _layout_args(self, layer: int):
+    def _layout(self, layer: int) -> tuple[int, int, int, int]:
+        """``layer_offset, stride_batch, stride_seq, stride_head`` in elements."""
         strides = self.spec.strides
         seq_axis = self.spec.seq_axis
         head_axis = 3 if seq_axis == 2 else 2
-        return (np.int64(layer * strides[0]), np.int64(strides[1]), np.int64(strides[seq_axis]),
-                np.int64(strides[head_axis]))
+        return layer * strides[0], strides[1], strides[seq_axis], strides[head_axis]
 
     # -- writes --------------------------------------------------------------
     def append(self, layer, k, v, rope=None) -> None:
@@ -171,7 +214,7 @@ class KVCache:
         _args.check_launch("k", f"batch * n_new = {spec.batch} * {n_new} rows", grid, (_APPEND_THREADS,))
         self._launch(
             "append", f"cupykv_append<{CUDA_TYPES[spec.dtype]}>", grid, (_APPEND_THREADS,),
-            (self.k, self.v, k, v, self.lengths, self.overflow, *self._layout_args(layer),
+            (self.k, self.v, k, v, self.lengths, self.overflow, *self.kernel_view(layer).layout_args(),
              np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
              np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
 

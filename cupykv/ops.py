@@ -31,12 +31,13 @@ import math
 import numpy as np
 
 from cupykv import _args
-from cupykv.kernels import CUDA_TYPES, LINEAR_ROW_TILES
+from cupykv.kernels import CUDA_TYPES, KERNELS, LINEAR_ROW_TILES
 
 __all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
 
-LINEAR_THREADS = 128          # linear_tiling::kThreads in kernels/linear.cu
-LINEAR_OUTS_PER_BLOCK = 8     # linear_tiling::kOutsPerBlock
+_LINEAR_TILING = KERNELS["linear"].constants("linear_tiling")   # read from kernels/linear.cu
+LINEAR_THREADS = _LINEAR_TILING["kThreads"]
+LINEAR_OUTS_PER_BLOCK = _LINEAR_TILING["kOutsPerBlock"]
 EMBEDDING_THREADS = 128
 RMSNORM_MAX_THREADS = 256
 ARGMAX_MAX_THREADS = 512

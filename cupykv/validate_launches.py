@@ -179,11 +179,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workload", choices=WORKLOADS, default="every-kernel")
     args = parser.parse_args(argv)
     backend = get_backend(args.backend)
-    if backend.name == "cupy":
-        import cupy
-        # Without the memory pool each array is its own cudaMalloc, so compute-sanitizer sees its real bounds
-        # (an overrun inside a pooled chunk is invisible) and initcheck never sees reused, stale memory.
-        cupy.cuda.set_allocator(None)
+    # Without a memory pool each array is its own allocation, so compute-sanitizer sees its real bounds
+    # (an overrun inside a pooled chunk is invisible) and initcheck never sees reused, stale memory.
+    backend.use_exact_allocations()
     if args.workload == "profile":
         profile_workload(backend)
         print(f"profile workload ran on {backend.name}")

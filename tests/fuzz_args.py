@@ -302,7 +302,7 @@ def _c_contiguous(array) -> bool:
 def arrays(draw, env: Env, shape, dtype, *, output=False, required=None, judge_dtype=True):
     """An array argument meant to be ``shape`` of ``dtype``, made in one of many ways, good and bad.
 
-    ``Arg.valid`` says whether it is an array of the right dtype and layout:
+    ``Arg.valid`` says whether it is a device array of the right dtype and layout (a host array is not):
     views into a larger buffer (offset, strided, reversed, transposed) are
     valid exactly when C-contiguous, and an output must be writeable. Its
     shape is the caller's to judge (``shape`` or another), and so is its dtype
@@ -312,9 +312,9 @@ def arrays(draw, env: Env, shape, dtype, *, output=False, required=None, judge_d
     """
     storage = np.dtype(STORAGE.get(dtype, dtype))
     required = not output if required is None else required   # an output may be None: the op allocates one
-    good = ("device", "device", "offset view", "host") + (() if output else ("read-only",)) + \
+    good = ("device", "device", "offset view") + (() if output else ("read-only",)) + \
         (("bfloat16 bits",) if dtype == "bfloat16" else ())
-    bad = ("read-only", "strided", "reversed", "transposed", "wrong dtype", "other shape", "zero-size", "list",
+    bad = ("host", "read-only", "strided", "reversed", "transposed", "wrong dtype", "other shape", "zero-size", "list",
            "none", "scalar")
     how = draw(st.sampled_from(good + bad if maybe_bad(draw) else good))
     values = env.random(shape, storage)
@@ -323,8 +323,8 @@ def arrays(draw, env: Env, shape, dtype, *, output=False, required=None, judge_d
     if how == "offset view":
         buffer = env.device(env.random((math.prod(shape) + 3,), storage))
         return Arg(buffer[3:].reshape(shape), True, how)
-    if how == "host":
-        return Arg(env.keep(values), True, how)
+    if how == "host":   # a plain NumPy array: every backend, the emulator too, wants its own device arrays
+        return Arg(env.keep(values), False, how)
     if how == "read-only":
         array = env.device(values)
         array.flags.writeable = False

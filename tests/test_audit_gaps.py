@@ -3,13 +3,11 @@
 - uneven last split: every split-KV factor keeps the keys past the last whole chunk;
 - masked rows: a NaN or Inf row that a query reads but may not attend never reaches its output;
 - device truncate and advance: out-of-contract device values are clamped as the kernels document;
-- the split plan: plan_splits' formula, checked on the CPU for the GPU's plan;
+- the split plan: plan_splits' formula, checked on the CPU for a GPU's device figures;
 - CuPy allocations inside a captured step are refused (GPU only).
 """
-import importlib
 import itertools
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,8 +17,9 @@ from cupykv import reference, testing
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
 
-attention_module = importlib.import_module("cupykv.attention")   # cupykv.attention is the function
-CHUNK = attention_module.CHUNK
+from cupykv import attention_plan
+
+CHUNK = attention_plan.CHUNK
 
 
 def _value_scale(oracle, layer=0):
@@ -204,10 +203,11 @@ def test_device_advance_treats_negative_steps_as_zero(backend):
 
 
 # -- 5. the split plan on the CPU -------------------------------------------------------------------
-def _gpu_cache(batch, n_kv_heads, max_seq):
-    """What plan_splits reads of a cache (its backend name and spec), as a CuPy cache would show it."""
-    return SimpleNamespace(backend="cupy", spec=cupykv.CacheSpec(
-        n_layers=1, n_kv_heads=n_kv_heads, head_dim=64, max_seq=max_seq, batch=batch))
+H200_BLOCKS = 264   # the table below: 132 SMs x 2 resident blocks
+
+
+def _spec(batch, n_kv_heads, max_seq):
+    return cupykv.CacheSpec(n_layers=1, n_kv_heads=n_kv_heads, head_dim=64, max_seq=max_seq, batch=batch)
 
 
 # (batch, n_kv_heads, q_len, n_heads, max_seq) -> splits. blocks = batch * n_kv * ceil(q_len * group / 16);
@@ -235,25 +235,26 @@ PLANS = [
 @pytest.mark.parametrize("shape, splits", PLANS, ids=[str(p[0]) for p in PLANS])
 def test_plan_splits_for_a_gpu(shape, splits):
     batch, n_kv, q_len, n_heads, max_seq = shape
-    assert attention_module.plan_splits(_gpu_cache(batch, n_kv, max_seq), q_len, n_heads) == splits
+    assert attention_plan.plan_splits(_spec(batch, n_kv, max_seq), q_len, n_heads, H200_BLOCKS) == splits
 
 
-def test_plan_splits_stays_within_its_caps():
+@pytest.mark.parametrize("resident", [1, 132, 264, 660])
+def test_plan_splits_stays_within_its_caps(resident):
     broken = []
     for batch, (n_kv_heads, q_len, n_heads), max_seq in itertools.product(
             [1, 2, 3, 5, 16, 33, 100], [(1, 1, 1), (8, 1, 32), (4, 5, 16), (2, 16, 16)],
             [1, 255, 256, 700, 4096, 131072]):
-        splits = attention_module.plan_splits(_gpu_cache(batch, n_kv_heads, max_seq), q_len, n_heads)
-        blocks = batch * n_kv_heads * math.ceil(q_len * (n_heads // n_kv_heads) / attention_module.TILE_ROWS)
+        splits = attention_plan.plan_splits(_spec(batch, n_kv_heads, max_seq), q_len, n_heads, resident)
+        blocks = batch * n_kv_heads * math.ceil(q_len * (n_heads // n_kv_heads) / attention_plan.TILE_ROWS)
         fewest_keys = max_seq // splits if splits > 1 else None
         caps = {
             "at least 1 split": splits >= 1,
-            "at least 256 keys a split": splits == 1 or fewest_keys >= attention_module.MIN_KEYS_PER_SPLIT,
-            "no split past a full grid": (splits - 1) * blocks < attention_module.TARGET_BLOCKS or splits == 1,
-            "1 split when the grid is full": blocks < attention_module.TARGET_BLOCKS or splits == 1,
+            "at least 256 keys a split": splits == 1 or fewest_keys >= attention_plan.MIN_KEYS_PER_SPLIT,
+            "no split past a full device": (splits - 1) * blocks < resident or splits == 1,
+            "1 split when the device is full": blocks < resident or splits == 1,
             # the largest such plan: one split more would break a cap
-            "no fewer than the caps allow": max_seq // (splits + 1) < attention_module.MIN_KEYS_PER_SPLIT
-            or splits * blocks >= attention_module.TARGET_BLOCKS,
+            "no fewer than the caps allow": max_seq // (splits + 1) < attention_plan.MIN_KEYS_PER_SPLIT
+            or splits * blocks >= resident,
         }
         broken += [(batch, n_kv_heads, q_len, n_heads, max_seq, splits, cap) for cap, ok in caps.items() if not ok]
     assert not broken, f"(batch, n_kv_heads, q_len, n_heads, max_seq, splits, broken cap): {broken[:5]}"
@@ -261,7 +262,7 @@ def test_plan_splits_stays_within_its_caps():
 
 def test_the_emulator_always_plans_one_split():
     cache = cupykv.KVCache(cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=8, max_seq=8192), backend="emulator")
-    assert attention_module.plan_splits(cache, 1, 1) == 1
+    assert cupykv.AttentionPlan(cache, 1, 1).num_splits == 1
 
 
 # -- 6. a CuPy allocation inside a captured step ------------------------------------------------------

@@ -131,10 +131,10 @@ def test_sections_cover_the_plan(bench):
 
 
 def test_plan_choice():
-    assert plan_for("emulator", quick=False) is PLANS["smoke"]
-    assert plan_for("emulator", quick=True) is PLANS["smoke"]
-    assert plan_for("cupy", quick=True) is PLANS["quick"]
-    assert plan_for("cupy", quick=False) is PLANS["full"]
+    assert plan_for(True, quick=False) is PLANS["smoke"]
+    assert plan_for(True, quick=True) is PLANS["smoke"]
+    assert plan_for(False, quick=True) is PLANS["quick"]
+    assert plan_for(False, quick=False) is PLANS["full"]
     full = PLANS["full"]
     assert (full.n_heads, full.n_kv_heads, full.head_dim) == (64, 8, 128)
     assert full.decode_batches == (1, 8, 32) and full.full_axis_max_seq // 8 in [

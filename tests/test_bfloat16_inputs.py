@@ -107,7 +107,7 @@ def host_backed_cupy_array(host):
 
 def test_the_cupy_backend_views_a_cupy_bfloat16_array_as_uint16_without_a_copy():
     pytest.importorskip("cupy")
-    from cupykv.backends.cupy import CupyBackend
+    from cupykv.backends.cupy_backend import CupyBackend
 
     class CupyBackendWithoutADevice(CupyBackend):
         def check_device(self, name, array):

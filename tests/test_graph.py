@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import cupykv
+from cupykv.backends.stream_capture import capture_on
 from cupykv import graph as cupykv_graph, reference, testing
 from backends import BACKENDS
 
@@ -203,7 +204,7 @@ def test_device_side_truncate_and_reset_are_graph_safe(backend):
     assert cache.lengths_host().tolist() == [3, 1]
 
 
-# -- ending a CUDA stream capture (cupykv.graph._capture_on), with a stand-in for cupy.cuda.Stream --------
+# -- ending a CUDA stream capture (cupykv.backends.stream_capture.capture_on), with a stand-in for cupy.cuda.Stream --------
 class FakeStream:
     """begin_capture / end_capture as on cupy.cuda.Stream; ``end_error`` makes end_capture fail as CUDA does."""
 
@@ -232,7 +233,7 @@ def raise_value_error():
 def test_a_step_error_is_not_replaced_by_the_failure_to_end_the_invalidated_capture():
     stream = FakeStream(end_error=invalidated())
     with pytest.raises(ValueError, match="the step's own error") as caught:
-        cupykv_graph._capture_on(stream, raise_value_error)
+        capture_on(stream, raise_value_error)
     assert stream.calls == ["begin_capture", "end_capture"]
     if sys.version_info >= (3, 11):     # the end_capture failure is kept as a note
         assert any("cudaErrorStreamCaptureInvalidated" in note for note in caught.value.__notes__)
@@ -241,7 +242,7 @@ def test_a_step_error_is_not_replaced_by_the_failure_to_end_the_invalidated_capt
 def test_a_step_error_propagates_and_the_capture_is_ended_when_it_ends_cleanly():
     stream = FakeStream()
     with pytest.raises(ValueError, match="the step's own error") as caught:
-        cupykv_graph._capture_on(stream, raise_value_error)
+        capture_on(stream, raise_value_error)
     assert stream.calls == ["begin_capture", "end_capture"]
     assert not getattr(caught.value, "__notes__", [])
 
@@ -249,14 +250,14 @@ def test_a_step_error_propagates_and_the_capture_is_ended_when_it_ends_cleanly()
 def test_a_capture_invalidated_by_a_step_that_raised_nothing_is_a_capture_error_with_the_likely_cause():
     cause = invalidated()
     with pytest.raises(cupykv.CaptureError, match="invalidated .* host synchronisation") as caught:
-        cupykv_graph._capture_on(FakeStream(end_error=cause), lambda: None)
+        capture_on(FakeStream(end_error=cause), lambda: None)
     assert caught.value.__cause__ is cause
     assert "cudaErrorStreamCaptureInvalidated" in str(caught.value)
 
 
 def test_a_clean_capture_returns_the_graph_end_capture_made():
     stream = FakeStream()
-    assert cupykv_graph._capture_on(stream, lambda: None) == "the graph"
+    assert capture_on(stream, lambda: None) == "the graph"
     assert stream.calls == ["begin_capture", "end_capture"]
 
 

@@ -51,10 +51,10 @@ def assert_within_cuda_limits(launches):
 def test_large_batches_heads_and_prefills_fit_the_grid(recorded_launches, batch, n_kv_heads, q_len, group):
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=n_kv_heads, head_dim=1, max_seq=300, batch=batch)
     cache = cupykv.KVCache(spec, backend="emulator")
-    rows = np.zeros((batch, q_len, n_kv_heads, 1), np.float32)
+    rows = cache.to_device(np.zeros((batch, q_len, n_kv_heads, 1), np.float32))
     cache.append(0, rows, rows)
-    cupykv.attention(np.zeros((batch, q_len, n_kv_heads * group, 1), np.float32), cache, 0)
-    cupykv.attention(np.zeros((batch, 1, n_kv_heads, 1), np.float32), cache, 0, num_splits=3)
+    cupykv.attention(cache.to_device(np.zeros((batch, q_len, n_kv_heads * group, 1), np.float32)), cache, 0)
+    cupykv.attention(cache.to_device(np.zeros((batch, 1, n_kv_heads, 1), np.float32)), cache, 0, num_splits=3)
     cache.additive_mask(q_len)
     assert_within_cuda_limits(recorded_launches)
     append_grid, attention_grid, split_grid, combine_grid, mask_grid = (grid for _, grid, _, _ in recorded_launches)
@@ -72,7 +72,7 @@ def test_append_to_70000_sequences_writes_every_row():
     lengths = rng.integers(0, 4, 70000)
     cache.advance(lengths)
     k, v = (rng.standard_normal((70000, 2, 1, 2)).astype(np.float32) for _ in range(2))
-    cache.append(0, k, v)
+    cache.append(0, cache.to_device(k), cache.to_device(v))
     want_k, want_v = np.zeros(spec.shape, np.float32), np.zeros(spec.shape, np.float32)
     for i in range(2):
         fits = np.flatnonzero(lengths + i < 4)

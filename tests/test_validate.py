@@ -21,7 +21,7 @@ import pytest
 
 import cupykv.validate as validate
 from cupykv import ops
-from cupykv.backends import cuda_available
+from cupykv.backends import cuda_available, get_backend
 from cupykv.backends.base import Backend
 from cupykv.bench.report import EMULATOR_LABEL as BENCH_EMULATOR_LABEL
 from cupykv.kernels import KERNELS, KernelFile
@@ -311,7 +311,7 @@ def test_launches_main_exits_one_when_an_instance_is_not_launched(monkeypatch, c
 
 def test_recording_launches_records_and_restores():
     original = Backend.launch
-    a = np.ones(8, np.float32)
+    a = get_backend("emulator").asarray(np.ones(8, np.float32))
     with recording_launches() as launched:
         ops.add(a, a)
         assert Backend.launch is not original

@@ -35,7 +35,7 @@ from cupykv._args.cache_args import (check_advance, check_layer, check_new_lengt
                                      check_rope, check_rope_theta, check_rows, check_same_shape, check_scale,
                                      check_slots, check_softcap, check_window)
 from cupykv._args.limits import INT32_MAX, MAX_NEW, MAX_SEQ, check_launch, check_memory
-from cupykv._args.overlap import (byte_range, check_apart_from_caches, check_no_overlap, register_cache,
+from cupykv._args.overlap import (byte_range, check_apart_from_caches, check_no_overlap, register_buffers,
                                   shared_bytes)
 from cupykv._args.scalars import (check_bool, check_choice, check_float, check_int, check_int32,
                                   check_positive_float32, got, is_int, shown)
@@ -46,7 +46,7 @@ __all__ = [
     "check_advance", "check_layer", "check_new_lengths", "check_q", "check_q_len", "check_rope", "check_rope_theta",
     "check_rows", "check_same_shape", "check_scale", "check_slots", "check_softcap", "check_window",
     "INT32_MAX", "MAX_NEW", "MAX_SEQ", "check_launch", "check_memory",
-    "byte_range", "check_apart_from_caches", "check_no_overlap", "register_cache", "shared_bytes",
+    "byte_range", "check_apart_from_caches", "check_no_overlap", "register_buffers", "shared_bytes",
     "check_bool", "check_choice", "check_float", "check_int", "check_int32", "check_positive_float32", "got",
     "is_int", "shown",
 ]

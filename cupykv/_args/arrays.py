@@ -31,43 +31,21 @@ def describe(array) -> str:
 
 
 def backend_for(name, array, backend):
-    """The backend named by ``backend``, else the one ``array`` belongs to.
-
-    ``cupy.ndarray`` (or any ``__cuda_array_interface__`` object) -> "cupy",
-    ``numpy.ndarray`` -> "emulator".
-    """
-    from cupykv.backends import get_backend   # deferred: the backends import this package's neighbours
+    """The backend ``backend`` names, else the one ``array`` belongs to (see ``cupykv.backends.backend_of``)."""
+    from cupykv.backends import backend_of, get_backend   # deferred: the backends import this package's neighbours
 
     if backend is not None:
         return get_backend(backend)
-    if isinstance(array, np.ndarray):
-        return get_backend("emulator")
-    if type(array).__module__.split(".")[0] == "cupy" or hasattr(array, "__cuda_array_interface__"):
-        return get_backend("cupy")
-    raise TypeError(f"{name}: expected a cupy.ndarray, or a numpy.ndarray for the emulator backend, "
-                    f"got {describe(array)}")
+    found = backend_of(array)
+    if found is None:
+        raise TypeError(f"{name}: expected a device array (cupy.ndarray, or an emulator device array), "
+                        f"got {describe(array)}")
+    return found
 
 
 def to_backend_array(name, array, backend):
-    """``array`` as an array of ``backend`` (zero-copy), or TypeError naming ``name``."""
-    if backend.is_device_array(array):
-        return array
-    if backend.name == "emulator" and isinstance(array, np.ndarray):
-        return array  # the emulator shadows host arrays in guarded memory for each launch
-    if backend.name == "cupy":
-        import cupy
-        if isinstance(array, np.ndarray):
-            raise TypeError(f"{name}: expected a CUDA device array (cupy.ndarray, or an object with "
-                            f"__cuda_array_interface__ or DLPack), got a host numpy.ndarray; "
-                            f"move it with cupy.asarray first")
-        # DLPack first: it carries bfloat16 as bfloat16, where torch's __cuda_array_interface__
-        # gives bfloat16 an untyped "<V2" typestr (older torch versions raise instead).
-        if hasattr(array, "__dlpack__"):
-            return cupy.from_dlpack(array)
-        if hasattr(array, "__cuda_array_interface__"):
-            return cupy.asarray(array)
-    raise TypeError(f"{name}: expected an array of the {backend.name} backend ({backend.xp.__name__}.ndarray), "
-                    f"got {describe(array)}")
+    """``array`` as an array of ``backend`` (zero-copy), or TypeError naming ``name`` (see ``Backend.device_array``)."""
+    return backend.device_array(name, array)
 
 
 def check_contiguous(name, array) -> None:

@@ -5,9 +5,10 @@ one buffer are all caught, whichever array object the caller holds. Address
 ranges of NumPy (emulator) and CuPy arrays live in one address space each
 (CUDA's unified addressing), so comparing them is exact.
 
-Every live :class:`~cupykv.KVCache` registers the address ranges of its
-buffers here, so that no op's output, whatever call it comes from, can
-write into a cache (:func:`check_apart_from_caches`).
+Every live :class:`~cupykv.KVCache` and :class:`~cupykv.AttentionPlan`
+registers the address ranges of its buffers here, so that no op's output,
+whatever call it comes from, can write into a cache or a plan's workspace
+(:func:`check_apart_from_caches`).
 """
 from __future__ import annotations
 
@@ -74,29 +75,31 @@ def check_no_overlap(name, array, others, *, in_place_ok=False) -> None:
                          f"got one that shares {common} bytes with it")
 
 
-_live_caches = weakref.WeakSet()
+_live_owners = weakref.WeakSet()
 
 
-def register_cache(cache) -> None:
-    """Remember ``cache`` while it lives: a KVCache, whose ``_ranges()`` gives ``(what, first, last)`` tuples."""
-    _live_caches.add(cache)
+def register_buffers(owner) -> None:
+    """Remember ``owner`` while it lives: a KVCache or AttentionPlan, whose ``owned_ranges()`` gives
+    ``(what, first, last)`` tuples."""
+    _live_owners.add(owner)
 
 
 def check_apart_from_caches(name, array, own=None, *, others=True) -> None:
-    """ValueError, naming ``name``, when ``array`` shares memory with a cache's buffers.
+    """ValueError, naming ``name``, when ``array`` shares memory with a cache's or a plan's buffers.
 
     ``own`` (the call's cache) is named "the cache's ..."; with ``others``,
-    every other live KVCache is checked too ("a KVCache's ..."). The ranges
-    were taken once per cache, so this costs one range and a few comparisons
-    per cache.
+    every other live KVCache and AttentionPlan is checked too ("a KVCache's
+    ...", "an AttentionPlan's ..."). The ranges were taken once per owner, so
+    this costs one range and a few comparisons per owner.
     """
     first, last = byte_range(array)
-    caches = [own] if own is not None else []
+    owners = [own] if own is not None else []
     if others:
-        caches += [cache for cache in tuple(_live_caches) if cache is not own]
-    for cache in caches:
-        whose = "the cache's" if cache is own else "a KVCache's"
-        for what, start, end in cache._ranges():
+        owners += [owner for owner in tuple(_live_owners) if owner is not own]
+    for owner in owners:
+        kind = type(owner).__name__
+        whose = "the cache's" if owner is own else f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}'s"
+        for what, start, end in owner.owned_ranges():
             common = min(last, end) - max(first, start)
             if common > 0:
                 raise ValueError(f"{name}: expected an array that does not overlap {whose} {what}, "

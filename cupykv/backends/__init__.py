@@ -48,6 +48,23 @@ def default_backend_name() -> str:
     return "cupy" if cuda_available()[0] else "emulator"
 
 
+def backend_of(array) -> Backend | None:
+    """The backend whose kernels would take ``array``, or ``None`` for an object no backend knows.
+
+    A ``numpy.ndarray`` belongs to the emulator (which accepts only its own
+    device arrays, and says so); ``cupy.ndarray`` and objects with
+    ``__cuda_array_interface__`` or (non-NumPy) DLPack belong to CuPy.
+    """
+    import numpy as np
+
+    if isinstance(array, np.ndarray):
+        return get_backend("emulator")
+    if type(array).__module__.split(".")[0] == "cupy" or hasattr(array, "__cuda_array_interface__") \
+            or hasattr(array, "__dlpack__"):
+        return get_backend("cupy")
+    return None
+
+
 def get_backend(name: str | Backend | None = None) -> Backend:
     """Return the (shared) backend object for ``name``.
 
@@ -67,9 +84,9 @@ def get_backend(name: str | Backend | None = None) -> Backend:
             available, reason = cuda_available()
             if not available:
                 raise RuntimeError(f"backend 'cupy' is not usable here: {reason}")
-            from cupykv.backends.cupy import CupyBackend
+            from cupykv.backends.cupy_backend import CupyBackend
             _instances[name] = CupyBackend()
         else:
-            from cupykv.backends.emulated import EmulatorBackend
+            from cupykv.backends.emulator_backend import EmulatorBackend
             _instances[name] = EmulatorBackend()
     return _instances[name]

@@ -1,12 +1,46 @@
-"""The interface both backends implement."""
+"""The interface both backends implement.
+
+Everything that differs between executing on a GPU and on the CPU emulator
+is a method here: arrays (allocation, copies, what counts as a device array),
+kernels (compile, launch), capture and replay of a step, and what the device
+is (:class:`DeviceInfo`). Code above ``cupykv/backends/`` calls these methods
+and never asks which backend it holds.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cupykv import graph
+from cupykv.backends.capture import CaptureError, Recorder, active_capture, capturing, refuse_in_capture
 from cupykv.kernels import KERNELS
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a backend runs on, for launch planning and for reports.
+
+    Attributes
+    ----------
+    name : str
+        The device as a person would name it (``"NVIDIA H200"``, or the emulator and its CPU).
+    emulated : bool
+        Kernels run on the CPU emulator: timings are not GPU figures, and
+        blocks run one after another.
+    multiprocessor_count : int
+        Streaming multiprocessors that run blocks at once (1 on the emulator).
+    l2_bytes : int
+        L2 cache size (0 when there is none to flush).
+    details : dict
+        Versions and properties for the bench's environment record (JSON values).
+    """
+
+    name: str
+    emulated: bool
+    multiprocessor_count: int
+    l2_bytes: int = 0
+    details: dict = field(default_factory=dict)
 
 
 class Backend:
@@ -19,6 +53,8 @@ class Backend:
 
     name: str = ""
     xp: Any = None
+    #: what a host array is called in messages, and how to move one to the device
+    host_array_hint: str = ""
 
     def __init__(self) -> None:
         self._modules: dict[str, Any] = {}
@@ -28,7 +64,7 @@ class Backend:
     def launch(self, op: str, instance: str, grid, block, args, shared_mem: int = 0) -> None:
         """Launch ``instance`` of ``kernels/<op>.cu``, or hand it to the capture in progress."""
         fn = self.kernel(op, instance)
-        recorder = graph.active_capture()
+        recorder = active_capture()
         if recorder is None:
             fn(grid, block, args, shared_mem=shared_mem)
         else:
@@ -57,30 +93,71 @@ class Backend:
     def _compile(self, filename: str, source: str, instances: Sequence[str]) -> Any:
         raise NotImplementedError
 
+    def occupancy(self, op: str, instance: str, threads: int, shared_mem: int) -> int:
+        """Blocks of ``threads`` threads and ``shared_mem`` dynamic shared bytes resident per multiprocessor."""
+        raise NotImplementedError
+
+    # -- capture -------------------------------------------------------------
+    def capture(self, run: Callable[[], None]) -> tuple[list, Callable[[], None], Any]:
+        """Record the launches of ``run()`` as one replayable step.
+
+        Called by :func:`cupykv.graph.capture` after the warm-up run. Returns
+        the recorded launches, a function that replays them once on the
+        current stream, and whatever must stay alive for replays.
+        """
+        raise NotImplementedError
+
+    def _record(self, run: Callable[[], None], execute: bool) -> Recorder:
+        """Run ``run()`` as a capture (refusing what a graph cannot replay) and return its recorder."""
+        with capturing(Recorder(execute=execute, capturing=True)) as recorder:
+            run()
+        others = [backend.name for backend in recorder.backends if backend is not self]
+        if others:
+            raise CaptureError(f"step launched kernels on the {others} backend while capturing on "
+                               f"{self.name}: a graph belongs to one backend")
+        return recorder
+
+    # -- the device ----------------------------------------------------------
+    def device_info(self) -> DeviceInfo:
+        """The device kernels launch on now."""
+        raise NotImplementedError
+
     # -- arrays --------------------------------------------------------------
     # Public array methods refuse to run inside a captured step; subclasses implement _zeros etc.
     def zeros(self, shape, dtype) -> Any:
         """A zero-filled device array."""
-        graph.refuse_in_capture(f"allocating a {tuple(shape)} {np.dtype(dtype)} array",
+        refuse_in_capture(f"allocating a {tuple(shape)} {np.dtype(dtype)} array",
                                 "preallocate it outside the step and pass it in (out=...)")
         return self._zeros(shape, dtype)
 
     def asarray(self, host_array) -> Any:
         """A device copy of a NumPy array (bfloat16 as this backend stores it)."""
-        graph.refuse_in_capture("copying a host array to the device", "upload it before capture")
+        refuse_in_capture("copying a host array to the device", "upload it before capture")
         return self._asarray(host_array)
 
     def to_host(self, array) -> np.ndarray:
         """A NumPy copy of a device array (synchronising)."""
-        graph.refuse_in_capture("reading a device array on the host (a synchronisation)",
+        refuse_in_capture("reading a device array on the host (a synchronisation)",
                                 "read it after replay()")
         return self._to_host(array)
 
     def upload(self, device_array, host_values) -> None:
         """Copy host values into an existing device array."""
-        graph.refuse_in_capture("copying host values to the device",
+        refuse_in_capture("copying host values to the device",
                                 "pass a device int32 array, filled before capture, instead of host values")
         self._upload(device_array, host_values)
+
+    def copy(self, dst, src) -> None:
+        """Copy ``src`` into ``dst`` on the device: contiguous arrays of equal size and dtype
+        (``src`` may also be an array of ``xp`` that is not a device array, such as NumPy values on the emulator)."""
+        refuse_in_capture("backend.copy()", "copy outside the captured step")
+        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+            raise ValueError(f"src: expected shape {tuple(dst.shape)} and dtype {dst.dtype} (dst's), got "
+                             f"shape {tuple(src.shape)} and dtype {src.dtype}")
+        self._copy(dst, src)
+
+    def _copy(self, dst, src) -> None:
+        raise NotImplementedError
 
     def storage_dtype(self, dtype: str) -> np.dtype:
         """The array dtype that holds cache dtype ``dtype`` on this backend."""
@@ -100,6 +177,32 @@ class Backend:
         """Whether ``array`` lives where this backend's kernels can read it."""
         raise NotImplementedError
 
+    def device_array(self, name: str, array) -> Any:
+        """``array`` as this backend's device array, zero-copy, or TypeError naming ``name``.
+
+        Host arrays are refused on every backend (the emulator's device arrays
+        are made by :meth:`asarray`, as CuPy's are by ``cupy.asarray``), so
+        code that runs on the emulator runs unchanged on a GPU.
+        """
+        if self.is_device_array(array):
+            return array
+        converted = self._foreign_device_array(array)
+        if converted is not None:
+            return converted
+        from cupykv._args.arrays import describe
+        if isinstance(array, np.ndarray):
+            raise TypeError(f"{name}: expected a device array ({self.host_array_hint}), got a host "
+                            f"{describe(array)}")
+        raise TypeError(f"{name}: expected a device array of the {self.name} backend "
+                        f"({self.host_array_hint}), got {describe(array)}")
+
+    def _foreign_device_array(self, array) -> Any:
+        """A zero-copy view of another library's device array (DLPack), or ``None``."""
+        return None
+
+    def use_exact_allocations(self) -> None:
+        """Give every later allocation its own device block (no pooling), so memory checkers see real bounds."""
+
     def _asarray(self, host_array) -> Any:
         raise NotImplementedError
 
@@ -112,7 +215,7 @@ class Backend:
     # -- synchronisation -----------------------------------------------------
     def synchronize(self) -> None:
         """Wait on the host until the work launched so far has finished."""
-        graph.refuse_in_capture("backend.synchronize() (a host synchronisation, which invalidates a CUDA "
+        refuse_in_capture("backend.synchronize() (a host synchronisation, which invalidates a CUDA "
                                 "stream capture)", "synchronise after replay(), outside the step")
         self._synchronize()
 

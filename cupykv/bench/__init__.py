@@ -120,9 +120,9 @@ SECTIONS = (("copy", sections.copy_bandwidth), ("attention_decode", sections.att
             ("smollm2_decode", model.smollm2_decode))
 
 
-def plan_for(backend_name: str, quick: bool) -> Plan:
-    """The emulator always runs the smoke plan; CuPy runs ``quick`` or ``full``."""
-    if backend_name == "emulator":
+def plan_for(emulated: bool, quick: bool) -> Plan:
+    """The emulator always runs the smoke plan; a GPU runs ``quick`` or ``full``."""
+    if emulated:
         return PLANS["smoke"]
     return PLANS["quick" if quick else "full"]
 
@@ -144,9 +144,9 @@ def run(backend=None, out="bench_results", quick=False, echo=print) -> dict:
     if importlib.util.find_spec("matplotlib") is None:
         raise RuntimeError("python -m cupykv bench draws bench.png with matplotlib: pip install matplotlib")
     backend = get_backend(backend)
-    plan = plan_for(backend.name, quick)
+    is_gpu = not backend.device_info().emulated
+    plan = plan_for(not is_gpu, quick)
     env = report.environment(backend)
-    is_gpu = backend.name == "cupy"
     label = f"GPU figures: {env['device']}" if is_gpu else report.EMULATOR_LABEL
     timer = make_timer(backend, plan.warmup, plan.repeat, env.get("l2_bytes") or 0)
     ctx = sections.Context(backend=backend, plan=plan, timer=timer)

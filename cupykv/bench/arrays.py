@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 
 _CHUNK = 2**26  # elements generated at once: bounds the float32 scratch at 256 MiB
@@ -36,20 +35,16 @@ def to_f32(backend, array):
 
 
 def _standard_normal(backend, n: int, seed: int):
-    if backend.name == "cupy":
-        return backend.xp.random.default_rng(seed).standard_normal(n, dtype=backend.xp.float32)
-    return np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
+    """float32 standard normal values, generated where the backend's arrays live (``xp``)."""
+    return backend.xp.random.default_rng(seed).standard_normal(n, dtype=backend.xp.float32)
 
 
 def _cast(backend, x, dtype: str):
-    xp = backend.xp
-    if dtype == "float32":
-        return x
-    if dtype == "float16":
-        return x.astype(xp.float16)
-    if backend.name == "cupy":
-        return bf16_bits_from_f32(xp, x)
-    return x.astype(ml_dtypes.bfloat16)
+    """float32 ``x`` as the backend stores ``dtype`` (bfloat16: rounded bit patterns where stored as uint16)."""
+    storage = backend.storage_dtype(dtype)
+    if storage == np.uint16:
+        return bf16_bits_from_f32(backend.xp, x)
+    return x.astype(storage)
 
 
 def fill_random(backend, array, dtype: str, seed: int, scale: float = 1.0) -> None:
@@ -60,10 +55,7 @@ def fill_random(backend, array, dtype: str, seed: int, scale: float = 1.0) -> No
         values = _standard_normal(backend, stop - start, seed * 7919 + chunk)
         if scale != 1.0:
             values *= values.dtype.type(scale)
-        if backend.name == "cupy":
-            flat[start:stop] = _cast(backend, values, dtype)
-        else:
-            backend.upload(flat[start:stop], _cast(backend, values, dtype))
+        backend.copy(flat[start:stop], _cast(backend, values, dtype))
 
 
 def random_array(backend, shape, dtype: str, seed: int, scale: float = 1.0):

@@ -7,7 +7,6 @@ and the notebooks can draw the same panels from a stored JSON.
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import textwrap
 
@@ -19,51 +18,21 @@ EMULATOR_LABEL = "emulator timings: CPU emulation, NOT GPU figures"
 EMULATOR_TITLE = "emulator smoke run, not GPU figures"
 
 
-def _cuda_version(code: int) -> str:
-    """CUDA's integer version (e.g. 13000) as text ("13.0")."""
-    return f"{code // 1000}.{(code % 1000) // 10}"
-
-
 def environment(backend) -> dict:
     """Device, driver, CUDA, CuPy, NumPy and Python versions, and the date (UTC)."""
-    env = {
+    device = backend.device_info()
+    return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cupykv_version": cupykv.__version__,
         "numpy_version": np.__version__,
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "cupy_version": None,
-        "device": None,
         "driver_version": None,
         "cuda_runtime_version": None,
+        **device.details,
+        "device": device.name,
     }
-    if backend.name == "cupy":
-        import cupy
-        from cupy.cuda import runtime
-
-        device = cupy.cuda.Device().id
-        props = runtime.getDeviceProperties(device)
-        name = props["name"]
-        driver, runtime_version = runtime.driverGetVersion(), runtime.runtimeGetVersion()
-        env.update({
-            "device": name.decode() if isinstance(name, bytes) else str(name),
-            "device_index": device,
-            "compute_capability": f"{props['major']}.{props['minor']}",
-            "sm_count": int(props["multiProcessorCount"]),
-            "memory_bytes": int(props["totalGlobalMem"]),
-            "l2_bytes": int(props["l2CacheSize"]),
-            "driver_version": _cuda_version(driver), "driver_version_code": int(driver),
-            "cuda_runtime_version": _cuda_version(runtime_version), "cuda_runtime_version_code": int(runtime_version),
-            "cupy_version": cupy.__version__,
-        })
-    else:
-        env["device"] = f"cupykv CUDA emulator on the CPU ({platform.machine()}, {os.cpu_count()} cores)"
-        try:
-            import cupy
-            env["cupy_version"] = cupy.__version__
-        except Exception:  # not installed, or broken without a driver: the emulator does not need it
-            pass
-    return env
 
 
 def _fmt(value, digits=3) -> str:

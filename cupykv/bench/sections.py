@@ -45,12 +45,10 @@ def copy_bandwidth(ctx: Context) -> dict:
     xp = backend.xp
     src = random_array(backend, (nbytes // 4,), "float32", seed=1)
     dst = backend.zeros((nbytes // 4,), np.float32)
-    if backend.name == "cupy":
-        def copy():  # cudaMemcpyAsync device to device
-            dst.data.copy_from_device_async(src.data, src.nbytes)
-    else:
-        def copy():
-            np.copyto(dst.view(np.ndarray), src.view(np.ndarray))
+    emulated = backend.device_info().emulated
+
+    def copy():  # cudaMemcpyAsync device to device (NumPy's copy in host memory on the emulator)
+        backend.copy(dst, src)
     timing = ctx.timer(copy, flush=False)  # the buffer is far larger than L2
     check = float(xp.abs(dst - src).max())
     ctx.copy_GBps = _rate(2 * src.nbytes, timing.median_s)
@@ -58,8 +56,8 @@ def copy_bandwidth(ctx: Context) -> dict:
         "status": "ok",
         "description": "device-to-device copy of one buffer; bandwidth counts bytes read plus bytes written "
                        "(2 x buffer bytes / time)",
-        "params": {"buffer_bytes": int(src.nbytes), "method": "cudaMemcpyAsync" if backend.name == "cupy"
-                   else "numpy.copyto in host memory"},
+        "params": {"buffer_bytes": int(src.nbytes), "method": "numpy.copyto in host memory" if emulated
+                   else "cudaMemcpyAsync"},
         "units": {"bytes_moved": "bytes (read + written)", "time_ms": "ms, median", "bandwidth_GBps": "1e9 bytes/s"},
         "results": [{"bytes_moved": int(2 * src.nbytes), **timing.as_ms(), "bandwidth_GBps": ctx.copy_GBps}],
         "checks": [{"what": "copy equals source", "max_abs_difference": check, "passed": check == 0.0}],
@@ -178,7 +176,8 @@ def full_axis(ctx: Context) -> dict:
     xp, max_seq, batch = backend.xp, plan.full_axis_max_seq, plan.full_axis_batch
     group, hd = plan.n_heads // plan.n_kv_heads, plan.head_dim
     cache, q, out = _decode_cache(ctx, batch, max_seq, seed=100)
-    base_dtype = xp.float16 if backend.name == "cupy" else xp.float32
+    emulated = backend.device_info().emulated
+    base_dtype = xp.float32 if emulated else xp.float16
     # The baseline's operands hold the cache's own values, whole axis, K pre-transposed (its best case).
     k_t = xp.ascontiguousarray(to_f32(backend, cache.k[0]).transpose(0, 2, 3, 1)).astype(base_dtype)
     v = xp.ascontiguousarray(to_f32(backend, cache.v[0]).transpose(0, 2, 1, 3)).astype(base_dtype)
@@ -205,7 +204,7 @@ def full_axis(ctx: Context) -> dict:
         results.append({"live_len": live, "live_fraction": live / max_seq, **cupykv_time.as_ms("cupykv_time"),
                         **baseline_time.as_ms("baseline_time"),
                         "ratio_baseline_over_cupykv": baseline_time.median_s / cupykv_time.median_s})
-    if backend.name == "cupy":
+    if not emulated:
         baseline_name = ("CuPy (cuBLAS) float16 matmul q @ K^T over the whole max_seq axis, + additive_mask, "
                          "float32 softmax, float16 matmul with V; float16 because CuPy has no bfloat16 "
                          "(cupykv's bf16 is uint16 bits), same shapes and bytes per element")

@@ -275,6 +275,6 @@ class CudaEventTimer:
 
 def make_timer(backend, warmup: int, repeat: int, l2_bytes: int = 0):
     """The timer for ``backend``: CUDA events on CuPy, the host clock on the emulator."""
-    if backend.name == "cupy":
-        return CudaEventTimer(backend, warmup, repeat, l2_bytes)
-    return HostTimer(backend, warmup, repeat)
+    if backend.device_info().emulated:
+        return HostTimer(backend, warmup, repeat)
+    return CudaEventTimer(backend, warmup, repeat, l2_bytes)

@@ -9,8 +9,11 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import sys
 from dataclasses import dataclass
+
+from cupykv.kernels.cexpr import eval_int
 
 KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,6 +50,17 @@ class KernelFile:
         """
         return f"{self.source(kernel_dir)}\n// cupykv headers sha256 {header_digest(kernel_dir)}\n"
 
+    def constants(self, namespace: str, kernel_dir: str = KERNEL_DIR) -> dict[str, int]:
+        """The ``constexpr int`` constants of ``namespace { ... }`` in this file, by name.
+
+        The launch code reads a kernel's tiling (threads per block, rows per
+        tile) from the ``.cu`` source itself, so the two cannot drift apart.
+        Each constant is an int literal or integer arithmetic (``+ - * /``,
+        parentheses) on constants defined before it; anything else raises
+        ValueError, as does a missing namespace.
+        """
+        return parse_constants(self.source(kernel_dir), namespace, self.filename)
+
 
 def _per_type(template: str) -> tuple[str, ...]:
     return tuple(template.format(t=t) for t in CUDA_TYPES.values())
@@ -74,6 +88,35 @@ KERNELS: dict[str, KernelFile] = {
     "argmax": KernelFile("argmax.cu", _per_type("cupykv_argmax<{t}>")),
     "delay": KernelFile("delay.cu", ("cupykv_delay",)),  # the bench timer's guard (bench/timing.py)
 }
+
+
+def parse_constants(source: str, namespace: str, filename: str = "<source>") -> dict[str, int]:
+    """``constexpr int NAME = EXPR;`` lines of ``namespace <namespace> { ... }`` in CUDA C++ ``source``."""
+    block = re.search(r"namespace\s+" + re.escape(namespace) + r"\s*\{(.*?)\}\s*//\s*namespace", source, re.S)
+    if block is None:
+        raise ValueError(f"{filename}: no 'namespace {namespace} {{ ... }}  // namespace' block")
+    constants: dict[str, int] = {}
+    for line in block.group(1).splitlines():
+        code = line.split("//")[0].strip()
+        if not code:
+            continue
+        match = re.fullmatch(r"constexpr\s+int\s+(\w+)\s*=\s*([^;]+);", code)
+        if match is None:
+            raise ValueError(f"{filename}: namespace {namespace}: expected 'constexpr int NAME = EXPR;', got {code!r}")
+        constants[match.group(1)] = _integer_expression(match.group(2), constants, f"{filename}: {code!r}")
+    return constants
+
+
+def _integer_expression(text: str, known: dict[str, int], where: str) -> int:
+    """Value of C integer arithmetic ``text`` over the ``known`` constants."""
+    def substitute(match):
+        if match.group() not in known:
+            raise ValueError(f"{where}: unknown name {match.group()!r} (only earlier constants are understood)")
+        return f"({known[match.group()]})"
+    try:
+        return eval_int(re.sub(r"[A-Za-z_]\w*", substitute, text.strip()))
+    except (SyntaxError, ValueError) as error:
+        raise ValueError(f"{where}: not an integer constant expression ({error})") from None
 
 
 def header_digest(kernel_dir: str = KERNEL_DIR) -> str:

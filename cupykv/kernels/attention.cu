@@ -47,7 +47,7 @@ constexpr int kWarps = kThreads / 32;
 template <typename T> constexpr int attention_min_blocks() { return sizeof(T) == 4 ? 3 : 4; }
 
 template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(128, attention_min_blocks<T>()) cupykv_attention(
+__global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_blocks<T>()) cupykv_attention(
     T* __restrict__ out,                  // [batch, q_len, n_heads, head_dim] (num_splits == 1)
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
     float* __restrict__ partial_max,      // [num_splits, batch * q_len * n_heads]
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(128, attention_min_blocks<T>()) cupykv_attenti
 // row of batch * q_len * n_heads). Splits that attended nothing (sum 0) are
 // skipped; a row with nothing attended anywhere gets zeros.
 template <typename T>
-__global__ void __launch_bounds__(128) cupykv_attention_combine(
+__global__ void __launch_bounds__(attention_tiling::kThreads) cupykv_attention_combine(
     T* __restrict__ out,                       // [batch * q_len * n_heads, head_dim]
     const float* __restrict__ partial_out,     // [num_splits, rows, head_dim]
     const float* __restrict__ partial_max,     // [num_splits, rows]

@@ -42,7 +42,7 @@ constexpr int kOutsPerBlock = kWarps * kOutsPerWarp;
 }  // namespace linear_tiling
 
 template <typename T, int ROW_TILE>
-__global__ void __launch_bounds__(128, 4) cupykv_linear(
+__global__ void __launch_bounds__(linear_tiling::kThreads, 4) cupykv_linear(
     T* __restrict__ out,               // [rows, out_features]
     const T* __restrict__ x,           // [rows, in_features]
     const T* __restrict__ weight,      // [out_features, in_features]

@@ -5,9 +5,9 @@ Every rewrite keeps the line count, so compiler errors and runtime reports point
 the real line of the .cu file.
 """
 
-import ast
-import operator
 import re
+
+from cupykv.kernels.cexpr import eval_int
 
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 
@@ -153,32 +153,14 @@ _CONST = re.compile(
     r"\b(?:static\s+)?(?:constexpr|const)\s+(?:static\s+)?(?:unsigned\s+|signed\s+)?"
     r"(?:int|long|long\s+long|short|size_t|int32_t|uint32_t|int64_t|uint64_t|unsigned)?\s*"
     r"([A-Za-z_]\w*)\s*(?:=\s*([^;{}]+?)|\{([^;{}]+?)\})\s*;")
+_QUALIFIER = re.compile(r"\b[A-Za-z_]\w*\s*::\s*")
 _INT_LIT = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]*\b")
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.LShift: operator.lshift,
-        ast.RShift: operator.rshift, ast.BitOr: operator.or_, ast.BitAnd: operator.and_}
-
-
-def _eval_int(expr):
-    def ev(node):
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            return _OPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            v = ev(node.operand)
-            return -v if isinstance(node.op, ast.USub) else v
-        raise ValueError(expr)
-    return ev(ast.parse(expr.replace("/", "//"), mode="eval"))
-
-
 def _resolve(expr, consts, depth=0):
     """Integer value of a C expression over literals and known constants, or None."""
     if depth > 8:
         return None
     expr = _INT_LIT.sub(lambda m: str(int(m.group(1), 0)), expr)
+    expr = _QUALIFIER.sub("", expr)   # tiling::kThreads -> kThreads (constants are looked up by bare name)
 
     def sub(m):
         name = m.group()
@@ -190,7 +172,7 @@ def _resolve(expr, consts, depth=0):
         return f"({v})"
     try:
         expr = _IDENT.sub(sub, expr)
-        return int(_eval_int(expr.replace("&&", "and").strip()))
+        return int(eval_int(expr.replace("&&", "and").strip()))
     except (KeyError, ValueError, SyntaxError, ZeroDivisionError, TypeError):
         return None
 

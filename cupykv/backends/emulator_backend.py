@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import ml_dtypes
 import numpy as np
 
-from cupykv import graph
 from cupykv.backends import emulator
-from cupykv.backends.base import Backend
+from cupykv.backends.base import Backend, DeviceInfo
+from cupykv.backends.capture import refuse_in_capture
 from cupykv.kernels import KERNEL_DIR
 
 _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -33,27 +34,27 @@ class DeviceArray(np.ndarray):
     """
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        graph.refuse_in_capture(f"numpy.{ufunc.__name__} on an emulator device array", _HOST_MATH)
+        refuse_in_capture(f"numpy.{ufunc.__name__} on an emulator device array", _HOST_MATH)
         plain = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in inputs)
         if "out" in kwargs:
             kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in kwargs["out"])
         return getattr(ufunc, method)(*plain, **kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
-        graph.refuse_in_capture(f"numpy.{func.__name__} on an emulator device array", _HOST_MATH)
+        refuse_in_capture(f"numpy.{func.__name__} on an emulator device array", _HOST_MATH)
         return super().__array_function__(func, types, args, kwargs)
 
     def __getitem__(self, index):
         if not _is_basic_index(index):
-            graph.refuse_in_capture("indexing an emulator device array with an array (a gather on the host)",
+            refuse_in_capture("indexing an emulator device array with an array (a gather on the host)",
                                     _HOST_MATH)
         item = super().__getitem__(index)
         if not isinstance(item, np.ndarray):
-            graph.refuse_in_capture("reading an emulator device array on the host", _HOST_MATH)
+            refuse_in_capture("reading an emulator device array on the host", _HOST_MATH)
         return item
 
     def __setitem__(self, index, value):
-        graph.refuse_in_capture("writing an emulator device array from the host", _HOST_MATH)
+        refuse_in_capture("writing an emulator device array from the host", _HOST_MATH)
         super().__setitem__(index, value)
 
 
@@ -62,9 +63,34 @@ class EmulatorBackend(Backend):
 
     name = "emulator"
     xp = np
+    host_array_hint = "an emulator device array, made by cache.to_device(array) or backend.asarray(array)"
 
     def _compile(self, filename, source, instances):
         return emulator.Module(source, instances, include_dirs=(KERNEL_DIR,), filename=filename)
+
+    def occupancy(self, op, instance, threads, shared_mem):
+        """One: the emulator runs one block at a time."""
+        return 1
+
+    def capture(self, run):
+        """Freeze each launch's arguments, as CUDA does; a replay runs the frozen launches."""
+        launches = self._record(run, execute=False).launches
+
+        def replay_once():
+            for fn, grid, block, args, shared_mem in launches:
+                fn(grid, block, args, shared_mem=shared_mem)
+        return launches, replay_once, None
+
+    def device_info(self):
+        cpu = f"{platform.machine()}, {os.cpu_count()} cores"
+        details = {"cupy_version": None}
+        try:
+            import cupy
+            details["cupy_version"] = cupy.__version__
+        except Exception:  # not installed, or broken without a driver: the emulator does not need it
+            pass
+        return DeviceInfo(name=f"cupykv CUDA emulator on the CPU ({cpu})", emulated=True,
+                          multiprocessor_count=1, details=details)
 
     def storage_dtype(self, dtype):
         return _STORAGE[dtype]
@@ -97,6 +123,9 @@ class EmulatorBackend(Backend):
 
     def _upload(self, device_array, host_values):
         np.copyto(device_array.view(np.ndarray), host_values, casting="unsafe")
+
+    def _copy(self, dst, src):
+        np.copyto(dst.view(np.ndarray), np.asarray(src).view(np.ndarray))
 
     def _synchronize(self):
         emulator.synchronize()

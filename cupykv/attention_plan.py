@@ -1,0 +1,270 @@
+"""AttentionPlan: decode attention over one cache, planned once, run many times.
+
+Planning does the host work of an attention call that depends only on static
+shapes: argument checks, the launch geometry, the split-KV factor (from the
+device's multiprocessor count and the kernel's occupancy) and the split-KV
+workspace, which the plan allocates and owns. Running does the rest: it
+checks ``q`` and ``out`` against the plan and launches. A plan is made
+outside capture; a captured step runs plans, so nothing in the step
+allocates, and two plans never share scratch memory (run them on two
+streams at once).
+
+The tiling constants are read from ``kernels/attention.cu``
+(``namespace attention_tiling``), so the launch code and the kernel cannot
+disagree.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from cupykv import _args
+from cupykv.backends.capture import refuse_in_capture
+from cupykv.cache import KVCache
+from cupykv.kernels import CUDA_TYPES, KERNELS, attention_instance
+from cupykv.spec import CacheSpec
+
+TILING = KERNELS["attention"].constants("attention_tiling")
+THREADS = TILING["kThreads"]       # threads per block
+TILE_ROWS = TILING["kTileRows"]    # query rows (query x head of one GQA group) per block
+CHUNK = TILING["kChunk"]           # keys a block scores at once
+MIN_KEYS_PER_SPLIT = 256           # below this, a split's fixed cost outweighs its parallelism
+MAX_SPLITS = 65535                 # splits are grid y: CUDA's limit there
+
+
+def shared_memory_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one attention block: q tile, scores and row stats (float32)."""
+    return (TILE_ROWS * head_dim + TILE_ROWS * CHUNK + 3 * TILE_ROWS) * 4
+
+
+def query_tiles(q_len: int, group: int) -> int:
+    """Blocks of up to TILE_ROWS query rows (query x head of one GQA group) per sequence and kv head."""
+    return math.ceil(q_len * group / TILE_ROWS)
+
+
+def max_splits(max_seq: int) -> int:
+    """The largest split-KV factor: one chunk of keys a split at least, and CUDA's grid y limit."""
+    return max(1, min(math.ceil(max_seq / CHUNK), MAX_SPLITS))
+
+
+def plan_splits(spec: CacheSpec, q_len: int, n_heads: int, resident_blocks: int) -> int:
+    """Number of KV splits: enough blocks to fill the device once, never fewer than 256 keys a split.
+
+    Parameters
+    ----------
+    spec : CacheSpec
+    q_len, n_heads : int
+        The queries' static shape.
+    resident_blocks : int
+        Blocks the whole device runs at once: multiprocessors x blocks
+        resident per multiprocessor (1 on the emulator, which runs blocks one
+        after another, so it never splits by default).
+
+    Depends only on static shapes, so a captured graph keeps a valid plan.
+    """
+    blocks = spec.batch * spec.n_kv_heads * query_tiles(q_len, n_heads // spec.n_kv_heads)
+    return max(1, min(math.ceil(resident_blocks / blocks), spec.max_seq // MIN_KEYS_PER_SPLIT))
+
+
+def _check_n_heads(n_heads, spec: CacheSpec) -> int:
+    """``n_heads`` as an int: a positive multiple of ``n_kv_heads``."""
+    n_heads = _args.check_int32("n_heads", n_heads, lo=1)
+    if n_heads % spec.n_kv_heads:
+        raise ValueError(f"n_heads: expected a multiple of n_kv_heads={spec.n_kv_heads}, got {n_heads}")
+    return n_heads
+
+
+def check_operands(cache: KVCache, q_len: int, n_heads: int, q, layer, out):
+    """The cache's kernel view of ``layer``, and ``q`` and ``out`` as kernel operands (see :meth:`AttentionPlan.run`)."""
+    spec = cache.spec
+    view = cache.kernel_view(layer)
+    backend = view.backend
+    shape = (spec.batch, q_len, n_heads, spec.head_dim)
+    if _args.check_q(q, spec) != (q_len, n_heads):
+        raise ValueError(f"q: expected the plan's shape {shape}, got {tuple(q.shape)}; make a plan for this shape")
+    q = _args.device_operand("q", q, backend, spec.dtype)
+    if out is not None:
+        out = _args.device_operand("out", out, backend, spec.dtype, shape, written=True)
+        _args.check_no_overlap("out", out, [("q", q)])
+        _args.check_apart_from_caches("out", out, cache)   # and every other cache and plan
+    return view, q, out
+
+
+@dataclass(frozen=True)
+class _Workspace:
+    """A plan's split-KV scratch: fp32 partial output, running max and sum of every split and query row."""
+
+    partial_out: object   # [splits, rows, head_dim]
+    partial_max: object   # [splits, rows]
+    partial_sum: object   # [splits, rows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(buffer.nbytes) for buffer in (self.partial_out, self.partial_max, self.partial_sum))
+
+
+class AttentionPlan:
+    """Causal GQA attention over one cache for one query shape: planned once, then :meth:`run` per layer.
+
+    Query ``i`` of sequence ``b`` sits at position ``lengths[b] + i`` (rows
+    appended but not yet advanced count as present) and attends to every
+    position ``j <= lengths[b] + i`` below ``max_seq`` (and ``j > pos - window``
+    with a window). Work follows the live lengths, read on the device at run
+    time, so one plan serves every step of a decode loop and every layer.
+
+    Parameters
+    ----------
+    cache : KVCache
+    q_len : int
+        Queries per sequence, ``1..2**30-1``.
+    n_heads : int
+        Query heads, a multiple of ``n_kv_heads`` (head ``h`` reads kv head
+        ``h // (n_heads // n_kv_heads)``); ``batch * q_len * n_heads`` at most
+        ``2**31-1``.
+    scale : float, optional
+        Logit scale, a normal float32 > 0; ``1/sqrt(head_dim)`` by default.
+    window : int, optional
+        Sliding window in ``1..2**31-1``: keep positions ``j > pos - window``.
+    softcap : float, optional
+        A normal float32 > 0: logits become ``softcap * tanh(s / softcap)``.
+    rope : Rope, optional
+        Rotate each query at its position first.
+    num_splits : int, optional
+        Split-KV factor in ``1..min(ceil(max_seq / 128), 65535)``; by default
+        enough splits to fill the device once (:func:`plan_splits`).
+
+    Attributes
+    ----------
+    num_splits : int
+    grid, block : tuple of int
+        The attention launch; a split plan adds a combine launch of
+        ``batch * q_len * n_heads`` blocks.
+    shared_mem_bytes : int
+        Dynamic shared memory per block.
+    workspace_bytes : int
+        Device memory the plan owns (0 when unsplit, bar three placeholder values).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arguments, before anything is allocated.
+    CaptureError
+        Made inside a captured step (make plans before capture).
+    """
+
+    def __init__(self, cache: KVCache, q_len, n_heads, *, scale=None, window=None, softcap=None, rope=None,
+                 num_splits=None):
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a cupykv.KVCache, got {type(cache).__name__}")
+        refuse_in_capture("making an AttentionPlan (it allocates its workspace)",
+                          "make plans before capture; cupykv.attention() makes its plan on the warm-up run")
+        spec = cache.spec
+        self.cache = cache
+        self.q_len = _args.check_q_len(q_len)
+        self.n_heads = _check_n_heads(n_heads, spec)
+        self.scale = _args.check_scale(scale, spec)
+        window = _args.check_window(window)
+        # any window above max_seq + q_len keeps every position: same result, fits int32
+        self.window = None if window is None else min(window, spec.max_seq + self.q_len)
+        self.softcap = _args.check_softcap(softcap)
+        self.rope = _args.check_rope(rope, spec)
+        self.rows = spec.batch * self.q_len * self.n_heads
+        if self.rows > _args.INT32_MAX:
+            raise ValueError(f"q_len: expected batch * q_len * n_heads <= {_args.INT32_MAX} query rows, got "
+                             f"{spec.batch} * {self.q_len} * {self.n_heads} = {self.rows}")
+        group = self.n_heads // spec.n_kv_heads
+        tiles = query_tiles(self.q_len, group)
+        self.block = (THREADS,)
+        self.shared_mem_bytes = shared_memory_bytes(spec.head_dim)
+        self._instance = attention_instance(spec.dtype, spec.head_dim)
+        backend = cache.kernel_view(0).backend
+        if num_splits is None:
+            device = backend.device_info()
+            per_sm = backend.occupancy("attention", self._instance, THREADS, self.shared_mem_bytes)
+            num_splits = plan_splits(spec, self.q_len, self.n_heads, device.multiprocessor_count * per_sm)
+        self.num_splits = _args.check_int("num_splits", num_splits, 1, max_splits(spec.max_seq))
+        self.grid = (spec.batch * spec.n_kv_heads * tiles, self.num_splits)
+        _args.check_launch("q", f"batch * n_kv_heads * ceil(q_len * group / {TILE_ROWS}) = {spec.batch} * "
+                           f"{spec.n_kv_heads} * {tiles} query tiles", self.grid, self.block, self.shared_mem_bytes)
+        self._workspace = self._allocate_workspace(backend, spec.head_dim)
+        self._ranges = tuple(("attention plan workspace", *_args.byte_range(buffer)) for buffer in
+                             (self._workspace.partial_out, self._workspace.partial_max, self._workspace.partial_sum))
+        _args.register_buffers(self)
+
+    def _allocate_workspace(self, backend, head_dim: int) -> _Workspace:
+        """Three buffers, not one, so that on the emulator an overrun of one hits a guard page.
+
+        An unsplit launch never touches them: one element each stands in.
+        """
+        splits, rows = (self.num_splits, self.rows) if self.num_splits > 1 else (1, 1)
+        head_dim = head_dim if self.num_splits > 1 else 1
+        return _Workspace(backend.zeros((splits, rows, head_dim), np.float32),
+                          backend.zeros((splits, rows), np.float32), backend.zeros((splits, rows), np.float32))
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self._workspace.nbytes if self.num_splits > 1 else 0
+
+    def owned_ranges(self):
+        """``(what, first, last)`` byte addresses of the plan's workspace: no op's output may write into them."""
+        return self._ranges
+
+    def __repr__(self):
+        spec = self.cache.spec
+        return (f"AttentionPlan(batch={spec.batch}, q_len={self.q_len}, n_heads={self.n_heads}, "
+                f"n_kv_heads={spec.n_kv_heads}, head_dim={spec.head_dim}, dtype={spec.dtype!r}, "
+                f"num_splits={self.num_splits}, grid={self.grid}, workspace_bytes={self.workspace_bytes})")
+
+    def run(self, q, layer, out=None):
+        """Attend ``q`` over ``layer`` of the plan's cache.
+
+        Parameters
+        ----------
+        q : device array ``[batch, q_len, n_heads, head_dim]``
+            The plan's shape, in the cache's dtype (bfloat16 as
+            ``ml_dtypes.bfloat16`` or uint16 bit patterns), C-contiguous.
+        layer : int
+        out : device array ``[batch, q_len, n_heads, head_dim]``, optional
+            Written in place and returned (the graph-safe form), viewed as the
+            storage dtype; the dtype forms of ``q`` are accepted. C-contiguous,
+            writeable, and overlapping neither ``q`` nor any buffer of a cache
+            or plan.
+
+        Returns
+        -------
+        device array ``[batch, q_len, n_heads, head_dim]`` in the storage dtype.
+        A query with nothing to attend to gets zeros.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments, before anything is allocated or launched.
+        """
+        return self._launch(*check_operands(self.cache, self.q_len, self.n_heads, q, layer, out))
+
+    def _launch(self, view, q, out):
+        """Launch on checked operands (``out=None``: a new output array)."""
+        spec = self.cache.spec
+        backend = view.backend
+        if out is None:
+            out = backend.zeros((spec.batch, self.q_len, self.n_heads, spec.head_dim),
+                                backend.storage_dtype(spec.dtype))
+        rope = self.rope
+        workspace = self._workspace
+        backend.launch(
+            "attention", self._instance, self.grid, self.block,
+            (out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, q, view.k, view.v,
+             view.lengths, *view.layout_args(),
+             np.int32(self.q_len), np.int32(self.n_heads), np.int32(spec.n_kv_heads), np.int32(spec.head_dim),
+             np.int32(spec.max_seq), np.int32(self.num_splits), np.float32(self.scale),
+             np.float32(self.softcap or 0.0), np.int32(self.window or 0), np.int32(rope is not None),
+             np.float64(rope.theta if rope else 0.0)),
+            self.shared_mem_bytes)
+        if self.num_splits > 1:
+            backend.launch(
+                "attention", f"cupykv_attention_combine<{CUDA_TYPES[spec.dtype]}>", (self.rows,), self.block,
+                (out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, np.int32(self.rows),
+                 np.int32(spec.head_dim), np.int32(self.num_splits)))
+        return out

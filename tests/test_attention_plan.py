@@ -1,0 +1,208 @@
+"""AttentionPlan: static work planned once (splits, geometry, workspace), run per layer and step.
+
+Each plan owns its split-KV workspace, so plans never share scratch memory;
+cupykv.attention() keeps a few plans per cache and makes them outside capture.
+"""
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import importlib
+
+import cupykv
+from cupykv import attention_plan, reference, testing
+from cupykv.kernels import parse_constants
+from backends import BACKENDS
+
+attention_module = importlib.import_module("cupykv.attention")   # cupykv.attention is the function
+
+N_HEADS = 4
+SPLITS = 2     # forced: the emulator's plan picks 1, and max_seq 256 allows 2
+SPEC = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=8, max_seq=256, batch=2, dtype="float32")
+
+
+def filled(backend):
+    cache, oracle = cupykv.KVCache(SPEC, backend=backend), reference.KVCache(SPEC)
+    testing.fill(cache, oracle, [200, 7], np.random.default_rng(0))
+    return cache, oracle
+
+
+def queries(rng, q_len):
+    return testing.random_rows(rng, SPEC, (SPEC.batch, q_len, N_HEADS, SPEC.head_dim))
+
+
+def assert_attention_matches(cache, oracle, q_host, out, layer=0):
+    want = reference.attention(q_host, oracle, layer)
+    scale = float(np.abs(oracle.v[layer]).max())
+    testing.assert_attention_close(testing.to_numpy(out, SPEC), want, SPEC.dtype, scale)
+
+
+def workspace(plan):
+    return (plan._workspace.partial_out, plan._workspace.partial_max, plan._workspace.partial_sum)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_plan_runs_every_layer_and_matches_the_reference(backend):
+    cache, oracle = filled(backend)
+    plan = cupykv.AttentionPlan(cache, 3, N_HEADS, num_splits=SPLITS)
+    q_host = queries(np.random.default_rng(1), 3)
+    q = cache.to_device(q_host)
+    for layer in range(SPEC.n_layers):
+        out = cache.to_device(np.zeros(q_host.shape, np.float32))
+        assert plan.run(q, layer, out=out) is out
+        assert_attention_matches(cache, oracle, q_host, out, layer)
+
+
+def test_a_plan_owns_exact_separate_workspace_buffers():
+    # Exact sizes and no shared memory: an emulated overrun of one buffer hits its guard page.
+    cache, _ = filled("emulator")
+    plan = cupykv.AttentionPlan(cache, 3, N_HEADS, num_splits=SPLITS)
+    rows = SPEC.batch * 3 * N_HEADS
+    partial_out, partial_max, partial_sum = workspace(plan)
+    assert partial_out.shape == (SPLITS, rows, SPEC.head_dim)
+    assert partial_max.shape == partial_sum.shape == (SPLITS, rows)
+    assert plan.workspace_bytes == 4 * (SPLITS * rows * SPEC.head_dim + 2 * SPLITS * rows)
+    assert not (np.shares_memory(partial_out, partial_max) or np.shares_memory(partial_max, partial_sum)
+                or np.shares_memory(partial_out, partial_sum))
+
+
+def test_an_unsplit_plan_owns_no_workspace_bytes():
+    cache, _ = filled("emulator")
+    plan = cupykv.AttentionPlan(cache, 1, N_HEADS)
+    assert plan.num_splits == 1 and plan.workspace_bytes == 0
+
+
+def test_two_plans_share_no_scratch_memory():
+    cache, _ = filled("emulator")
+    first = cupykv.AttentionPlan(cache, 2, N_HEADS, num_splits=SPLITS)
+    second = cupykv.AttentionPlan(cache, 2, N_HEADS, num_splits=SPLITS)
+    for a in workspace(first):
+        assert not any(np.shares_memory(a, b) for b in workspace(second))
+
+
+def test_interleaved_plans_of_different_shapes_each_stay_correct():
+    cache, oracle = filled("emulator")
+    rng = np.random.default_rng(1)
+    plans = {q_len: cupykv.AttentionPlan(cache, q_len, N_HEADS, num_splits=SPLITS) for q_len in (1, 5)}
+    for q_len in (1, 5, 1, 5):
+        q_host = queries(rng, q_len)
+        out = plans[q_len].run(cache.to_device(q_host), 1)
+        assert_attention_matches(cache, oracle, q_host, out, 1)
+
+
+def test_run_refuses_queries_of_another_shape_before_launching(monkeypatch):
+    cache, _ = filled("emulator")
+    plan = cupykv.AttentionPlan(cache, 2, N_HEADS)
+    monkeypatch.setattr(cache._backend, "launch", lambda *a, **k: pytest.fail("launched"))
+    q = cache.to_device(queries(np.random.default_rng(1), 3))
+    with pytest.raises(ValueError, match=r"^q: expected the plan's shape \(2, 2, 4, 8\), got \(2, 3, 4, 8\)"):
+        plan.run(q, 0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(q_len=0, n_heads=N_HEADS), r"^q_len: expected an int in 1\.\."),
+    (dict(q_len=1, n_heads=3), r"^n_heads: expected a multiple of n_kv_heads=2, got 3"),
+    (dict(q_len=1, n_heads=0), r"^n_heads: expected an int in 1\.\."),
+    (dict(q_len=1, n_heads=N_HEADS, num_splits=3), r"^num_splits: expected an int in 1\.\.2, got 3"),
+    (dict(q_len=1, n_heads=N_HEADS, scale=-1.0), r"^scale: "),
+])
+def test_bad_plan_arguments_are_refused_before_any_allocation(monkeypatch, kwargs, message):
+    cache, _ = filled("emulator")
+    monkeypatch.setattr(cache._backend, "zeros", lambda *a, **k: pytest.fail("allocated"))
+    with pytest.raises((TypeError, ValueError), match=message):
+        cupykv.AttentionPlan(cache, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_making_a_plan_inside_a_captured_step_is_refused(backend):
+    cache, _ = filled(backend)
+    q = cache.to_device(queries(np.random.default_rng(1), 1))
+    calls = iter([False, True])
+
+    def step():
+        if next(calls):
+            cupykv.AttentionPlan(cache, 1, N_HEADS, num_splits=SPLITS)   # only while recording
+        cache.advance(0)
+
+    with pytest.raises(cupykv.CaptureError, match="making an AttentionPlan .* make plans before capture"):
+        cupykv.capture(step)
+    del q
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_captured_step_runs_a_plan_made_on_its_warm_up_run(backend):
+    cache, oracle = filled(backend)
+    q_host = queries(np.random.default_rng(1), 1)
+    q, out = cache.to_device(q_host), cache.to_device(np.zeros(q_host.shape, np.float32))
+    graph = cupykv.capture(lambda: cupykv.attention(q, cache, 0, num_splits=SPLITS, out=out))
+    cache._backend.upload(out, np.zeros(q_host.shape, np.float32))
+    graph.replay()
+    assert_attention_matches(cache, oracle, q_host, out)
+
+
+def test_the_convenience_form_reuses_its_plan_and_allocates_nothing_on_later_calls(monkeypatch):
+    cache, _ = filled("emulator")
+    q_host = queries(np.random.default_rng(1), 2)
+    q, out = cache.to_device(q_host), cache.to_device(np.zeros(q_host.shape, np.float32))
+    cupykv.attention(q, cache, 0, num_splits=SPLITS, out=out)
+    monkeypatch.setattr(cache._backend, "zeros", lambda *a, **k: pytest.fail("allocated"))
+    cupykv.attention(q, cache, 1, num_splits=SPLITS, out=out)
+
+
+def test_the_convenience_form_keeps_a_bounded_number_of_plans_per_cache():
+    cache, _ = filled("emulator")
+    rng = np.random.default_rng(1)
+    limit = attention_module.PLANS_PER_CACHE
+    made = []
+    for q_len in range(1, limit + 4):
+        cupykv.attention(cache.to_device(queries(rng, q_len)), cache, 0, num_splits=SPLITS)
+        made.append(weakref.ref(next(reversed(attention_module._plans[cache].values()))))
+    assert [plan.q_len for plan in attention_module._plans[cache].values()] == list(range(4, limit + 4))
+    gc.collect()
+    assert [ref() is not None for ref in made] == [False] * 3 + [True] * limit   # dropped plans are freed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_may_not_write_into_a_plans_workspace(backend):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=8, max_seq=256, batch=1)
+    cache = cupykv.KVCache(spec, backend=backend)
+    q = cache.to_device(np.ones((1, 1, 1, 8), np.float32))
+    plan = cupykv.AttentionPlan(cache, 1, 1, num_splits=2)
+    partial_out = plan._workspace.partial_out
+    with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap an AttentionPlan's "
+                                         r"attention plan workspace, got one that shares 32 bytes with it$"):
+        plan.run(q, 0, out=partial_out.reshape(-1)[:8].reshape(1, 1, 1, 8))
+
+
+def test_the_tiling_is_read_from_the_kernel_source():
+    constants = attention_plan.KERNELS["attention"].constants("attention_tiling")
+    assert (attention_plan.THREADS, attention_plan.TILE_ROWS, attention_plan.CHUNK) == \
+        (constants["kThreads"], constants["kTileRows"], constants["kChunk"])
+
+
+def test_parse_constants_reads_literals_and_arithmetic_on_earlier_constants():
+    source = """
+namespace tiling {
+constexpr int kThreads = 256;   // a comment
+constexpr int kWarps = kThreads / 32;
+constexpr int kRows = (kWarps + 1) * 2 - 3;
+}  // namespace tiling
+namespace other {
+constexpr int kThreads = 1;
+}  // namespace other
+"""
+    assert parse_constants(source, "tiling") == {"kThreads": 256, "kWarps": 8, "kRows": 15}
+    assert parse_constants(source, "other") == {"kThreads": 1}
+
+
+@pytest.mark.parametrize("source, message", [
+    ("namespace t {\nconstexpr int kA = kB;\n}  // namespace t", "unknown name 'kB'"),
+    ("namespace t {\nint kA = 1;\n}  // namespace t", "expected 'constexpr int NAME = EXPR;'"),
+    ("namespace t {\nconstexpr int kA = sizeof(float);\n}  // namespace t", "not an integer constant expression"),
+    ("namespace u {\n}  // namespace u", "no 'namespace t"),
+])
+def test_parse_constants_refuses_what_it_cannot_read(source, message):
+    with pytest.raises(ValueError, match=message):
+        parse_constants(source, "t")
