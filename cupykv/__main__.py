@@ -6,8 +6,10 @@
   if anything disagrees.
 - ``generate``: greedy text generation with a real LLaMA-architecture GGUF
   model (``--model smollm2`` or ``--gguf PATH``), streamed to stdout.
-- ``check``: compiles every kernel instance with NVRTC for sm_80 and sm_90 and
-  fails on a compile error or a register spill (no GPU needed).
+- ``check``: compiles every kernel instance with NVRTC for sm_80 and sm_90,
+  prints the occupancy of the attention and linear instances, and fails on a
+  compile error, a register spill, or an instance resident at fewer blocks per
+  SM than its ``__launch_bounds__`` minimum (no GPU needed).
 - ``bench``: the performance harness (see ``cupykv.bench``); writes
   ``bench.json`` and ``bench.png``. On the emulator it is a smoke run whose
   timings are CPU emulation, not GPU figures.
@@ -16,6 +18,13 @@
   compute-sanitizer, the bench and Nsight Compute; on the CPU the same plan on
   the emulator at tiny sizes. Writes ``validate.json``; exits non-zero if a
   part failed.
+
+Errors the user can fix (:class:`cupykv.errors.UserError`: no usable GPU for
+``--backend cupy``, a machine the emulator does not support or no g++, a
+missing or unreadable GGUF file, an out-of-range ``--steps``) print one line,
+``cupykv <command>: error: <message>``, and exit with status 2, as argparse
+does for malformed arguments. Ctrl-C exits with status 130. Any other
+exception is a bug in cupykv and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ def main(argv=None) -> int:
     demo.add_argument("--steps", type=int, default=None, help="new tokens per prompt (default 16, 32 on a GPU)")
     demo.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="bfloat16")
     demo.add_argument("--seed", type=int, default=0)
-    check = commands.add_parser("check", help="NVRTC-compile every kernel for sm_80/sm_90; fail on spills")
+    check = commands.add_parser("check", help="NVRTC-compile every kernel for sm_80/sm_90; fail on spills or low occupancy")
     check.add_argument("--nvrtc", default=None, metavar="PATH",
                        help="libnvrtc.so, or a folder holding one (default: the nvidia-cuda-nvrtc wheel, "
                             "else a CUDA toolkit)")
@@ -60,14 +69,26 @@ def main(argv=None) -> int:
                           help="default: cupy when a GPU is usable, else the emulator")
     generate.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="bfloat16")
     args = parser.parse_args(argv)
+    from cupykv.errors import UserError
+
+    try:
+        return _run(args)
+    except UserError as error:
+        print(f"cupykv {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"cupykv {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
+    if args.command in ("demo", "bench", "generate") or (args.command == "validate" and args.backend):
+        from cupykv.backends.availability import check_available
+        check_available(args.backend)   # a missing GPU or g++ is reported before any work starts
     if args.command == "generate":
         from cupykv.models.generate import run_generate
-        try:
-            return run_generate(args.prompt, gguf=args.gguf, model=args.model, max_new_tokens=args.max_new_tokens,
-                                chat=args.chat, use_graph=not args.no_graph, backend=args.backend, dtype=args.dtype)
-        except (ValueError, TypeError, OSError) as error:   # user errors: one line, no traceback
-            print(f"cupykv generate: error: {error}", file=sys.stderr)
-            return 2
+        return run_generate(args.prompt, gguf=args.gguf, model=args.model, max_new_tokens=args.max_new_tokens,
+                            chat=args.chat, use_graph=not args.no_graph, backend=args.backend, dtype=args.dtype)
     if args.command == "validate":
         from cupykv.validate import main as validate_main
         return validate_main(out=args.out, backend=args.backend)

@@ -106,7 +106,7 @@ class _Workspace:
 
 
 class AttentionPlan:
-    """Causal GQA attention over one cache for one query shape: planned once, then :meth:`run` per layer.
+    """Causal GQA attention over one cache for one query shape: planned once, then run per layer.
 
     Query ``i`` of sequence ``b`` sits at position ``lengths[b] + i`` (rows
     appended but not yet advanced count as present) and attends to every
@@ -133,7 +133,7 @@ class AttentionPlan:
         Rotate each query at its position first.
     num_splits : int, optional
         Split-KV factor in ``1..min(ceil(max_seq / 128), 65535)``; by default
-        enough splits to fill the device once (:func:`plan_splits`).
+        enough splits to fill the device once (:func:`cupykv.attention_plan.plan_splits`).
 
     Attributes
     ----------
@@ -205,6 +205,7 @@ class AttentionPlan:
 
     @property
     def workspace_bytes(self) -> int:
+        """Device bytes of the split-KV workspace this plan owns (0 for an unsplit plan)."""
         return self._workspace.nbytes if self.num_splits > 1 else 0
 
     def owned_ranges(self):

@@ -17,3 +17,24 @@ class CacheOverflowError(RuntimeError):
             f"cache overflow in sequences {list(sequences)} (max_seq={max_seq}): rows past "
             f"capacity were dropped; call reset({list(sequences)}) before reusing these slots"
         )
+
+
+class UserError(Exception):
+    """Base of the errors a user fixes without touching cupykv's code.
+
+    A setting, an argument, an input file, or a device or tool this machine
+    lacks. The command line (``python -m cupykv``) prints these as one line,
+    ``cupykv <command>: error: <message>``, with no traceback, and exits with
+    status 2. Every other exception is a bug and keeps its traceback.
+    """
+
+
+class BackendUnavailableError(UserError, RuntimeError):
+    """The chosen backend cannot run here: no usable CUDA device for ``"cupy"``, or a
+    machine the CPU emulator does not support (see
+    :class:`cupykv.backends.emulator.PlatformError`)."""
+
+
+class InputError(UserError, ValueError):
+    """An input cannot be used: a missing or unreadable model file, an unknown model name,
+    a prompt that encodes to no token."""

@@ -2,10 +2,16 @@
 
 ``python -m cupykv check`` compiles each ``.cu`` file with all its template
 instances for ``sm_80`` and ``sm_90`` and reads ptxas's report (registers,
-stack, spills) from the program log. No GPU is needed: NVRTC is a library,
-loaded here with ctypes from the ``nvidia-cuda-nvrtc`` wheel, CuPy's
-environment, or a CUDA toolkit. The check fails on any compile error and on
-any register spill, so code that only compiles for the emulator never lands.
+stack, spills) from the program log, and each instance's ``__launch_bounds__``
+(``.maxntid``, ``.minnctapersm``) from the PTX. No GPU is needed: NVRTC is a
+library, loaded here with ctypes from the ``nvidia-cuda-nvrtc`` wheel, CuPy's
+environment, or a CUDA toolkit. For the attention and ``linear`` instances it
+prints the occupancy their registers, threads and shared memory imply
+(:mod:`cupykv.occupancy`). The check fails on any compile error, on any
+register spill, and on an instance resident at fewer blocks per SM than its
+``__launch_bounds__`` minimum (the occupancy its design assumes), so code that
+only compiles for the emulator, or only performs as designed on paper, never
+lands.
 """
 from __future__ import annotations
 
@@ -14,8 +20,9 @@ import glob
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from cupykv import occupancy
 from cupykv.kernels import KERNEL_DIR, KERNELS, cuda_include_dirs, cuda_paths
 
 ARCHS = ("sm_80", "sm_90")
@@ -128,7 +135,9 @@ class InstanceReport:
     stack_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
-    shared_bytes: int
+    shared_bytes: int                # static shared memory
+    max_threads: int | None = None   # __launch_bounds__ (PTX .maxntid), when declared
+    min_blocks: int | None = None    # its minimum resident blocks per SM (PTX .minnctapersm)
 
     @property
     def spills(self) -> bool:
@@ -149,6 +158,15 @@ def _program_log(lib, program) -> str:
     return log.value.decode(errors="replace")
 
 
+@dataclass(frozen=True)
+class Program:
+    """One source compiled for one arch: its instances' mangled names, ptxas's log and the PTX."""
+
+    lowered: dict[str, str]   # mangled name -> instance
+    log: str
+    ptx: str
+
+
 def compile_file(nvrtc: Nvrtc, filename: str, source: str, instances, arch: str,
                  include_dirs=(KERNEL_DIR,)) -> tuple[dict[str, str], str]:
     """Compile one source for one arch; returns (mangled name -> instance, program log).
@@ -156,6 +174,13 @@ def compile_file(nvrtc: Nvrtc, filename: str, source: str, instances, arch: str,
     ``include_dirs`` are searched for ``#include "..."``; the CUDA headers
     (cuda_fp16.h, cuda_bf16.h) come from :func:`cuda_include_dirs`.
     """
+    program = compile_program(nvrtc, filename, source, instances, arch, include_dirs)
+    return program.lowered, program.log
+
+
+def compile_program(nvrtc: Nvrtc, filename: str, source: str, instances, arch: str,
+                    include_dirs=(KERNEL_DIR,)) -> Program:
+    """:func:`compile_file`, keeping the PTX too."""
     lib = nvrtc.lib
     program = ctypes.c_void_p()
     _call(lib, "nvrtcCreateProgram", ctypes.byref(program), source.encode(), filename.encode(), 0, None, None)
@@ -173,7 +198,11 @@ def compile_file(nvrtc: Nvrtc, filename: str, source: str, instances, arch: str,
             name = ctypes.c_char_p()
             _call(lib, "nvrtcGetLoweredName", program, instance.encode(), ctypes.byref(name))
             lowered[name.value.decode()] = instance
-        return lowered, log
+        size = ctypes.c_size_t()
+        _call(lib, "nvrtcGetPTXSize", program, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        _call(lib, "nvrtcGetPTX", program, ptx)
+        return Program(lowered, log, ptx.value.decode(errors="replace"))
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
@@ -208,18 +237,48 @@ def parse_ptxas_log(log: str, lowered: dict[str, str], arch: str) -> list[Instan
     return reports
 
 
-def check_all(archs=ARCHS, nvrtc: Nvrtc | None = None) -> list[InstanceReport]:
+_ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(")
+_MAXNTID = re.compile(r"\.maxntid\s+(\d+)\s*,\s*(\d+)\s*,\s*(\d+)")
+_MINNCTAPERSM = re.compile(r"\.minnctapersm\s+(\d+)")
+
+
+def parse_launch_bounds(ptx: str, lowered: dict[str, str]) -> dict[str, tuple[int | None, int | None]]:
+    """``{instance: (max threads, min blocks per SM)}`` from the PTX directives of each entry.
+
+    NVRTC turns ``__launch_bounds__(max, min)`` into ``.maxntid max, 1, 1`` and ``.minnctapersm min``
+    between an entry's parameters and its body; either is None when not declared. Reading them from
+    the compiler's output evaluates whatever expression the source wrote (a template's
+    ``attention_min_blocks<T>()`` included).
+    """
+    found = {}
+    for m in _ENTRY.finditer(ptx):
+        if m.group(1) not in lowered:
+            continue
+        directives = ptx[m.end():ptx.find("{", m.end())]
+        threads, blocks = _MAXNTID.search(directives), _MINNCTAPERSM.search(directives)
+        found[lowered[m.group(1)]] = (
+            int(threads.group(1)) * int(threads.group(2)) * int(threads.group(3)) if threads else None,
+            int(blocks.group(1)) if blocks else None)
+    return found
+
+
+def check_all(archs=ARCHS, nvrtc: Nvrtc | None = None, kernels=None, kernel_dir: str = KERNEL_DIR
+              ) -> list[InstanceReport]:
     """Compile every instance of every kernel file for each arch and collect ptxas's reports.
 
-    ``nvrtc`` defaults to :func:`load_nvrtc`'s choice.
+    ``nvrtc`` defaults to :func:`load_nvrtc`'s choice; ``kernels`` (KernelFile objects) to
+    every file of :data:`cupykv.kernels.KERNELS`, read from ``kernel_dir``.
     """
     nvrtc = nvrtc or load_nvrtc()
     reports = []
-    for kernel in KERNELS.values():
-        source = kernel.source()
+    for kernel in (KERNELS.values() if kernels is None else kernels):
+        source = kernel.source(kernel_dir)
         for arch in archs:
-            lowered, log = compile_file(nvrtc, kernel.filename, source, kernel.instances, arch)
-            reports += parse_ptxas_log(log, lowered, arch)
+            program = compile_program(nvrtc, kernel.filename, source, kernel.instances, arch, (kernel_dir,))
+            bounds = parse_launch_bounds(program.ptx, program.lowered)
+            for r in parse_ptxas_log(program.log, program.lowered, arch):
+                max_threads, min_blocks = bounds.get(r.instance, (None, None))
+                reports.append(replace(r, max_threads=max_threads, min_blocks=min_blocks))
     return reports
 
 
@@ -244,14 +303,33 @@ def main(nvrtc_path: str | None = None) -> int:
 
 
 def report(reports, nvrtc: Nvrtc | None = None) -> int:
-    """Print the NVRTC used, the table and the verdict; 1 when any instance spills."""
+    """Print the NVRTC used, the tables and the verdict; 1 when any instance spills or is resident at
+    fewer blocks per SM than its ``__launch_bounds__`` minimum."""
     if nvrtc is not None:
         print(f"{nvrtc.describe()}; options {' '.join(OPTIONS)}")
     print(format_table(reports))
+    rows = occupancy.rows(reports)
+    if rows:
+        print("\nOccupancy per SM (registers in units of 256 per warp of 65536, 2048 threads, 32 blocks, shared "
+              "memory 164 KB on sm_80 and 228 KB on sm_90 plus 1 KB per block; smem = static + dynamic bytes; "
+              "min = the __launch_bounds__ minimum):")
+        print(occupancy.format_rows(rows))
+    failed = 0
     spilled = [r for r in reports if r.spills]
     if spilled:
         print(f"cupykv check: FAILED, register spills in {len(spilled)} instance(s): "
               + ", ".join(f"{r.instance} ({r.arch})" for r in spilled), file=sys.stderr)
+        failed = 1
+    low = [row for row in rows if row.below_minimum]
+    if low:
+        print(f"cupykv check: FAILED, occupancy below the design minimum in {len(low)} instance(s): "
+              + "; ".join(f"{row.report.instance} ({row.report.arch}): {row.occupancy.blocks} blocks/SM, limited by "
+                          f"{row.occupancy.limiter} ({row.report.registers} registers, {row.shared_bytes} bytes of "
+                          f"shared memory), but __launch_bounds__ declares {row.report.min_blocks or 1}"
+                          for row in low), file=sys.stderr)
+        failed = 1
+    if failed:
         return 1
-    print(f"cupykv check: OK, {len(reports)} instances compiled for {', '.join(ARCHS)}, no spills")
+    print(f"cupykv check: OK, {len(reports)} instances compiled for {', '.join(ARCHS)}, no spills, "
+          f"occupancy at or above every declared minimum")
     return 0

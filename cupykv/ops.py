@@ -16,7 +16,7 @@ rounded once to that dtype. Pass ``out=`` (and ``error_flag=`` for
 allocates nothing. ``cupykv.ops_reference`` is the NumPy oracle with the same
 names and signatures.
 
-Arguments are checked by :mod:`cupykv._args` before any launch; errors name
+Arguments are checked by ``cupykv._args`` before any launch; errors name
 the argument: ``TypeError`` for a wrong type, device or dtype, ``ValueError``
 for a wrong shape, layout or value, a read-only or overlapping output, or a
 launch past CUDA's limits. Every operand is C-contiguous (a strided or

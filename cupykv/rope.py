@@ -11,11 +11,42 @@ The fast path only passes ``theta`` to its kernels; ``rope_angles`` is the
 float64 form the reference uses.
 """
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._args.cache_args import check_rope_theta
+# The argument layer (cupykv._args) imports this module to check that a rope is a Rope, so the
+# theta check lives here and this module imports nothing from cupykv: the dependency runs one way.
+_THETA_MAX = float(np.finfo(np.float64).max)
+_THETA_EXPECTED = (f"a float in 1..{_THETA_MAX:.8g} (finite and >= 1, so that every rotation angle "
+                   "p * theta**(-2i/head_dim) is at most p)")
+
+
+def _shown(value) -> str:
+    text = repr(value)   # shortened as cupykv._args.scalars.shown shortens it
+    return text if len(text) <= 60 else f"{text[:45]}...{text[-12:]}"
+
+
+def check_rope_theta(name, theta) -> float:
+    """Return a rotary base as a float in ``1..FLOAT64_MAX`` (the kernels compute angles in double).
+
+    ``theta >= 1`` keeps every inverse frequency ``theta ** (-2i / head_dim)``
+    at most 1, so an angle is at most its position: finite, never NaN. Raises
+    ``TypeError`` for anything but a real number (``bool`` included) and
+    ``ValueError`` outside the range, with the argument layer's messages
+    (``<name>: expected <what>, got <value>``).
+    """
+    if isinstance(theta, (bool, np.bool_)) or not isinstance(theta, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected {_THETA_EXPECTED}, got {_shown(theta)} ({type(theta).__name__})")
+    try:
+        number = float(theta)
+    except OverflowError:   # an int beyond float64
+        number = math.inf if theta > 0 else -math.inf
+    if not 1.0 <= number <= _THETA_MAX:
+        raise ValueError(f"{name}: expected {_THETA_EXPECTED}, got {_shown(theta)}")
+    return number
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Needs the ``test`` extra (hypothesis). The pieces:
 - :func:`fill`: give a backend cache and a reference cache the same committed rows;
 - :func:`poison_tail`: write NaN past the live rows, to prove a kernel never reads them;
 - :func:`assert_matches_reference`: lengths, overflow flags and the whole K/V cache;
-- :func:`assert_attention_close`: attention within the tolerance of :mod:`cupykv.tolerances`;
+- :func:`~cupykv.tolerances.assert_attention_close`: attention within the tolerance of :mod:`cupykv.tolerances`;
 - :class:`CacheMachine`: a hypothesis state machine that interleaves every
   operation, capture and replay included, on a backend and on the reference.
 """
@@ -133,7 +133,7 @@ def poison_tail(cache, start) -> None:
     """Write NaN into every layer of K and V at positions ``>= start[b]`` of sequence ``b``."""
     spec = cache.spec
     nan = np.array(np.nan, dtype=spec.np_dtype)
-    nan_value = nan.view(np.uint16)[()] if spec.dtype == "bfloat16" and cache.backend == "cupy" else nan
+    nan_value = nan.view(np.uint16)[()] if cache.k.dtype == np.uint16 else nan   # bfloat16 bits on CuPy
     for b, first in enumerate(np.asarray(start).tolist()):
         first = max(0, min(int(first), spec.max_seq))
         index = (slice(None), b, slice(first, None)) if spec.layout == "NHD" else \
@@ -178,7 +178,8 @@ class CacheMachine(RuleBasedStateMachine):
     (:func:`assert_matches_reference`); attention must be within the stated
     tolerance.
 
-    Subclass it to choose the backend or the specs, and run it with
+    Subclass it to choose the backend or the specs (any batch, capacity and
+    shape), and run it with
     ``run_state_machine_as_test`` or ``TestCase = MyMachine.TestCase``::
 
         class OnGPU(CacheMachine):
@@ -227,23 +228,31 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.append(layer, self._device(k), self._device(v), rope=rope)
         self.oracle.append(layer, k, v, rope=rope)
 
-    @rule(n=st.integers(0, 4) | st.lists(st.integers(0, 4), min_size=1, max_size=4))
-    def advance(self, n):
-        if isinstance(n, list):
-            n = (n * self.spec.batch)[: self.spec.batch]
+    # Per-sequence arguments are drawn once the spec is known, sized [batch], so that a
+    # subclass may use any batch.
+    def _per_sequence(self, data, element, label):
+        batch = self.spec.batch
+        return data.draw(st.lists(element, min_size=batch, max_size=batch), label=label)
+
+    @rule(data=st.data(), per_sequence=st.booleans())
+    def advance(self, data, per_sequence):
+        steps = st.integers(0, 4)
+        n = self._per_sequence(data, steps, "n") if per_sequence else data.draw(steps, label="n")
         self.cache.advance(n)
         self.oracle.advance(n)
 
-    @rule(fractions=st.lists(st.floats(0, 1), min_size=4, max_size=4))
-    def truncate(self, fractions):
+    @rule(data=st.data())
+    def truncate(self, data):
+        fractions = self._per_sequence(data, st.floats(0, 1), "fractions")
         targets = [int(f * n) for f, n in zip(fractions, self.oracle.lengths)]
         self.cache.truncate(targets)
         self.oracle.truncate(targets)
 
-    @rule(slots=st.none() | st.lists(st.integers(0, 3), unique=True, max_size=3))
-    def reset(self, slots):
-        if slots is not None:
-            slots = [s for s in slots if s < self.spec.batch]
+    @rule(data=st.data())
+    def reset(self, data):
+        batch = self.spec.batch
+        slots = data.draw(st.none() | st.lists(st.integers(0, batch - 1), unique=True, max_size=batch),
+                          label="slots")
         self.cache.reset(slots)
         self.oracle.reset(slots)
 
@@ -292,3 +301,29 @@ class CacheMachine(RuleBasedStateMachine):
     def matches_reference(self):
         if self.cache is not None:
             assert_matches_reference(self.cache, self.oracle, rope_used=self.rope_used)
+
+
+def traffic(backend_or_cache=None):
+    """Count the memory traffic of the emulator launches of a ``with`` block.
+
+    ``with testing.traffic(cache) as t:`` yields a collector whose ``launches`` holds one
+    :class:`~cupykv.backends.emulator.accounting.LaunchTraffic` per kernel launch: per array
+    argument (``t.launches[0].of(cache.k)``), the bytes loaded and stored, the distinct 32-byte
+    sectors, exactly which bytes were touched, and warp-level sectors per request.
+
+    Parameters
+    ----------
+    backend_or_cache : KVCache, backend name or Backend, optional
+        Must be (or live on) the emulator; ``None`` accepts any default, as the count
+        sees only emulator launches.
+
+    Raises
+    ------
+    ValueError
+        The backend is not the emulator: only the emulator sees every access.
+    """
+    from cupykv.backends import get_backend
+    from cupykv.cache import KVCache
+
+    backend = backend_or_cache._backend if isinstance(backend_or_cache, KVCache) else get_backend(backend_or_cache)
+    return backend.traffic()

@@ -7,7 +7,7 @@ rounds once from float64).
 
 Attention output is a convex combination of value rows, so its error scales
 with ``value_scale = max |v|`` over the attended rows, not with ``|out|``.
-The bound per element is
+The bound per element is::
 
     |got - want| <= value_scale * (2 * u(dtype) + 256 * u(float32))
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from cupykv.backends import cuda_available, get_backend
+from cupykv.backends import CPU_BACKEND, GPU_BACKEND, cuda_available, get_backend, runs_on_gpu
 from cupykv.kernels import cuda_paths
 
 SCHEMA = "cupykv-validate/1"
@@ -158,7 +158,7 @@ def build_plan(out, scratch, backend: str, gpu_reason: str, tools: dict, budgets
     device : str, optional
         The GPU's name, for the label of a GPU run.
     """
-    out, scratch, gpu = Path(out).resolve(), Path(scratch), backend == "cupy"   # parts run in SOURCE_ROOT
+    out, scratch, gpu = Path(out).resolve(), Path(scratch), runs_on_gpu(backend)   # parts run in SOURCE_ROOT
     budgets = budgets or (GPU_BUDGETS if gpu else EMULATOR_BUDGETS)
     launches = (sys.executable, "-m", "cupykv.validate_launches", "--backend", backend)
     stateful_test = "tests/test_stateful.py::" + ("TestCupyCache" if gpu else "TestEmulatorCache")
@@ -197,7 +197,7 @@ def build_plan(out, scratch, backend: str, gpu_reason: str, tools: dict, budgets
         sections = [arg for section in NCU_SECTIONS for arg in ("--section", section)]
         commands = tuple((ncu, "--kernel-name-base", "demangled", "--kernel-name", f"regex:{regex}",
                           "--launch-count", "1", *sections, "--csv", "--page", "details",
-                          sys.executable, "-m", "cupykv.validate_launches", "--backend", "cupy",
+                          sys.executable, "-m", "cupykv.validate_launches", "--backend", GPU_BACKEND,
                           "--workload", "profile") for _, regex in NCU_KERNELS)
         parts.append(Part("ncu", what, budgets.ncu_s, commands, log_file=NCU_LOG_FILE,
                           fail_patterns=("No kernels were profiled", "==ERROR==")))
@@ -305,7 +305,7 @@ def execute(plan: Plan, out, environment: dict, echo=print) -> dict:
     summary = {
         "schema": SCHEMA,
         "label": plan.label,
-        "gpu": plan.backend == "cupy",
+        "gpu": runs_on_gpu(plan.backend),
         "backend": plan.backend,
         "gpu_reason": plan.gpu_reason,
         "passed": not failed and not errors,
@@ -333,11 +333,11 @@ def choose_backend(backend: Optional[str] = None) -> tuple[str, str]:
     the reason GPU-only parts are skipped: :data:`NO_GPU` or :data:`EMULATOR_REQUESTED`.
     """
     available, reason = cuda_available()
-    if backend == "cupy" and not available:
-        raise RuntimeError(f"validate --backend cupy: no usable GPU: {reason}")
+    if backend is not None and runs_on_gpu(backend) and not available:
+        raise RuntimeError(f"validate --backend {backend}: no usable GPU: {reason}")
     if not available:
-        return "emulator", NO_GPU
-    return ("emulator", EMULATOR_REQUESTED) if backend == "emulator" else ("cupy", reason)
+        return CPU_BACKEND, NO_GPU
+    return (CPU_BACKEND, EMULATOR_REQUESTED) if backend == CPU_BACKEND else (GPU_BACKEND, reason)
 
 
 def versions(backend: str) -> dict:

@@ -18,7 +18,7 @@ from cupykv.bench import PLANS, SCHEMA, plan_for
 from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits
 from cupykv.bench.report import EMULATOR_LABEL
 
-SECTIONS = ("copy", "attention_decode", "full_axis", "linear", "model_decode", "smollm2_decode")
+SECTIONS = ("copy", "attention_decode", "full_axis", "linear", "model_decode", "smollm2_decode", "traffic")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -128,6 +128,19 @@ def test_sections_cover_the_plan(bench):
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (576, 9, 3)
     assert dict(PLANS["full"].smollm2_config)["num_hidden_layers"] == 30
     assert PLANS["full"].smollm2_batches == (1, 8)
+
+
+def test_the_emulator_reports_traffic_with_exact_sector_counts(bench):
+    # The access patterns of tests/test_traffic.py, as the bench reports them (CPU-measured, not GPU figures).
+    plan = PLANS["smoke"]
+    (out_features, in_features), live = plan.linear_shapes[0], plan.decode_lives[0]
+    assert [row["what"] for row in bench["data"]["sections"]["traffic"]["results"]] == [
+        f"attention K, live {live}", f"attention V, live {live}",
+        *(f"linear W {out_features}x{in_features}, {rows} rows" for rows in (1, max(plan.linear_rows)))]
+    for row in bench["data"]["sections"]["traffic"]["results"]:
+        assert row["sectors_over_ideal"] == 1.0, row            # not one sector outside what the op needs
+        assert row["sectors_per_request"] > 0 and row["requested_over_ideal"] >= 1.0
+    assert all(check["passed"] for check in bench["data"]["sections"]["traffic"]["checks"])
 
 
 def test_plan_choice():

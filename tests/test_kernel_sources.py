@@ -73,7 +73,7 @@ def test_backends_compile_the_module_source():
 
 def test_the_cupy_backend_passes_the_module_source_to_rawmodule():
     # RawModule compiles lazily, so building one needs no GPU; its .code is CuPy's cache key text.
-    from cupykv.backends import cupy as cupy_backend   # cupy-cuda13x is part of the test extra
+    from cupykv.backends import cupy_backend   # cupy-cuda13x is part of the test extra
     kernel = KERNELS["append"]
     module = cupy_backend.CupyBackend()._compile(kernel.filename, kernel.module_source(), kernel.instances)
     assert module.code == kernel.module_source()

@@ -1,4 +1,5 @@
-"""The offline NVRTC check: every kernel instance compiles for sm_80 and sm_90 without spills.
+"""The offline NVRTC check: every kernel instance compiles for sm_80 and sm_90 without spills, and
+every attention and linear instance keeps the occupancy its ``__launch_bounds__`` declares.
 
 The verdict is reproducible: the test extra pins the NVRTC wheel, and CI also
 runs the check under a second, older pinned NVRTC (``.ci/run`` installs it and
@@ -7,13 +8,15 @@ allocator's choices.
 """
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from cupykv import nvrtc_check
-from cupykv.kernels import KERNELS
+from cupykv import nvrtc_check, occupancy
+from cupykv.kernels import KERNEL_DIR, KERNELS, KernelFile
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,9 @@ def test_command_line_prints_the_table_and_succeeds():
     assert result.returncode == 0, result.stderr
     assert "cupykv_attention<__nv_bfloat16, 128>" in result.stdout
     assert "no spills" in result.stdout
+    assert "occupancy at or above every declared minimum" in result.stdout
+    assert re.search(r"^sm_90  cupykv_attention<__nv_bfloat16, 128> +\d+ +128 +16576 +\d+ +\d+ +4  registers",
+                     result.stdout, re.M), result.stdout
     major, minor = nvrtc_check.PINNED_NVRTC.split(".")[:2]
     assert f"NVRTC {major}.{minor} (nvidia-cuda-nvrtc {nvrtc_check.PINNED_NVRTC}) from " in result.stdout
     assert "-ftz=true" in result.stdout.splitlines()[0]
@@ -106,3 +112,130 @@ def _failure_line(reports):
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
         nvrtc_check.report(reports)
     return stderr.getvalue()
+
+
+# ---- occupancy ---------------------------------------------------------------------------------
+SM80, SM90 = occupancy.LIMITS["sm_80"], occupancy.LIMITS["sm_90"]
+
+
+@pytest.mark.parametrize("limits, registers, threads, shared, blocks, limiter", [
+    # registers: ceil(32 R / 256) * 256 per warp of 65536 per SM, whole blocks of warps
+    (SM80, 128, 128, 16576, 4, "registers"),      # 4096 per warp: 16 warps, 4 blocks of 4
+    (SM90, 94, 128, 16576, 5, "registers"),       # 3008 -> 3072 per warp: 21 warps, 5 blocks
+    (SM80, 168, 128, 12480, 3, "registers"),      # 5376 per warp: 12 warps
+    (SM90, 80, 128, 12480, 6, "registers"),       # 2560 per warp: 25 warps, 6 blocks
+    (SM90, 114, 128, 24768, 4, "registers"),      # 3648 -> 3840 per warp: 17 warps
+    (SM80, 48, 128, 0, 10, "registers"),          # 1536 per warp: 42 warps
+    (SM80, 32, 1024, 0, 2, "registers+threads"),  # 1024 per warp: 64 warps; 2048 threads
+    (SM80, 16, 32, 0, 32, "blocks"),              # 128 warps by registers, 64 blocks by threads
+    (SM80, 32, 128, 48 * 1024, 3, "shared"),      # 167936 // (49152 + 1024)
+    (SM90, 32, 128, 48 * 1024, 4, "shared"),      # 233472 // 50176
+    (SM80, 32, 100, 100, 16, "registers+threads"),  # 100 threads occupy 4 warps
+    (SM80, 255, 1024, 0, 0, "registers"),         # 8192 per warp: 8 warps, a block needs 32
+])
+def test_occupancy_arithmetic(limits, registers, threads, shared, blocks, limiter):
+    result = occupancy.blocks_per_sm(limits, registers, threads, shared)
+    assert (result.blocks, result.limiter) == (blocks, limiter)
+
+
+def test_shared_memory_is_allocated_in_128_byte_units_plus_1_kb_per_block():
+    # 100 bytes + 1024 reserved = 1124 -> 1152 bytes a block; 167936 // 1152 = 145 (not 149)
+    assert occupancy.blocks_per_sm(SM80, 0, 32, 100).by_shared == 145
+    assert occupancy.blocks_per_sm(SM80, 0, 32, 0).by_shared == 164
+    assert occupancy.blocks_per_sm(SM90, 0, 32, 0).by_shared == 228
+
+
+@pytest.mark.parametrize("threads", [0, 1025])
+def test_occupancy_refuses_impossible_blocks(threads):
+    with pytest.raises(ValueError, match="threads per block"):
+        occupancy.blocks_per_sm(SM80, 32, threads, 0)
+
+
+def test_launch_bounds_are_read_from_the_ptx():
+    source = ("template <int N> __global__ void __launch_bounds__(64 * N, N + 1) k(float* x) { x[threadIdx.x] = N; }\n"
+              "__global__ void __launch_bounds__(256) plain(float* x) { x[threadIdx.x] = 1.f; }\n"
+              "__global__ void free_kernel(float* x) { x[threadIdx.x] = 2.f; }\n")
+    nvrtc = nvrtc_check.load_nvrtc()
+    program = nvrtc_check.compile_program(nvrtc, "bounds.cu", source, ["k<2>", "plain", "free_kernel"], "sm_80")
+    assert nvrtc_check.parse_launch_bounds(program.ptx, program.lowered) == {
+        "k<2>": (128, 3), "plain": (256, None), "free_kernel": (None, None)}
+
+
+def test_every_attention_and_linear_instance_meets_its_declared_occupancy(reports):
+    rows = occupancy.rows(reports)
+    expected = {(r.arch, r.instance) for r in reports if r.instance.startswith(("cupykv_attention", "cupykv_linear"))}
+    assert {(row.report.arch, row.report.instance) for row in rows} == expected
+    for row in rows:
+        r = row.report
+        if r.instance.startswith("cupykv_attention<"):   # attention_min_blocks<T>(): 3 for float, else 4
+            assert r.min_blocks == (3 if "<float," in r.instance else 4), r
+        elif r.instance.startswith("cupykv_linear<"):
+            assert r.min_blocks == 4, r
+        assert not row.below_minimum, (r, row.occupancy)
+
+
+def _docs_table():
+    """Rows of docs/performance.md's occupancy table: (instance pattern, {arch: (registers, blocks)})."""
+    text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
+    types = {"bf16": "__nv_bfloat16", "half": "__half", "float": "float", "T": None}
+    rows = []
+    for match in re.finditer(r"^\| (attention|linear)<(\w+), (\d+)>[^|]*\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
+                             text, re.M):
+        kernel, t, size, r80, b80, r90, b90 = match.groups()
+        rows.append((kernel, types[t], int(size), {"sm_80": (int(r80), int(b80)), "sm_90": (int(r90), int(b90))}))
+    return rows
+
+
+def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
+    rows = _docs_table()
+    assert len(rows) >= 7
+    computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
+                for row in occupancy.rows(reports)}
+    for kernel, cuda_type, size, by_arch in rows:
+        for cuda in ([cuda_type] if cuda_type else ["float", "__half", "__nv_bfloat16"]):
+            instance = f"cupykv_{kernel}<{cuda}, {size}>"
+            for arch, documented in by_arch.items():
+                assert computed[(arch, instance)] == documented, (instance, arch)
+
+
+def _report_exit(reports):
+    import contextlib
+    import io
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+        code = nvrtc_check.report(reports)
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+def test_a_planted_low_register_occupancy_fails():
+    planted = nvrtc_check.InstanceReport("sm_80", "cupykv_attention<__nv_bfloat16, 128>", registers=168, stack_bytes=0,
+                                         spill_store_bytes=0, spill_load_bytes=0, shared_bytes=0, max_threads=128,
+                                         min_blocks=4)
+    code, stdout, stderr = _report_exit([planted])
+    assert code == 1
+    assert "BELOW MINIMUM" in stdout
+    assert ("FAILED, occupancy below the design minimum in 1 instance(s): cupykv_attention<__nv_bfloat16, 128> "
+            "(sm_80): 3 blocks/SM, limited by registers (168 registers, 16576 bytes of shared memory), but "
+            "__launch_bounds__ declares 4") in stderr
+    fine = nvrtc_check.InstanceReport("sm_80", "cupykv_attention<__nv_bfloat16, 128>", 128, 0, 0, 0, 0, 128, 4)
+    assert _report_exit([fine])[0] == 0
+
+
+def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
+    """The real attention source with 32 KB more static shared memory per block (a deeper cp.async
+    pipeline, say): registers still allow 4 blocks on sm_80, shared memory only 3."""
+    for header in Path(KERNEL_DIR).glob("*.cuh"):
+        (tmp_path / header.name).write_text(header.read_text())
+    source = KERNELS["attention"].source()
+    anchor = "    extern __shared__ float smem[];\n"
+    assert source.count(anchor) == 1
+    planted = source.replace(anchor, anchor + "    __shared__ float planted_stage[8192];   // 32 KB\n"
+                                              "    planted_stage[tid * 64] = 0.0f;\n    __syncthreads();\n"
+                                              "    if (planted_stage[(tid * 64 + 64) % 8192] != 0.0f) __trap();\n")
+    (tmp_path / "attention.cu").write_text(planted)
+    bf16 = KernelFile("attention.cu", ("cupykv_attention<__nv_bfloat16, 128>",))
+    reports = nvrtc_check.check_all(archs=("sm_80",), kernels=[bf16], kernel_dir=str(tmp_path))
+    (row,) = occupancy.rows(reports)
+    assert row.report.shared_bytes >= 32768 and row.occupancy.limiter == "shared" and row.occupancy.blocks == 3
+    code, _, stderr = _report_exit(reports)
+    assert code == 1 and "cupykv_attention<__nv_bfloat16, 128> (sm_80): 3 blocks/SM, limited by shared" in stderr

@@ -14,9 +14,10 @@ import math
 import numpy as np
 
 from cupykv._args.limits import INT32_MAX, MAX_NEW
+from cupykv.rope import Rope, check_rope_theta  # noqa: F401 (check_rope_theta re-exported: Rope owns it)
 
 SOFTCAP_MAX = 2.0**64
-from cupykv._args.scalars import (FLOAT64_MAX, check_float, check_int, check_int32, check_positive_float32, got,
+from cupykv._args.scalars import (check_int, check_int32, check_positive_float32, got,
                                   int_range, is_int, shown)
 
 
@@ -115,20 +116,8 @@ def check_softcap(softcap):
                                   "normal and > 0 in float32, the kernel's type; larger caps flush s / softcap to 0")
 
 
-def check_rope_theta(name, theta):
-    """Return a rotary base as a float in ``1..FLOAT64_MAX`` (the kernels compute angles in double).
-
-    ``theta >= 1`` keeps every inverse frequency ``theta ** (-2i / head_dim)``
-    at most 1, so an angle is at most its position: finite, never NaN.
-    """
-    return check_float(name, theta, 1.0, FLOAT64_MAX, "finite and >= 1, so that every rotation angle "
-                                                     "p * theta**(-2i/head_dim) is at most p")
-
-
 def check_rope(rope, spec):
     """Return ``None`` or a ``Rope``; rope needs an even ``head_dim``."""
-    from cupykv.rope import Rope  # deferred: rope.py imports this module
-
     if rope is None:
         return None
     if not isinstance(rope, Rope):
@@ -235,3 +224,113 @@ def check_slots(slots, spec):
     if len(set(values)) != len(values):
         raise ValueError(f"slots: expected {expected}, got repeated slots {values}")
     return np.array(sorted(values), dtype=np.int64)
+
+
+# -- shared lengths, write, set_lengths, views, capacity (issue 19) ---------------------------------------
+def check_lengths_values(name, values, spec):
+    """Check the values of a lengths array handed to a cache (host ``[batch]``): each in ``0..max_seq``.
+
+    Returns them as int64 NumPy ``[batch]``.
+    """
+    values = np.asarray(values)
+    for b, v in enumerate(values.tolist()):
+        if not 0 <= v <= spec.max_seq:
+            raise ValueError(f"{name}: expected lengths in 0..{spec.max_seq} (max_seq), got {name}[{b}] = {shown(v)}")
+    return values.astype(np.int64)
+
+
+def check_lengths_shape(name, arr, spec):
+    """Check the shape of a lengths array ``[batch]`` handed to a cache (its dtype is the caller's business)."""
+    _check_array(name, arr, "[batch]")
+    if tuple(arr.shape) != (spec.batch,):
+        raise ValueError(f"{name}: expected shape ({spec.batch},) [batch], got {tuple(arr.shape)}")
+
+
+def positions_shapes(spec, n_new):
+    """The shapes ``write`` accepts for ``positions``: ``[batch, n_new]``, and ``[batch]`` when ``n_new`` is 1."""
+    return ((spec.batch, n_new), (spec.batch,)) if n_new == 1 else ((spec.batch, n_new),)
+
+
+def check_positions_shape(name, arr, spec, n_new):
+    """Check the shape of ``write``'s ``positions`` (or of a ``positions_out``) against ``n_new`` rows."""
+    shapes = positions_shapes(spec, n_new)
+    if tuple(arr.shape) not in shapes:
+        wanted = f"({spec.batch}, {n_new}) [batch, n_new] (n_new from k)"
+        if len(shapes) == 2 and name == "positions":
+            wanted += f" or ({spec.batch},) [batch] (one row per sequence)"
+        raise ValueError(f"{name}: expected shape {wanted}, got {tuple(arr.shape)}")
+
+
+def check_positions(positions, spec, n_new):
+    """Check host ``positions`` of ``write``; return them as int64 NumPy ``[batch, n_new]``.
+
+    ``positions`` is a NumPy int array or nested lists of ints ``[batch, n_new]``
+    (``[batch]`` when ``n_new`` is 1). Each value must fit the kernel's int;
+    values outside ``0..max_seq-1`` are allowed (those rows overflow). Two
+    rows of one sequence at one position inside ``0..max_seq-1`` are refused:
+    the later would silently replace the earlier.
+    """
+    expected = f"a device int32 array or host ints of shape ({spec.batch}, {n_new}) [batch, n_new]"
+    if not isinstance(positions, (list, tuple, np.ndarray)):
+        raise TypeError(f"positions: expected {expected}, got {got(positions)}")
+    try:
+        arr = np.asarray(positions) if isinstance(positions, np.ndarray) else np.array(positions, dtype=object)
+    except (ValueError, OverflowError):
+        raise ValueError(f"positions: expected {expected}, got a ragged sequence") from None
+    check_positions_shape("positions", arr, spec, n_new)
+    values = arr.reshape(spec.batch, n_new).tolist()
+    flat = [v for row in values for v in row]
+    if arr.dtype.kind not in "iu" and not all(is_int(v) for v in flat):
+        bad = next(v for v in flat if not is_int(v))
+        raise TypeError(f"positions: expected ints, got {got(bad)}")
+    for b, row in enumerate(values):
+        seen = {}
+        for i, p in enumerate(row):
+            p = int(p)
+            if not -INT32_MAX - 1 <= p <= INT32_MAX:
+                raise ValueError(f"positions: expected ints in {-INT32_MAX - 1}..{INT32_MAX} (the kernel's int), "
+                                 f"got positions[{b}, {i}] = {shown(p)}")
+            if 0 <= p < spec.max_seq and p in seen:
+                raise ValueError(f"positions: expected distinct positions within a sequence, got "
+                                 f"positions[{b}, {seen[p]}] = positions[{b}, {i}] = {p}")
+            seen[p] = i
+    return np.array(values, dtype=np.int64).reshape(spec.batch, n_new)
+
+
+def check_set_lengths(new_lengths, spec):
+    """Check ``set_lengths``'s host values: an int or ints ``[batch]``, each in ``0..INT32_MAX``.
+
+    Values past ``max_seq`` are allowed (clamped and flagged). Returns int64 NumPy ``[batch]``.
+    """
+    return _per_sequence("new_lengths", new_lengths, spec, 0, INT32_MAX)
+
+
+def check_capacity_request(n, spec):
+    """Check ``has_capacity``'s ``n``: an int or ints ``[batch]``, each in ``0..INT32_MAX``. Returns int64 ``[batch]``."""
+    return _per_sequence("n", n, spec, 0, INT32_MAX)
+
+
+def check_view_layout(layout, spec):
+    """Return the layout a view is asked for: the cache's for ``None``, else ``"NHD"`` or ``"HND"``."""
+    if layout is None:
+        return spec.layout
+    if not isinstance(layout, str):
+        raise TypeError(f"layout: expected None, 'NHD' or 'HND', got {got(layout)}")
+    if layout not in ("NHD", "HND"):
+        raise ValueError(f"layout: expected None, 'NHD' or 'HND', got {shown(layout)}")
+    return layout
+
+
+def check_seq(seq, spec):
+    """Return the sequence index of a one-sequence view: ``seq`` in ``0..batch-1``; ``None`` only when batch is 1."""
+    if seq is None:
+        if spec.batch != 1:
+            raise ValueError(f"seq: expected an int in 0..{spec.batch - 1} (the cache holds {spec.batch} "
+                             f"sequences; None only for batch 1), got None")
+        return 0
+    return check_int("seq", seq, 0, spec.batch - 1)
+
+
+def check_pending(pending):
+    """Return the pending rows a view includes: an int in ``0..MAX_NEW``."""
+    return check_int("pending", pending, 0, MAX_NEW)

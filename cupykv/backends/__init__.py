@@ -20,6 +20,12 @@ import os
 from cupykv.backends.base import Backend
 
 BACKENDS = ("cupy", "emulator")
+GPU_BACKEND, CPU_BACKEND = BACKENDS   # the backend that runs on a CUDA GPU, and the CPU emulator
+
+
+def runs_on_gpu(name: str) -> bool:
+    """Whether backend ``name`` launches on a CUDA GPU (so GPU tools such as compute-sanitizer apply)."""
+    return name == GPU_BACKEND
 _instances: dict[str, Backend] = {}
 
 
@@ -83,7 +89,8 @@ def get_backend(name: str | Backend | None = None) -> Backend:
         if name == "cupy":
             available, reason = cuda_available()
             if not available:
-                raise RuntimeError(f"backend 'cupy' is not usable here: {reason}")
+                from cupykv.errors import BackendUnavailableError   # a RuntimeError, and a UserError for the CLI
+                raise BackendUnavailableError(f"backend 'cupy' is not usable here: {reason}")
             from cupykv.backends.cupy_backend import CupyBackend
             _instances[name] = CupyBackend()
         else:

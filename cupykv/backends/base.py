@@ -101,7 +101,7 @@ class Backend:
     def capture(self, run: Callable[[], None]) -> tuple[list, Callable[[], None], Any]:
         """Record the launches of ``run()`` as one replayable step.
 
-        Called by :func:`cupykv.graph.capture` after the warm-up run. Returns
+        Called by :func:`cupykv.capture` after the warm-up run. Returns
         the recorded launches, a function that replays them once on the
         current stream, and whatever must stay alive for replays.
         """
@@ -199,6 +199,20 @@ class Backend:
     def _foreign_device_array(self, array) -> Any:
         """A zero-copy view of another library's device array (DLPack), or ``None``."""
         return None
+
+    def traffic(self):
+        """A context manager that counts the global-memory traffic of the launches in its block.
+
+        Only the emulator sees every access (see :func:`cupykv.testing.traffic`); on a GPU,
+        Nsight Compute measures it.
+
+        Raises
+        ------
+        ValueError
+            This backend cannot count.
+        """
+        raise ValueError(f"traffic: counts emulator launches only, got the backend {self.name!r}; "
+                         f"on a GPU, profile with Nsight Compute (python -m cupykv validate runs it)")
 
     def use_exact_allocations(self) -> None:
         """Give every later allocation its own device block (no pooling), so memory checkers see real bounds."""

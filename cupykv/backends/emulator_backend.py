@@ -81,6 +81,9 @@ class EmulatorBackend(Backend):
                 fn(grid, block, args, shared_mem=shared_mem)
         return launches, replay_once, None
 
+    def traffic(self):
+        return emulator.traffic()
+
     def device_info(self):
         cpu = f"{platform.machine()}, {os.cpu_count()} cores"
         details = {"cupy_version": None}

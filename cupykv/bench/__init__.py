@@ -16,6 +16,9 @@ side by side:
   ``cupykv.models.llama``.
 - ``smollm2_decode``: tokens/s of a random-weight model with SmolLM2-135M's
   shape, batch 1 and 8, eager and graph.
+- ``traffic`` (emulator only): sectors per warp request and distinct sectors
+  over the ideal for decode attention's K/V loads and linear's weight loads,
+  counted by the emulator; properties of the access patterns, not GPU figures.
 
 On CuPy, times come from CUDA events around one call, after warm-up, with an
 L2 flush and a device-side delay before each timed call, so that the window
@@ -117,7 +120,7 @@ PLANS = {
 #: section name -> function of a Context, in run order (copy first: the others divide by it).
 SECTIONS = (("copy", sections.copy_bandwidth), ("attention_decode", sections.attention_decode),
             ("full_axis", sections.full_axis), ("linear", sections.linear), ("model_decode", model.model_decode),
-            ("smollm2_decode", model.smollm2_decode))
+            ("smollm2_decode", model.smollm2_decode), ("traffic", sections.traffic))
 
 
 def plan_for(emulated: bool, quick: bool) -> Plan:

@@ -259,3 +259,59 @@ def linear(ctx: Context) -> dict:
         "results": results,
         "checks": checks,
     }
+
+
+# -- memory traffic (emulator only) ------------------------------------------------------------
+def traffic(ctx: Context) -> dict:
+    """Sectors per request and sectors over the ideal, for decode attention and linear (emulator only).
+
+    Properties of the kernels' access patterns, counted by the emulator: not
+    GPU figures (on a GPU, Nsight Compute measures them: python -m cupykv validate).
+    """
+    plan, backend = ctx.plan, ctx.backend
+    if not backend.device_info().emulated:
+        return {"status": "skipped", "reason": "traffic is counted by the CPU emulator; on a GPU, Nsight Compute "
+                                               "measures it (python -m cupykv validate)"}
+    results = []
+    live = plan.decode_lives[0]
+    cache, q, out = _decode_cache(ctx, 1, plan.decode_max_seq, seed=400)
+    _set_live(cache, live)
+    with backend.traffic() as counted:
+        cupykv.attention(q, cache, 0, out=out)
+    (launch,) = counted.kernels("cupykv_attention<")
+    for name, array in (("K", cache.k), ("V", cache.v)):
+        needed = _kv_bytes(plan, 1, live) // 2
+        results.append(_traffic_row(f"attention {name}, live {live}", launch.coalescing("load", [array], needed)))
+    out_features, in_features = plan.linear_shapes[0]
+    weight = random_array(backend, (out_features, in_features), "bfloat16", seed=401, scale=0.05)
+    for rows in (1, max(plan.linear_rows)):
+        x = random_array(backend, (rows, in_features), "bfloat16", seed=402)
+        with backend.traffic() as counted:
+            cupykv.linear(x, weight)
+        (launch,) = counted.kernels("cupykv_linear<")
+        results.append(_traffic_row(f"linear W {out_features}x{in_features}, {rows} rows",
+                                    launch.coalescing("load", [weight], int(weight.nbytes))))
+    return {
+        "status": "ok",
+        "description": "global loads counted by the emulator (CPU-measured properties of the access patterns, "
+                       "not GPU figures): sectors_per_request = distinct 32-byte sectors of one warp-level "
+                       "request; sectors_over_ideal = distinct sectors / (bytes the op needs / 32); "
+                       "requested_over_ideal counts a sector again each time a request asks for it",
+        "params": {"dtype": "bfloat16", "n_heads": plan.n_heads, "n_kv_heads": plan.n_kv_heads,
+                   "head_dim": plan.head_dim},
+        "units": {"sectors_per_request": "sectors", "sectors_over_ideal": "ratio", "requested_over_ideal": "ratio"},
+        "results": results,
+        "checks": [_check_ratio(row) for row in results],
+    }
+
+
+def _traffic_row(what: str, coalescing) -> dict:
+    return {"what": what, "sectors_per_request": coalescing.sectors_per_request,
+            "sectors_over_ideal": coalescing.ratio, "requested_over_ideal": coalescing.requested_ratio}
+
+
+def _check_ratio(row: dict) -> dict:
+    """Nothing outside what the op needs: distinct sectors equal the ideal (targets: 1.1 attention, 1.05 linear)."""
+    limit = 1.1 if row["what"].startswith("attention") else 1.05
+    return {"what": f"{row['what']}: sectors <= {limit} x ideal", "sectors_over_ideal": row["sectors_over_ideal"],
+            "passed": row["sectors_over_ideal"] <= limit}

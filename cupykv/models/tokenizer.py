@@ -60,7 +60,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path_or_metadata) -> "Tokenizer":
-        """The tokenizer stored in a GGUF file (a path, or the metadata :func:`read_gguf` returned).
+        """The tokenizer stored in a GGUF file (a path, or the metadata :func:`~cupykv.models.gguf.read_gguf` returned).
 
         Raises
         ------

@@ -3,8 +3,9 @@
 Every CUDA thread is a fiber, so ``__syncthreads`` and the warp intrinsics have their
 real semantics; the emulator raises on divergent barriers, bad warp masks, deadlocks,
 data races in shared memory and in written arguments, out-of-bounds global or dynamic
-shared memory accesses, failed device asserts and launches that break CUDA's limits or the
-kernel's signature. ``CUPYKV_EMULATOR_SEED`` shuffles the order of blocks and threads.
+shared memory accesses, reads of an asynchronous copy's destination before its wait, bad
+tensor-core fragment operands, failed device asserts and launches that break CUDA's limits or
+the kernel's signature. ``CUPYKV_EMULATOR_SEED`` shuffles the order of blocks and threads.
 
     mod = Module(code, ["cupykv_append<float>"])
     fn = mod.get_function("cupykv_append<float>")
@@ -12,15 +13,19 @@ kernel's signature. ``CUPYKV_EMULATOR_SEED`` shuffles the order of blocks and th
 
 Arrays are numpy arrays; ``empty``/``zeros``/``asarray`` put them in guarded memory
 (other numpy arrays are copied into guarded memory for the launch and back).
+``with traffic() as t:`` counts every launch's memory traffic (bytes, 32-byte sectors,
+sectors per warp request); ``with protected(array, start):`` makes bytes of an array fault.
 """
 
-from .errors import (BarrierError, CompileError, DeviceAssertError, EmulatorError,
-                     EmulatorFault, LaunchError, RaceError)
+from .errors import (AsyncCopyError, BarrierError, CompileError, DeviceAssertError, EmulatorError,
+                     EmulatorFault, FragmentError, LaunchError, PlatformError, RaceError)
+from .accounting import traffic
 from .launch import Function, Module, synchronize
-from .memory import asarray, asnumpy, empty, is_device_array, zeros
+from .memory import asarray, asnumpy, empty, is_device_array, protected, zeros
 
 __all__ = [
     "Module", "Function", "empty", "zeros", "asarray", "asnumpy", "is_device_array",
-    "synchronize", "EmulatorError", "CompileError", "LaunchError", "EmulatorFault",
-    "BarrierError", "DeviceAssertError", "RaceError",
+    "synchronize", "traffic", "protected", "EmulatorError", "CompileError", "LaunchError",
+    "EmulatorFault", "BarrierError", "DeviceAssertError", "RaceError", "PlatformError",
+    "AsyncCopyError", "FragmentError",
 ]

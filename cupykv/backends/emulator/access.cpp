@@ -8,13 +8,16 @@
 // return here. This file maps the shadow (16 TiB reserved, backed only where written) when the
 // runtime loads, and sets the shadow bytes of the regions observers watch, so accesses to
 // everything else (local memory, read-only arguments) cost a few inline instructions and no
-// call. memcpy, memmove and memset calls come here through -Wl,--wrap, and the atomics of
-// cuemu.h through cuemu_atomic_access. For each access that reaches it, record():
-//   1. returns at once unless a launch with observers runs, or for a fiber stack (local memory);
+// call. memcpy, memmove and memset calls come here through -Wl,--wrap, the atomics of cuemu.h
+// through cuemu_atomic_access, and the emulated cp.async and ldmatrix (async_copy.cpp,
+// fragments.cpp) through trace_access. For each access that reaches it, record():
+//   1. returns at once unless a launch with observers (or with asynchronous copies) runs, or
+//      for a fiber stack (local memory);
 //   2. finds the watched region: dynamic shared memory, the module's static __shared__
 //      variables (its thread-local storage block, located through cuemu_module_tls_probe), or
 //      an array argument; anything else sharing an 8-byte shadow granule is ignored;
-//   3. builds one Access (thread, address, size, kind, call site as an offset into the module)
+//   3. builds one Access (thread, address, size, kind, call site as an offset into the module),
+//      lets the asynchronous-copy tracker check it while copies are pending (shared memory only),
 //      and hands it to each observer.
 // See cuemu_trace.h for the observer interface.
 #include <dlfcn.h>
@@ -24,6 +27,7 @@
 
 #include <vector>
 
+#include "cuemu_signals.h"
 #include "cuemu_trace.h"
 
 #define CUEMU_EXPORT extern "C" __attribute__((visibility("default")))
@@ -135,6 +139,7 @@ void settle_observers() {
 }
 
 inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
+  poll_interrupt();  // Ctrl-C while a kernel busy-waits on watched memory
   if (!T.active || size == 0) return;
   if (addr - T.stack_lo < T.stack_len) return;  // local memory
   if (T.settle) settle_observers();
@@ -148,7 +153,18 @@ inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   a.region = r;
   a.tid = T.tid;
   a.site = (uint32_t)((uintptr_t)ra - T.module_base);
+  if (async_pending_bytes && r->space != CUEMU_GLOBAL) async_check(a);  // may end the launch
   for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->access(a);
+}
+
+// The watched regions of g_regions, in the layout record() searches.
+void rebuild_watch() {
+  g_watch.clear();
+  for (const Region& r : g_regions)
+    if (r.watched && r.hi > r.lo) g_watch.push_back(Watch{r.lo, r.hi - r.lo, &r});
+  if (g_shadow_ready && (!g_watch.empty() || !g_marked.empty())) mark_watched(g_watch);
+  T.watch = g_watch.data();
+  T.nwatch = (uint32_t)g_watch.size();
 }
 
 // ---- locating a module and its static __shared__ variables ----------------------------
@@ -212,15 +228,14 @@ void static_shared_range(const cuemu_launch_params* p, uintptr_t base, uintptr_t
 }  // namespace
 
 // ---- scheduler interface --------------------------------------------------------------
+// The region table is built for every launch (the emulated asynchronous copies and ldmatrix check
+// addresses against it); observers, and the shadow bytes that route accesses to them, only when
+// the launch checks something.
 bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr_t stacks_lo,
                         size_t stacks_len) {
   T = TraceState();
   if (p->checks & CUEMU_CHECK_RACES) T.observers[T.nobservers++] = racecheck_observer();
-  if (!T.nobservers) {
-    g_watch.clear();
-    if (g_shadow_ready && !g_marked.empty()) mark_watched(g_watch);  // nothing is watched
-    return true;
-  }
+  if (p->checks & CUEMU_CHECK_TRAFFIC) T.observers[T.nobservers++] = traffic_observer();
   T.module_base = module_base_of((const void*)p->invoke);
   T.stack_lo = stacks_lo;
   T.stack_len = stacks_len;
@@ -240,34 +255,32 @@ bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr
     g.hi = p->regions[i].hi;
     g.space = CUEMU_GLOBAL;
     g.writable = p->regions[i].writable != 0;
+    g.sector_phase = p->regions[i].sector_phase;
   }
   for (uint32_t i = 0; i < g_regions.size(); ++i) g_regions[i].index = i;
-  LaunchInfo info;
-  for (int d = 0; d < 3; ++d) {
-    info.grid[d] = p->grid[d];
-    info.block[d] = p->block[d];
-  }
-  info.nthreads = nthreads;
-  info.regions = g_regions.data();
-  info.nregions = (uint32_t)g_regions.size();
-  for (uint32_t i = 0; i < T.nobservers; ++i)
-    if (!T.observers[i]->launch_begin(info)) {
-      for (uint32_t j = 0; j <= i; ++j) T.observers[j]->launch_end();
-      T.nobservers = 0;
-      return false;
+  async_launch_begin(nthreads);
+  if (T.nobservers) {
+    LaunchInfo info;
+    for (int d = 0; d < 3; ++d) {
+      info.grid[d] = p->grid[d];
+      info.block[d] = p->block[d];
     }
-  g_watch.clear();
-  for (const Region& r : g_regions)
-    if (r.watched && r.hi > r.lo) g_watch.push_back(Watch{r.lo, r.hi - r.lo, &r});
-  if (g_shadow_ready) mark_watched(g_watch);
-  T.watch = g_watch.data();
-  T.nwatch = (uint32_t)g_watch.size();
-  T.active = true;
+    info.nthreads = nthreads;
+    info.regions = g_regions.data();
+    info.nregions = (uint32_t)g_regions.size();
+    for (uint32_t i = 0; i < T.nobservers; ++i)
+      if (!T.observers[i]->launch_begin(info)) {
+        for (uint32_t j = 0; j <= i; ++j) T.observers[j]->launch_end();
+        T.nobservers = 0;
+        return false;
+      }
+  }
+  rebuild_watch();  // none watched without observers: clears the last launch's shadow bytes
+  T.active = T.nobservers > 0;
   return true;
 }
 
 void trace_launch_end() {
-  if (!T.nobservers) return;
   if (T.settle) settle_observers();
   T.active = false;
   for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->launch_end();
@@ -297,6 +310,45 @@ void trace_warp_sync(uint32_t warp, uint32_t lanes) {
 }
 
 void request_settle() { T.settle = true; }
+
+void trace_access(uintptr_t addr, size_t size, uint8_t kind, const void* ra) { record(addr, size, kind, ra); }
+
+void trace_access_as(uint32_t tid, uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
+  const uint32_t running = T.tid;
+  T.tid = tid;
+  record(addr, size, kind, ra);
+  T.tid = running;
+}
+
+uint32_t trace_thread() { return T.tid; }
+
+uint32_t trace_site(const void* ra) { return (uint32_t)((uintptr_t)ra - T.module_base); }
+
+int trace_region_of(uintptr_t addr, size_t size) {
+  for (const Region& r : g_regions)
+    if (addr >= r.lo && addr < r.hi && size <= r.hi - addr) return (int)r.index;
+  return -1;
+}
+
+const Region* trace_region(uint32_t index) { return &g_regions[index]; }
+
+const Region* trace_region_at(uintptr_t addr) {
+  for (const Region& r : g_regions)
+    if (addr >= r.lo && addr < r.hi) return &r;
+  return nullptr;
+}
+
+bool trace_watch_shared() {
+  if (!g_shadow_ready) return false;
+  bool changed = false;
+  for (int i = 0; i < 2; ++i) {
+    Region& r = g_regions[i];
+    if (!r.watched && r.hi > r.lo) r.watched = changed = true;
+  }
+  if (changed) rebuild_watch();
+  T.active = true;
+  return true;
+}
 
 }  // namespace cuemu
 
@@ -351,16 +403,16 @@ CUEMU_EXPORT void __asan_after_dynamic_init(void) {}
 CUEMU_EXPORT void* __wrap_memcpy(void* dst, const void* src, size_t n) {
   cuemu::record((uintptr_t)src, n, ACCESS_READ, __builtin_return_address(0));
   cuemu::record((uintptr_t)dst, n, ACCESS_WRITE, __builtin_return_address(0));
-  return memcpy(dst, src, n);
+  return cuemu_copy(dst, src, n);  // not libc's: a fault in it must end the launch cleanly
 }
 CUEMU_EXPORT void* __wrap_memmove(void* dst, const void* src, size_t n) {
   cuemu::record((uintptr_t)src, n, ACCESS_READ, __builtin_return_address(0));
   cuemu::record((uintptr_t)dst, n, ACCESS_WRITE, __builtin_return_address(0));
-  return memmove(dst, src, n);
+  return cuemu_move(dst, src, n);
 }
 CUEMU_EXPORT void* __wrap_memset(void* dst, int value, size_t n) {
   cuemu::record((uintptr_t)dst, n, ACCESS_WRITE, __builtin_return_address(0));
-  return memset(dst, value, n);
+  return cuemu_fill(dst, value, n);
 }
 
 CUEMU_EXPORT void cuemu_atomic_access(void* addr, unsigned size, void* site) {

@@ -1,14 +1,17 @@
 """Compiling kernels for the emulator: g++ into shared libraries, cached on disk.
 
-The runtime (runtime.cpp, access.cpp, racecheck.cpp, schedule.cpp) is one library loaded
-once with RTLD_GLOBAL; each module is the kernel source (rewritten) plus a registry, linked
+The runtime (runtime.cpp, access.cpp, racecheck.cpp, traffic.cpp, schedule.cpp, async_copy.cpp,
+fragments.cpp) is one library
+loaded once with RTLD_GLOBAL; each module is the kernel source (rewritten) plus a registry, linked
 against nothing and resolving the runtime's symbols at load time. Modules are compiled with
 GCC's address-sanitizer instrumentation in call mode (every load and store calls a hook of
 the runtime, see access.cpp), memcpy/memmove/memset wrapped the same way, and line tables
 (-g1) so that race reports can name source lines. Libraries are cached under
 ``$CUPYKV_CACHE_DIR/emulator`` (default ``~/.cache/cupykv/emulator``), keyed by the
-sha256 of everything that can change the binary, and written atomically so that
-concurrent processes can share the cache.
+sha256 of everything that can change the binary; diskcache.py lets concurrent processes
+share the cache (one build per library, under a lock; temporaries of killed builds swept).
+host.py checks the platform before anything is compiled and runs g++ under a time limit
+(``CUPYKV_EMULATOR_COMPILE_TIMEOUT`` seconds, default 600).
 """
 
 import ctypes
@@ -22,13 +25,14 @@ import threading
 import warnings
 from pathlib import Path
 
-from . import source
+from . import diskcache, host, source
 from .errors import CompileError
 
 HERE = Path(__file__).resolve().parent
 INCLUDE_DIR = HERE / "include"
 RUNTIME_SOURCE = HERE / "runtime.cpp"
-RUNTIME_SOURCES = (RUNTIME_SOURCE, HERE / "access.cpp", HERE / "racecheck.cpp", HERE / "schedule.cpp")
+RUNTIME_SOURCES = (RUNTIME_SOURCE, HERE / "access.cpp", HERE / "racecheck.cpp", HERE / "traffic.cpp",
+                   HERE / "schedule.cpp", HERE / "async_copy.cpp", HERE / "fragments.cpp")
 CXX = os.environ.get("CUPYKV_EMULATOR_CXX", "g++")
 COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
                 "-fno-strict-aliasing", "-fno-math-errno", "-ffp-contract=off")
@@ -56,8 +60,14 @@ def cache_dir():
     return Path(root).expanduser() / "emulator"
 
 
+def check_platform():
+    """Raise PlatformError unless this machine can run the emulator (x86-64 Linux, g++ 9 or newer)."""
+    host.check_platform(CXX)
+
+
 @functools.lru_cache(maxsize=None)
 def compiler_version():
+    check_platform()
     try:
         out = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
@@ -91,19 +101,23 @@ def _dir_parts(directory):
 
 def _compile(sources, flags, out_path, what, cwd=None):
     """Runs g++ on ``sources`` into ``out_path`` atomically (in ``cwd``, which debug info
-    then names ``.``)."""
+    then names ``.``); call it through diskcache.build_once."""
     out_path = Path(out_path).resolve()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out_path.stem + ".", suffix=".tmp.so", dir=out_path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=diskcache.temporary_prefix(out_path), suffix=".tmp.so",
+                               dir=out_path.parent)
     os.close(fd)
     if cwd is not None:
         flags = [*flags, f"-fdebug-prefix-map={cwd}=."]
     cmd = [CXX, *flags, *map(str, sources), "-o", tmp]
     stats["compiles"] += 1
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
-    if proc.returncode != 0:
+    try:
+        returncode, output = host.run_compiler(cmd, what, cwd=cwd)
+    except BaseException:
         os.unlink(tmp)
-        raise CompileError(f"emulator: g++ failed to compile {what}", proc.stderr or proc.stdout)
+        raise
+    if returncode != 0:
+        os.unlink(tmp)
+        raise CompileError(f"emulator: g++ failed to compile {what}", output)
     os.replace(tmp, out_path)
 
 
@@ -114,13 +128,13 @@ class _LaunchParams(ctypes.Structure):
                 ("dyn_smem", ctypes.c_void_p), ("dyn_smem_size", ctypes.c_uint64),
                 ("poison", ctypes.c_uint32), ("checks", ctypes.c_uint32),
                 ("seed", ctypes.c_uint64), ("regions", ctypes.c_void_p),
-                ("nregions", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+                ("nregions", ctypes.c_uint32), ("options", ctypes.c_uint32),
                 ("tls_probe", ctypes.c_void_p)]
 
 
 class _Region(ctypes.Structure):
     _fields_ = [("lo", ctypes.c_uint64), ("hi", ctypes.c_uint64), ("writable", ctypes.c_uint32),
-                ("reserved", ctypes.c_uint32)]
+                ("sector_phase", ctypes.c_uint32)]
 
 
 class _Hazard(ctypes.Structure):
@@ -149,10 +163,8 @@ def runtime():
     flags = COMMON_FLAGS + ("-I", str(INCLUDE_DIR))
     key = _digest([*_runtime_parts(), *_dir_parts(INCLUDE_DIR), *flags, compiler_version()])
     path = cache_dir() / f"cuemu-runtime-{key[:32]}.so"
-    if path.exists():
+    if not diskcache.build_once(path, lambda: _compile(RUNTIME_SOURCES, flags, path, "the emulator runtime")):
         stats["disk_hits"] += 1
-    else:
-        _compile(RUNTIME_SOURCES, flags, path, "the emulator runtime")
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     lib.cuemu_launch.argtypes = [ctypes.POINTER(_LaunchParams), ctypes.POINTER(_Result)]
     lib.cuemu_launch.restype = ctypes.c_int
@@ -225,6 +237,7 @@ def _mirror_includes(include_dirs, work):
 def load_module(code, name_expressions, include_dirs=(), options=(), filename="kernel.cu"):
     """Builds (or finds in a cache) and loads a module; returns ``(lib, entries)``
     where ``entries`` maps each name expression to its ``_Entry``."""
+    check_platform()
     runtime()  # the module resolves the runtime's symbols when loaded
     include_dirs = [Path(d).resolve() for d in include_dirs]
     quoted = str(filename).replace("\\", "\\\\").replace('"', '\\"')
@@ -241,10 +254,10 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
             stats["memory_hits"] += 1
             return _modules[key]
         path = cache_dir() / f"mod-{key[:32]}.so"
-        if path.exists():
-            stats["disk_hits"] += 1
-        else:
-            work = Path(tempfile.mkdtemp(prefix="cuemu-", dir=_ensure(cache_dir())))
+
+        def build():
+            work = Path(tempfile.mkdtemp(prefix=diskcache.temporary_prefix(path), suffix=".tmp",
+                                         dir=path.parent))
             try:
                 src = work / "kernel.cpp"
                 src.write_text(text)
@@ -255,6 +268,9 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
                 _compile([src], [*flags, *host_opts], path, filename, cwd=work)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
+
+        if not diskcache.build_once(path, build):
+            stats["disk_hits"] += 1
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
         lib.cuemu_module_entries.argtypes = [ctypes.POINTER(ctypes.c_uint)]
         lib.cuemu_module_entries.restype = ctypes.POINTER(_Entry)
@@ -265,11 +281,6 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
             entries[name] = table[i]
         _modules[key] = (lib, entries)
         return _modules[key]
-
-
-def _ensure(directory):
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
 
 
 def clear_memory_cache():

@@ -5,9 +5,17 @@ to blame, the block and thread, so a failing test points at the bug directly. Un
 perturbed schedule (``CUPYKV_EMULATOR_SEED``) the message ends with the seed that replays it.
 """
 
+from cupykv.errors import BackendUnavailableError
+
 
 class EmulatorError(RuntimeError):
     """Base class of every emulator error."""
+
+
+class PlatformError(EmulatorError, BackendUnavailableError):
+    """This machine cannot run the emulator, which needs x86-64 Linux and GCC's g++ (9 or newer)
+    at run time (``g++`` on ``PATH``, or ``CUPYKV_EMULATOR_CXX``). Raised before anything is
+    compiled; a :class:`cupykv.errors.UserError`."""
 
 
 class CompileError(EmulatorError):
@@ -33,6 +41,20 @@ class BarrierError(EmulatorError):
 
 class DeviceAssertError(EmulatorError):
     """A device-side ``assert`` failed, or the kernel trapped."""
+
+
+class AsyncCopyError(EmulatorError):
+    """An asynchronous copy (``cp.async``, ``kernels/async_copy.cuh``) was misused: bytes it still
+    writes were read or written before the wait that completes it, its size, alignment or
+    addresses are ones the instruction does not allow, or a thread exited with copies in flight.
+    The message names both call sites (the access and the copy) and both threads."""
+
+
+class FragmentError(EmulatorError):
+    """A tensor-core fragment instruction (``ldmatrix``, ``mma``; ``kernels/mma.cuh``) was given
+    an operand the GPU would not accept: a row address outside shared memory or not 16-byte
+    aligned. (Lanes missing from the warp are a :class:`BarrierError`, as for every warp
+    collective.)"""
 
 
 class RaceError(EmulatorError):

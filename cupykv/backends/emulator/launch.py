@@ -9,20 +9,28 @@ arguments and reports data races.
 """
 
 import ctypes
+import re
+import signal
 import struct
 import threading
 
 import numpy as np
 
-from . import build, memory, racecheck, schedule, source
-from .errors import (BarrierError, DeviceAssertError, EmulatorError, EmulatorFault,
-                     LaunchError)
+from . import accounting, build, memory, racecheck, schedule, sites, source
+from .errors import (AsyncCopyError, BarrierError, DeviceAssertError, EmulatorError, EmulatorFault,
+                     FragmentError, LaunchError)
 
 MAX_THREADS = 1024
 MAX_BLOCK = (1024, 1024, 64)
 MAX_GRID = (2**31 - 1, 65535, 65535)
 MAX_DYNAMIC_SMEM = 49152  # without cudaFuncAttributeMaxDynamicSharedMemorySize
 POISON = 0xFF             # byte written over dynamic shared memory before each block
+
+STOP_ON_SIGINT = 1        # cuemu_launch_params.options: the runtime takes Ctrl-C during the launch
+ERR_INTERRUPTED = 7       # cuemu_launch's status when it did
+# The runtime's messages name places it cannot describe itself: a call site (an offset into the
+# module, named file:line here), a static shared memory offset, an argument region's byte.
+_TOKEN = re.compile(r"@site\(0x([0-9a-f]+)\)|@static\(0x([0-9a-f]+)\)|@arg\((\d+),0x([0-9a-f]+)\)")
 
 _launch_lock = threading.Lock()
 _smem_pool = {}  # size -> Allocation (reused; the runtime poisons it per block)
@@ -241,6 +249,8 @@ class Function:
             BarrierError: divergent barrier, bad warp-intrinsic mask, deadlock.
             DeviceAssertError: failed device assert or trap.
             RaceError: two threads touched the same bytes without ordering (see racecheck).
+            KeyboardInterrupt: Ctrl-C stopped the launch (on the main thread, with Python's
+                default SIGINT handler; a hung kernel included). Outputs are incomplete.
         Every error message ends with the schedule seed when ``CUPYKV_EMULATOR_SEED`` is set.
         """
         grid, block, shared_mem = self._check_geometry(grid, block, shared_mem)
@@ -252,8 +262,12 @@ class Function:
         array_args = self._pack(args)
         bindings, shadows = self._bind_arrays(array_args)
         check_races = racecheck.enabled() and self.module.instrumented
-        region_table, regions = racecheck.regions(bindings if check_races else (),
-                                                  self.param_writable)
+        count_traffic = accounting.active() and self.module.instrumented
+        # The region table goes to every launch: the runtime checks asynchronous copies' sources
+        # against it; observers (races, traffic) watch its regions only when they run.
+        region_table, regions = racecheck.regions(bindings, self.param_writable)
+        if count_traffic:
+            accounting.set_phases(region_table, regions)
         hint = schedule.replay_hint(seed)
         smem = _smem_pool.get(shared_mem)
         if smem is None:
@@ -265,20 +279,28 @@ class Function:
         p.block[0], p.block[1], p.block[2] = block
         p.dyn_smem = smem.start
         p.dyn_smem_size = shared_mem
-        p.checks = racecheck.CHECK_RACES if check_races else 0
+        p.checks = (racecheck.CHECK_RACES if check_races else 0) | \
+            (accounting.CHECK_TRAFFIC if count_traffic else 0)
         p.seed = schedule.launch_seed(seed, self.name, grid, block, shared_mem)
         p.regions = ctypes.addressof(region_table)
         p.nregions = len(regions)
+        p.options = STOP_ON_SIGINT if _takes_sigint() else 0
         lib = build.runtime()
         try:
             rc = lib.cuemu_launch(ctypes.byref(p), ctypes.byref(r))
             found = racecheck.hazards(lib) if check_races and not rc else ([], 0, 0)
+            if count_traffic and not rc:
+                accounting.collect(lib, self, grid, block, shared_mem, regions, bindings)
         finally:
             canary_errors = self._check_canaries(bindings, shadows, smem)
             for sh in shadows:
                 sh.copy_back()
+        if rc == ERR_INTERRUPTED:
+            where = f"block ({r.block_idx[0]},{r.block_idx[1]},{r.block_idx[2]})"
+            raise KeyboardInterrupt(f"kernel {self.name!r} stopped by Ctrl-C in {where}; its outputs are "
+                                    f"incomplete")
         if rc:
-            error = self._launch_error(r, bindings, smem, shared_mem)
+            error = self._launch_error(r, bindings, smem, shared_mem, regions)
             raise type(error)(f"{error}{hint}")
         if canary_errors:
             raise EmulatorFault(f"kernel {self.name!r}: " + "; ".join(canary_errors) +
@@ -339,11 +361,11 @@ class Function:
             errors.append(f"a write landed {bad} of dynamic shared memory ({smem.nbytes} bytes)")
         return errors
 
-    def _launch_error(self, r, bindings, smem, shared_mem):
+    def _launch_error(self, r, bindings, smem, shared_mem, regions):
         where = f"kernel {self.name!r} block ({r.block_idx[0]},{r.block_idx[1]},{r.block_idx[2]})"
         if r.has_thread:
             where += f" thread ({r.thread_idx[0]},{r.thread_idx[1]},{r.thread_idx[2]})"
-        msg = r.msg.decode(errors="replace")
+        msg = _expand_places(r.msg.decode(errors="replace"), self.module.path, regions)
         kind = r.kind
         if kind == 1:
             return EmulatorFault(f"{where}: " + _describe_fault(r, bindings, smem, shared_mem))
@@ -353,7 +375,37 @@ class Function:
             return BarrierError(f"{where}: {msg}")
         if kind in (3, 4):
             return DeviceAssertError(f"{where}: {msg}")
+        if kind == 8:
+            return AsyncCopyError(f"{where}: {msg}")
+        if kind == 9:
+            return FragmentError(f"{where}: {msg}")
         return EmulatorError(f"{where}: {msg or 'launch failed'}")
+
+
+def _expand_places(msg, module_path, regions):
+    """``msg`` with the runtime's place tokens spelled out: ``@site(0x..)`` as ``file:line``,
+    ``@static(0x..)`` as the static ``__shared__`` variable, ``@arg(i,0x..)`` as the argument
+    and element (regions are the launch's argument regions; empty when nothing was checked)."""
+    if "@" not in msg:
+        return msg
+    found = list(_TOKEN.finditer(msg))
+    names = sites.describe_sites(module_path, {int(m.group(1), 16) for m in found if m.group(1)})
+
+    def spell(m):
+        if m.group(1):
+            return names[int(m.group(1), 16)]
+        if m.group(2):
+            offset = int(m.group(2), 16)
+            variable = sites.static_shared_variable(module_path, offset)
+            if variable:
+                return f"static __shared__ {variable[0]} byte offset {variable[1]}"
+            return f"static shared memory byte offset {offset}"
+        index, offset = int(m.group(3)), int(m.group(4), 16)
+        if index < len(regions):
+            what, byte = racecheck.describe_global(regions[index], offset)
+            return f"{what} (byte offset {byte})"
+        return f"an array argument (byte offset {offset} of its region)"
+    return _TOKEN.sub(spell, msg)
 
 
 class _Shadow:
@@ -384,6 +436,14 @@ def _describe(a):
             f"{a.size * a.itemsize} bytes")
 
 
+def _describe_protected(access, i, a, off, lo, hi):
+    element = off // a.itemsize
+    index = f" {tuple(int(v) for v in np.unravel_index(element, a.shape))}" \
+        if a.flags.c_contiguous and a.ndim > 1 else ""
+    return (f"{access} of protected bytes of argument {i} at element {element}{index} (byte offset "
+            f"{off}; bytes [{lo}, {hi}) are protected by emulator.protected(); {_describe(a)})")
+
+
 def _describe_fault(r, bindings, smem, shared_mem):
     addr = r.addr
     access = {1: "write", 0: "read"}.get(r.is_write, "access")
@@ -399,6 +459,9 @@ def _describe_fault(r, bindings, smem, shared_mem):
             if addr < ptr:
                 return (f"out-of-bounds {access} {ptr - addr} bytes before the start of "
                         f"argument {i} ({_describe(a)})")
+            guarded = memory.protected_range(alloc, addr)
+            if guarded is not None:
+                return _describe_protected(access, i, a, addr - ptr, guarded[0] - ptr, guarded[1] - ptr)
             return f"invalid {access} inside argument {i} ({_describe(a)}) at 0x{addr:x}"
     if smem.map_addr <= addr < smem.map_addr + smem.map_len:
         off = addr - smem.start
@@ -413,6 +476,14 @@ def _describe_fault(r, bindings, smem, shared_mem):
     if addr < 65536:
         return f"{access} through a null (or nearly null) pointer: address 0x{addr:x}"
     return f"invalid {access} at address 0x{addr:x}, outside every emulator buffer"
+
+
+def _takes_sigint():
+    """Whether Ctrl-C may stop this launch: Python's default SIGINT handler is installed (so
+    Ctrl-C means KeyboardInterrupt) and the launch runs on the main thread, which receives it.
+    Otherwise Python's handler keeps SIGINT, and runs when the launch returns."""
+    return threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def synchronize():

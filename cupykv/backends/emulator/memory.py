@@ -8,10 +8,12 @@ Layout of one allocation of ``nbytes`` (``span`` = ``nbytes`` rounded up to 16):
 Reads or writes from ``start + span`` on, or below the first data page, fault at
 once (the launch reports the thread). Writes into the slack or the pad (at most
 ``pad`` bytes past the end, or before the start) are found by checking the canaries
-after each launch; reads there are not detected.
+after each launch; reads there are not detected. :func:`protected` makes whole pages
+inside a buffer fault too, for a while (a cache's tail past its live rows).
 """
 
 import bisect
+import contextlib
 import ctypes
 import mmap
 import threading
@@ -44,7 +46,7 @@ class Allocation:
     """One guarded mapping; frees itself when the last array viewing it is collected."""
 
     __slots__ = ("map_addr", "map_len", "start", "nbytes", "span", "what", "freed",
-                 "__weakref__")
+                 "protected", "__weakref__")
 
     def __init__(self, nbytes, what="buffer"):
         nbytes = int(nbytes)
@@ -59,6 +61,7 @@ class Allocation:
             _munmap(addr, map_len)
             raise MemoryError(f"emulator: mprotect failed (errno {ctypes.get_errno()})")
         self.map_addr, self.map_len, self.freed = addr, map_len, False
+        self.protected = []  # [(lo, hi)] addresses made PROT_NONE by protected()
         self.span, self.nbytes, self.what = span, nbytes, what
         self.start = addr + PAGE + data_pages * PAGE - span
         if self.start > addr + PAGE:
@@ -221,3 +224,53 @@ def asarray(a, dtype=None):
 def asnumpy(a):
     """A plain numpy copy of ``a`` (an emulator or host array)."""
     return np.array(a, copy=True)
+
+
+def protected_range(alloc, addr):
+    """The ``(lo, hi)`` addresses of a :func:`protected` range of ``alloc`` holding ``addr``."""
+    return next(((lo, hi) for lo, hi in alloc.protected if lo <= addr < hi), None)
+
+
+@contextlib.contextmanager
+def protected(array, start, stop=None):
+    """Inside the block, any access to bytes ``[start, stop)`` of ``array`` faults.
+
+    The bytes are put on ``PROT_NONE`` pages, so a kernel that touches them stops at once
+    with an :class:`EmulatorFault` naming the kernel, the thread, the argument and the
+    element, even for a read whose value would have been ignored. Host code must not
+    touch them either inside the block: Python itself would crash.
+
+    Args:
+        array: an array in guarded memory (``empty``, ``zeros``, ``asarray``, a cache's ``k``).
+        start, stop: byte offsets from the array's data pointer (``stop``: by default its
+            last byte + 1). Both must fall on page boundaries (4096 bytes here): choose
+            the sizes so, e.g. a cache row of 256 bytes and 16 live rows.
+
+    Raises:
+        ValueError: not a guarded array, a range outside it, or a boundary that is not
+            on a page boundary (the message gives the nearest ones).
+    """
+    alloc = guarded_allocation(array)
+    if alloc is None:
+        raise ValueError("protected: the array is not in guarded emulator memory")
+    ptr = data_ptr(array)
+    stop = byte_extent(array)[1] - ptr if stop is None else int(stop)
+    start = int(start)
+    if not (alloc.start <= ptr + start <= ptr + stop <= alloc.start + alloc.nbytes):
+        raise ValueError(f"protected: bytes [{start}, {stop}) are not inside the array's buffer")
+    for what, offset in (("start", start), ("stop", stop)):
+        if (ptr + offset) % PAGE:
+            below = offset - (ptr + offset) % PAGE
+            raise ValueError(f"protected: {what} = {offset} is not on a page boundary ({PAGE} bytes); "
+                             f"the nearest ones are {below} and {below + PAGE}")
+    if stop == start:
+        yield
+        return
+    if _mprotect(ptr + start, stop - start, _PROT_NONE) != 0:
+        raise OSError(ctypes.get_errno(), "protected: mprotect failed")
+    alloc.protected.append((ptr + start, ptr + stop))
+    try:
+        yield
+    finally:
+        alloc.protected.remove((ptr + start, ptr + stop))
+        _mprotect(ptr + start, stop - start, _PROT_RW)

@@ -104,7 +104,7 @@ def _unravel(linear, dims):
     return (int(x), int(rest % dims[1]), int(rest // dims[1]))
 
 
-def _describe_global(region, offset):
+def describe_global(region, offset):
     """(description, byte offset in the argument) of a byte of a global region."""
     addr = region.lo + offset
     for i, a, ptr, w in sorted(region.members, key=lambda m: not m[3]):
@@ -128,7 +128,7 @@ def _where(h, table, module_path):
         if found:
             return "shared", f"static __shared__ {found[0]}", found[1]
         return "shared", "static shared memory", h.offset
-    return ("global", *_describe_global(table[h.region - 2], h.offset))
+    return ("global", *describe_global(table[h.region - 2], h.offset))
 
 
 def _side(h, k):

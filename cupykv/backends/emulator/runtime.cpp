@@ -8,11 +8,16 @@
 // every thread reaches the same __syncthreads, warp intrinsics are reached by all lanes
 // of their mask at the same call site with the same mask, no lane reads from outside
 // the mask. It reports blocks, barriers and warp collectives to the access-event layer
-// (access.cpp), whose observers (racecheck.cpp) see every memory access. Memory faults
-// and fiber stack overflows are turned into error reports with siglongjmp.
+// (access.cpp), whose observers (racecheck.cpp) see every memory access. The tensor-core
+// fragment instructions (mma, ldmatrix) are warp collectives of all 32 lanes computed by
+// fragments.cpp; asynchronous copies are tracked by async_copy.cpp. Memory faults,
+// fiber stack overflows and Ctrl-C end the launch with an error report; "faults and Ctrl-C"
+// below says when that may leave a signal handler, and what happens otherwise.
 //
-// Build: g++ -std=c++17 -O2 -fPIC -shared runtime.cpp access.cpp racecheck.cpp
-// schedule.cpp -I include (done by build.py).
+// Build: g++ -std=c++17 -O2 -fPIC -shared runtime.cpp access.cpp racecheck.cpp traffic.cpp
+// schedule.cpp async_copy.cpp fragments.cpp -I include (done by build.py).
+#include <link.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stddef.h>
 #include <signal.h>
@@ -28,6 +33,7 @@
 
 #include "cuemu_abi.h"
 #include "cuemu_schedule.h"
+#include "cuemu_signals.h"
 #include "cuemu_trace.h"
 
 #define CUEMU_HIDDEN __attribute__((visibility("hidden")))
@@ -51,6 +57,9 @@ struct Fiber {
   int32_t width;
   uint64_t value;
   uint64_t result;
+  const void* xin;  // fragment instructions: the lane's operands and results (fragments.cpp)
+  void* xout;
+  const void* ra;   // fragment instructions: the return address of the lane's call
 };
 
 struct Warp {
@@ -108,7 +117,21 @@ const int g_sigs[4] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
 char* g_altstack = nullptr;
 const size_t kAltStackSize = 256 * 1024;
 
+// Code a signal handler may leave by siglongjmp ("faults and Ctrl-C" below).
+struct CodeRange {
+  uintptr_t lo = 0, hi = 0;
+  bool has(uintptr_t pc) const { return pc - lo < hi - lo; }
+};
+CodeRange g_module_code;   // the executable segment of the launched kernel's module
+CodeRange g_runtime_code;  // this library's
+CodeRange g_copy_code;     // cuemu_copy, cuemu_move, cuemu_fill
+pthread_t g_launch_thread;
+volatile sig_atomic_t g_launch_running = 0;  // the launching thread is between sigsetjmp and the end
+struct sigaction g_old_sigint;
+
 }  // namespace
+
+volatile sig_atomic_t cuemu::interrupt_requested = 0;
 
 extern "C" {
 cuemu_ctx_t cuemu_ctx __attribute__((visibility("default")));
@@ -161,6 +184,64 @@ cuemu_fiber_trampoline:
     ud2
     .size cuemu_fiber_trampoline, .-cuemu_fiber_trampoline
 )");
+
+// memcpy, memmove and memset of kernel modules (cuemu_signals.h): leaf string instructions
+// between cuemu_copy_code_begin and cuemu_copy_code_end, so that a fault in them is known to
+// be in code that holds no state. memmove copies backwards when the destination starts inside
+// the source.
+asm(R"(
+    .text
+    .p2align 4
+    .globl cuemu_copy_code_begin
+    .hidden cuemu_copy_code_begin
+cuemu_copy_code_begin:
+    .globl cuemu_copy
+    .hidden cuemu_copy
+    .type cuemu_copy, @function
+cuemu_copy:
+    movq %rdi, %rax
+    movq %rdx, %rcx
+    rep movsb
+    ret
+    .size cuemu_copy, .-cuemu_copy
+
+    .globl cuemu_move
+    .hidden cuemu_move
+    .type cuemu_move, @function
+cuemu_move:
+    movq %rdi, %rax
+    movq %rdx, %rcx
+    movq %rdi, %r8
+    subq %rsi, %r8
+    cmpq %rdx, %r8
+    jae 1f
+    leaq -1(%rdi,%rdx), %rdi
+    leaq -1(%rsi,%rdx), %rsi
+    std
+    rep movsb
+    cld
+    ret
+1:
+    rep movsb
+    ret
+    .size cuemu_move, .-cuemu_move
+
+    .globl cuemu_fill
+    .hidden cuemu_fill
+    .type cuemu_fill, @function
+cuemu_fill:
+    movq %rdi, %r8
+    movl %esi, %eax
+    movq %rdx, %rcx
+    rep stosb
+    movq %r8, %rax
+    ret
+    .size cuemu_fill, .-cuemu_fill
+    .globl cuemu_copy_code_end
+    .hidden cuemu_copy_code_end
+cuemu_copy_code_end:
+)");
+extern "C" const char cuemu_copy_code_begin[], cuemu_copy_code_end[];
 
 // Lays out a frame that cuemu_switch_ctx "returns" from into the trampoline.
 static void* init_frame(char* top, Fiber* f) {
@@ -336,6 +417,9 @@ static const char* op_name(int op) {
     case CUEMU_REDUCE_AND: return "__reduce_and_sync";
     case CUEMU_REDUCE_OR: return "__reduce_or_sync";
     case CUEMU_REDUCE_XOR: return "__reduce_xor_sync";
+    case CUEMU_MMA_F16: return "mma.sync.m16n8k16 (f16)";
+    case CUEMU_MMA_BF16: return "mma.sync.m16n8k16 (bf16)";
+    case CUEMU_LDMATRIX: return "ldmatrix.sync.m8n8";
   }
   return "warp operation";
 }
@@ -377,6 +461,7 @@ static bool same_site(const char* f1, int l1, const char* f2, int l2) {
 
 // ---- barriers ---------------------------------------------------------------------
 CUEMU_EXPORT int cuemu_barrier(int kind, int pred, const char* file, int line) {
+  cuemu::poll_interrupt();
   Fiber* me = g_cur;
   cuemu::trace_sync_point();
   if (S.bar_count == 0) {
@@ -413,6 +498,8 @@ CUEMU_EXPORT int cuemu_barrier(int kind, int pred, const char* file, int line) {
 }
 
 // ---- warp operations --------------------------------------------------------------
+static inline bool is_fragment(int op) { return op >= CUEMU_MMA_F16; }
+
 [[noreturn]] static void warp_fail(Fiber* who, const char* fmt, ...) {
   char buf[1024];
   va_list ap;
@@ -420,12 +507,34 @@ CUEMU_EXPORT int cuemu_barrier(int kind, int pred, const char* file, int line) {
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
   g_msg.clear();
-  msgf(g_msg, "%s at %s:%d (mask 0x%08x) in warp %u: %s", op_name(who->op), who->file, who->line,
-       who->mask, who->tid / 32, buf);
+  if (is_fragment(who->op))  // the header's line is every call's: name the kernel's call site
+    msgf(g_msg, "%s at @site(0x%x) in warp %u: %s", op_name(who->op), cuemu::trace_site(who->ra),
+         who->tid / 32, buf);
+  else
+    msgf(g_msg, "%s at %s:%d (mask 0x%08x) in warp %u: %s", op_name(who->op), who->file, who->line,
+         who->mask, who->tid / 32, buf);
   fail(CUEMU_ERR_SYNC, who);
 }
 
 static inline bool is_shfl(int op) { return op <= CUEMU_SHFL_XOR; }
+
+// A complete warp at a fragment instruction: every lane's results (fragments.cpp).
+static void release_fragment(Warp& W, uint32_t base, Fiber* me) {
+  Fiber* F = &g_fibers[base];
+  cuemu::FragmentLane lanes[32];
+  for (uint32_t l = 0; l < 32; ++l) lanes[l] = cuemu::FragmentLane{F[l].xin, F[l].xout, F[l].ra};
+  std::string why;
+  const int blame = cuemu::fragment_release(me->op, me->arg, base, lanes, &why);
+  if (blame >= 0) {
+    g_msg.clear();
+    msgf(g_msg, "%s at @site(0x%x) in warp %u: %s", op_name(me->op), cuemu::trace_site(F[blame].ra),
+         base / 32, why.c_str());
+    fail(CUEMU_ERR_FRAGMENT, &F[blame]);
+  }
+  // No trace_warp_sync: mma.sync and ldmatrix order no memory accesses between the lanes.
+  W.waiting = 0;
+  push_lanes(base, 0xffffffffu, me);
+}
 
 // Computes the result of every lane of a complete group and makes them ready.
 static void release_group(Warp& W, uint32_t base, uint32_t mask, int op, Fiber* me) {
@@ -514,6 +623,10 @@ static bool group_complete(const Warp& W, uint32_t base, uint32_t mask, const Fi
     if (!(mask >> l & 1)) continue;
     const Fiber& f = g_fibers[base + l];
     if (f.op != me->op || f.mask != mask) return false;
+    if (is_fragment(me->op)) {  // one call site of the kernel: header lines are shared, return addresses not
+      if (f.ra != me->ra || f.arg != me->arg) return false;
+      continue;
+    }
     if (me->op != CUEMU_SYNCWARP && !same_site(f.file, f.line, me->file, me->line)) return false;
     if (is_shfl(me->op) && (f.width != me->width || f.vsize != me->vsize)) return false;
   }
@@ -523,6 +636,7 @@ static bool group_complete(const Warp& W, uint32_t base, uint32_t mask, const Fi
 CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value,
                                               int size, int arg, int width, const char* file,
                                               int line) {
+  cuemu::poll_interrupt();
   Fiber* me = g_cur;
   const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
   Warp& W = S.warps[w];
@@ -575,6 +689,46 @@ CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned lo
   return me->result;
 }
 
+// mma.sync / ldmatrix (.sync.aligned): every lane of the warp, at one call site, none exited.
+CUEMU_EXPORT void cuemu_warp_fragment(int op, int arg, const void* in, void* out, const char* file,
+                                      int line) {
+  const void* ra = __builtin_return_address(0);
+  cuemu::poll_interrupt();
+  Fiber* me = g_cur;
+  const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
+  Warp& W = S.warps[w];
+  cuemu::trace_sync_point();
+  me->op = (uint8_t)op;
+  me->file = file;
+  me->line = line;
+  me->mask = 0xffffffffu;
+  me->arg = arg;
+  me->width = 32;
+  me->vsize = 4;
+  me->xin = in;
+  me->xout = out;
+  me->ra = ra;
+  if (W.present != 0xffffffffu)
+    warp_fail(me, "needs all 32 lanes of the warp (.sync.aligned), but warp %u of this %u-thread "
+              "block has only lanes %s", w, S.n, lane_list(W.present, w).c_str());
+  if (W.exited)
+    warp_fail(me, "lanes %s have exited; every lane of the warp must execute it (.sync.aligned)",
+              lane_list(W.exited, w).c_str());
+  if (op == CUEMU_LDMATRIX) {
+    const int matrices = arg & 7;
+    if (matrices != 1 && matrices != 2 && matrices != 4)
+      warp_fail(me, "%d matrices (ldmatrix loads 1, 2 or 4)", matrices);
+  }
+  W.waiting |= 1u << lane;
+  if (group_complete(W, base, 0xffffffffu, me)) {
+    release_fragment(W, base, me);
+    yield_if_shuffled(me);
+    return;
+  }
+  me->state = AT_WARP;
+  yield_blocked(me);
+}
+
 // Releases __activemask() callers that no other lane can join any more: each group of
 // lanes waiting at the same __activemask() site gets the mask of that group.
 static bool release_activemasks() {
@@ -602,7 +756,9 @@ static bool release_activemasks() {
 
 // ---- thread exit ------------------------------------------------------------------
 [[noreturn]] static void fiber_exit(Fiber* me) {
+  cuemu::poll_interrupt();
   cuemu::trace_sync_point();
+  cuemu::async_thread_exit(me->tid);  // no asynchronous copy may be left in flight
   me->state = EXITED;
   --S.alive;
   ++S.exited;
@@ -633,6 +789,7 @@ static std::string describe(const Fiber& f) {
     case AT_BARRIER: msgf(s, "waiting at %s() %s:%d", bar_name(f.op), f.file, f.line); return s;
     case AT_WARP:
       if (f.op == CUEMU_ACTIVEMASK) msgf(s, "waiting at __activemask() %s:%d", f.file, f.line);
+      else if (is_fragment(f.op)) msgf(s, "waiting at %s @site(0x%x)", op_name(f.op), cuemu::trace_site(f.ra));
       else msgf(s, "waiting at %s(mask 0x%08x) %s:%d", op_name(f.op), f.mask, f.file, f.line);
       return s;
     case READY: return "ready";
@@ -727,8 +884,10 @@ static int run_block(const uint32_t bd[3]) {
         f.mask = 0;
         f.sp = init_frame(stack_top(t), &f);
       }
+  cuemu::async_block_begin();
   push_block(nullptr);
   for (;;) {
+    if (cuemu::interrupt_requested) return CUEMU_ERR_INTERRUPTED;  // Ctrl-C came between fibers
     Fiber* f = pop_ready();
     if (f) {
       enter(f);
@@ -755,33 +914,159 @@ CUEMU_EXPORT void cuemu_trap(const char* what, const char* file, int line) {
   msgf(g_msg, "%s at %s:%d", what, file, line);
   fail(CUEMU_ERR_TRAP, g_cur);
 }
+[[noreturn]] void cuemu::fail_launch(int kind, const char* msg) {
+  g_msg.assign(msg);
+  fail(kind, g_cur);
+}
 CUEMU_EXPORT long long cuemu_clock64(void) { return (long long)__builtin_ia32_rdtsc(); }
 
-// ---- signals ----------------------------------------------------------------------
-static void on_fault(int sig, siginfo_t* si, void* uc_) {
-  if (!t_in_launch) {  // not ours: fall back to the previous handler and re-fault
-    for (int i = 0; i < 4; ++i)
-      if (g_sigs[i] == sig) sigaction(sig, &g_old_act[i], nullptr);
-    return;
+// ---- faults and Ctrl-C -------------------------------------------------------------
+// A fault in a fiber (SIGSEGV, SIGBUS, SIGFPE, SIGILL) and Ctrl-C (SIGINT) end the launch: the
+// handler siglongjmps back to cuemu_launch, which abandons the fibers and reports. Leaving a
+// signal handler that way is only well defined when the interrupted instruction belongs to
+// code that holds no lock and leaves nothing half-updated that outlives the launch; POSIX makes
+// it undefined after interrupting a function that is not async-signal-safe (printf, malloc).
+// So the handler looks at the interrupted pc first, and jumps only from:
+//   - the launched kernel's module (kernel code and the cuemu.h inlines): it writes its own
+//     memory and reads cuemu_ctx, nothing else;
+//   - cuemu_copy/move/fill, the kernels' memcpy/memmove/memset: string instructions, no state;
+//   - for a fault, anywhere in this runtime when the address is in the running fiber's stack
+//     guard (a stack overflow faults at a call or a push; the runtime takes no lock, and its
+//     scheduler and observer state is per launch, rebuilt by the next one).
+// Elsewhere (libc, libm, libstdc++; the runtime itself for any other fault, which is a bug):
+//   - a fault is reported on stderr (signal, address, block, thread, pc) and the handler that
+//     was installed before the launch gets the fault again when the instruction re-executes:
+//     by default the process dies of that signal (Python's faulthandler, if enabled, prints
+//     the Python stack). The process cannot go on safely, so it does not.
+//   - Ctrl-C sets cuemu::interrupt_requested, which the runtime polls at its entry points from
+//     fibers (access hooks, barriers, warp operations, thread exit) and between fibers; the
+//     launch then stops through fail() or the scheduler, in ordinary code. (A kernel that loops
+//     inside library calls only, without hooks, may need a second Ctrl-C.)
+// SIGINT is taken only by launches with CUEMU_STOP_ON_SIGINT, and only while they run; before
+// and after, Python's own handler gets it. cuemu_launch then returns CUEMU_ERR_INTERRUPTED.
+
+// Whether `a` lies in the guard page of fiber `f`'s stack, or below it in the stack of the
+// fiber before (stack-clash probes stride by one page).
+static bool in_stack_guard(const Fiber* f, uint64_t a) {
+  if (!f || !g_stacks.base) return false;
+  const uint64_t guard = (uint64_t)(g_stacks.base + (size_t)f->tid * g_stacks.stride);
+  return a >= guard - g_stacks.size && a < guard + g_stacks.page;
+}
+
+static CodeRange code_range_of(const void* code) {
+  struct Query {
+    uintptr_t pc;
+    CodeRange range;
+  } q{(uintptr_t)code, CodeRange()};
+  dl_iterate_phdr([](dl_phdr_info* info, size_t, void* data) -> int {
+    Query* q = static_cast<Query*>(data);
+    for (int i = 0; i < info->dlpi_phnum; ++i) {
+      const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+      if (ph.p_type != PT_LOAD || !(ph.p_flags & PF_X)) continue;
+      const uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
+      if (q->pc - lo < ph.p_memsz) {
+        q->range = CodeRange{lo, lo + ph.p_memsz};
+        return 1;
+      }
+    }
+    return 0;
+  }, &q);
+  return q.range;
+}
+
+// Async-signal-safe text for the report of a fault the launch cannot survive.
+struct Note {
+  char buf[768];
+  size_t n = 0;
+  Note& s(const char* text) {
+    while (*text && n + 1 < sizeof buf) buf[n++] = *text++;
+    return *this;
   }
+  Note& u(uint64_t v, bool hex = false) {
+    char digits[24];
+    int k = 0;
+    do {
+      digits[k++] = "0123456789abcdef"[v % (hex ? 16 : 10)];
+      v /= hex ? 16 : 10;
+    } while (v);
+    if (hex) s("0x");
+    while (k && n + 1 < sizeof buf) buf[n++] = digits[--k];
+    return *this;
+  }
+  Note& idx(uint3 i) { return s("(").u(i.x).s(",").u(i.y).s(",").u(i.z).s(")"); }
+};
+
+static const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGSEGV: return "SIGSEGV";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGILL: return "SIGILL";
+  }
+  return "a signal";
+}
+
+static void report_unrecoverable(int sig, uint64_t addr, uint64_t pc) {
+  Note m;
+  m.s("cupykv emulator: ").s(signal_name(sig)).s(" (address ").u(addr, true).s(") in block ")
+      .idx(cuemu_ctx.block_idx);
+  if (g_cur) m.s(" thread ").idx(g_cur->idx);
+  if (g_runtime_code.has(pc))
+    m.s(" inside the emulator runtime (pc ").u(pc - g_runtime_code.lo, true)
+        .s(" in the runtime library): a bug in cupykv's emulator; please report it");
+  else
+    m.s(" inside a library function the kernel called (pc ").u(pc, true)
+        .s("; printf with a bad pointer, for example)");
+  m.s(". That code may hold locks or be halfway through updating its state, so the launch "
+      "cannot be abandoned safely: the process stops here.\n");
+  ssize_t ignored = write(2, m.buf, m.n);
+  (void)ignored;
+}
+
+static void on_fault(int sig, siginfo_t* si, void* uc_) {
   ucontext_t* uc = (ucontext_t*)uc_;
-  g_fault_sig = sig;
-  g_fault_addr = (uint64_t)si->si_addr;
+  const uint64_t pc = (uint64_t)uc->uc_mcontext.gregs[REG_RIP], addr = (uint64_t)si->si_addr;
+  const bool ours = t_in_launch;
+  if (ours) {
+    const bool leavable = g_module_code.has(pc) || g_copy_code.has(pc) ||
+                          (g_runtime_code.has(pc) && in_stack_guard(g_cur, addr));
+    if (leavable) {
+      g_fault_sig = sig;
+      g_fault_addr = addr;
+      g_fault_write = sig == SIGSEGV ? ((uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0) : -1;
+      g_fault_fiber = g_cur;
+      siglongjmp(g_jb, 1);
+    }
+    report_unrecoverable(sig, addr, pc);
+  }
+  // Not a fault the launch can report: the previous handler takes it when it re-executes.
+  for (int i = 0; i < 4; ++i)
+    if (g_sigs[i] == sig) sigaction(sig, &g_old_act[i], nullptr);
+}
+
+static void on_interrupt(int, siginfo_t*, void* uc_) {
+  cuemu::interrupt_requested = 1;
+  if (!g_launch_running || !pthread_equal(pthread_self(), g_launch_thread)) return;
+  const uint64_t pc = (uint64_t)((ucontext_t*)uc_)->uc_mcontext.gregs[REG_RIP];
+  if (!g_cur || !(g_module_code.has(pc) || g_copy_code.has(pc))) return;  // polled later
+  g_fault_sig = SIGINT;
+  g_fault_addr = 0;
   g_fault_write = -1;
-  if (sig == SIGSEGV) g_fault_write = (uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0;
   g_fault_fiber = g_cur;
   siglongjmp(g_jb, 1);
+}
+
+void cuemu::stop_for_interrupt() {
+  if (!interrupt_requested || !g_cur || !g_launch_running) return;
+  fail(CUEMU_ERR_INTERRUPTED, g_cur);
 }
 
 static void describe_fault(cuemu_result* r) {
   g_msg.clear();
   Fiber* f = g_fault_fiber;
   uint64_t a = g_fault_addr;
-  if ((g_fault_sig == SIGSEGV || g_fault_sig == SIGBUS) && f && g_stacks.base) {
-    char* guard = g_stacks.base + (size_t)f->tid * g_stacks.stride;
-    // A probe can land anywhere in the guard page, or below it in the stack of the
-    // thread before (stack-clash probes stride by one page).
-    if (a >= (uint64_t)guard - g_stacks.size && a < (uint64_t)guard + g_stacks.page) {
+  if (g_fault_sig == SIGSEGV || g_fault_sig == SIGBUS) {
+    if (in_stack_guard(f, a)) {
       r->kind = CUEMU_ERR_STACK;
       msgf(g_msg, "stack overflow: the thread used more than its %zu KiB fiber stack (large "
            "local arrays?); set CUPYKV_EMULATOR_STACK_KIB to enlarge it", g_stacks.size / 1024);
@@ -789,6 +1074,10 @@ static void describe_fault(cuemu_result* r) {
     }
   }
   switch (g_fault_sig) {
+    case SIGINT:
+      r->kind = CUEMU_ERR_INTERRUPTED;
+      msgf(g_msg, "interrupted (Ctrl-C)");
+      return;
     case SIGFPE:
       r->kind = CUEMU_ERR_TRAP;
       msgf(g_msg, "arithmetic exception (SIGFPE, e.g. integer division by zero; the GPU would "
@@ -803,16 +1092,24 @@ static void describe_fault(cuemu_result* r) {
   msgf(g_msg, "invalid memory access at 0x%llx", (unsigned long long)a);
 }
 
-static void install_handlers() {
+static void install_handlers(bool take_sigint) {
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_sigaction = on_fault;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
   sigemptyset(&sa.sa_mask);
+  sigaddset(&sa.sa_mask, SIGINT);  // a fault handler is not interrupted by Ctrl-C
   for (int i = 0; i < 4; ++i) sigaction(g_sigs[i], &sa, &g_old_act[i]);
+  if (take_sigint) {
+    sa.sa_sigaction = on_interrupt;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &g_old_sigint);
+  }
 }
-static void restore_handlers() {
+static void restore_handlers(bool took_sigint) {
   for (int i = 0; i < 4; ++i) sigaction(g_sigs[i], &g_old_act[i], nullptr);
+  if (took_sigint) sigaction(SIGINT, &g_old_sigint, nullptr);
 }
 
 // ---- launch -----------------------------------------------------------------------
@@ -850,16 +1147,25 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   g_fault_fiber = nullptr;
   g_err_fiber = nullptr;
   g_cur = nullptr;
+  if (!g_module_code.has((uintptr_t)p->invoke)) g_module_code = code_range_of((const void*)p->invoke);
+  if (!g_runtime_code.hi) {
+    g_runtime_code = code_range_of((const void*)&cuemu_launch);
+    g_copy_code = CodeRange{(uintptr_t)cuemu_copy_code_begin, (uintptr_t)cuemu_copy_code_end};
+  }
+  const bool take_sigint = (p->options & CUEMU_STOP_ON_SIGINT) != 0;
+  cuemu::interrupt_requested = 0;
+  g_launch_thread = pthread_self();
 
   stack_t ss, old_ss;
   ss.ss_sp = g_altstack;
   ss.ss_size = kAltStackSize;
   ss.ss_flags = 0;
   sigaltstack(&ss, &old_ss);
-  install_handlers();
+  install_handlers(take_sigint);
   volatile int rc = CUEMU_OK;  // survives siglongjmp
   if (sigsetjmp(g_jb, 1) == 0) {
     t_in_launch = true;
+    g_launch_running = 1;
     const uint64_t gx = p->grid[0], gxy = gx * p->grid[1];
     for (uint64_t k = 0; k < nblocks && rc == CUEMU_OK; ++k) {
       const uint64_t b = cuemu::schedule_block(k);  // linear block index, x fastest
@@ -870,8 +1176,10 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
       cuemu::trace_block_end();
       if (rc != CUEMU_OK) r->kind = rc;
     }
+    g_launch_running = 0;
     t_in_launch = false;
   } else {
+    g_launch_running = 0;
     t_in_launch = false;
     r->addr = g_fault_addr;
     r->is_write = g_fault_write;
@@ -879,6 +1187,20 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
     describe_fault(r);
     rc = r->kind;
     g_err_fiber = g_fault_fiber;
+  }
+  cuemu::trace_launch_end();
+  restore_host_csr();
+  restore_handlers(take_sigint);
+  if (!(old_ss.ss_flags & SS_DISABLE)) sigaltstack(&old_ss, nullptr);
+  else { ss.ss_flags = SS_DISABLE; sigaltstack(&ss, nullptr); }
+  if (cuemu::interrupt_requested) {  // Ctrl-C, taken by the runtime while the launch ran
+    cuemu::interrupt_requested = 0;
+    if (rc == CUEMU_OK) rc = CUEMU_ERR_INTERRUPTED;  // it came between fibers or blocks
+    if (rc != CUEMU_ERR_INTERRUPTED) raise(SIGINT);  // another error is reported: Python's handler gets it
+  }
+  if (rc == CUEMU_ERR_INTERRUPTED) {
+    r->kind = rc;
+    g_msg.assign("interrupted (Ctrl-C)");
   }
   if (rc != CUEMU_OK) {
     snprintf(r->msg, sizeof r->msg, "%s", g_msg.c_str());
@@ -889,11 +1211,6 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
       r->thread_idx[2] = g_err_fiber->idx.z;
     }
   }
-  cuemu::trace_launch_end();
-  restore_host_csr();
-  restore_handlers();
-  if (!(old_ss.ss_flags & SS_DISABLE)) sigaltstack(&old_ss, nullptr);
-  else { ss.ss_flags = SS_DISABLE; sigaltstack(&ss, nullptr); }
   fflush(stdout);
   r->block_idx[0] = cuemu_ctx.block_idx.x;
   r->block_idx[1] = cuemu_ctx.block_idx.y;

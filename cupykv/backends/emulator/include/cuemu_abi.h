@@ -40,7 +40,21 @@ enum {
   CUEMU_REDUCE_AND = 15,
   CUEMU_REDUCE_OR = 16,
   CUEMU_REDUCE_XOR = 17,
+  // Tensor-core fragment instructions (cuemu_warp_fragment): collectives of all 32 lanes.
+  CUEMU_MMA_F16 = 32,      // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
+  CUEMU_MMA_BF16 = 33,     // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+  CUEMU_LDMATRIX = 34,     // ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{,.trans}.shared.b16
 };
+
+// cuemu_warp_fragment's operands. mma: `in` is a cuemu_mma_in, `out` float[4] (D). ldmatrix:
+// `in` points to the lane's row address (a const void*), `out` is uint32_t[matrices]; `arg` is
+// the number of matrices (1, 2 or 4), plus CUEMU_LDMATRIX_TRANS for .trans.
+struct cuemu_mma_in {
+  uint32_t a[4];   // A fragment: a0..a7, two 16-bit elements per register, low half first
+  uint32_t b[2];   // B fragment: b0..b3
+  float c[4];      // C fragment: c0..c3
+};
+enum { CUEMU_LDMATRIX_TRANS = 16 };
 
 // Barrier flavours (cuemu_barrier).
 enum { CUEMU_BAR_SYNC = 0, CUEMU_BAR_COUNT = 1, CUEMU_BAR_AND = 2, CUEMU_BAR_OR = 3 };
@@ -54,6 +68,9 @@ enum {
   CUEMU_ERR_TRAP = 4,       // __trap(), integer division by zero, ...
   CUEMU_ERR_STACK = 5,      // fiber stack overflow
   CUEMU_ERR_SETUP = 6,      // the runtime could not prepare the launch (out of memory)
+  CUEMU_ERR_INTERRUPTED = 7,  // Ctrl-C (SIGINT) stopped the launch (CUEMU_STOP_ON_SIGINT)
+  CUEMU_ERR_ASYNC_COPY = 8,   // cp.async misuse: a pending destination touched, bad size/address
+  CUEMU_ERR_FRAGMENT = 9,     // ldmatrix / mma misuse: a row address outside shared memory, ...
 };
 
 // Memory spaces of the regions a launch's accesses are sorted into (cuemu_hazard.region).
@@ -63,11 +80,27 @@ enum { CUEMU_GLOBAL = 0, CUEMU_SHARED_DYNAMIC = 1, CUEMU_SHARED_STATIC = 2 };
 struct cuemu_region {
   uint64_t lo, hi;     // [lo, hi)
   uint32_t writable;   // 1: some argument over these bytes is a non-const pointer (races are checked)
-  uint32_t reserved;
+  uint32_t sector_phase;  // (lo - its allocation's start) % 32: where lo sits in a 32-byte sector
 };
 
+// Launch options (cuemu_launch_params.options). CUEMU_STOP_ON_SIGINT: the runtime takes SIGINT
+// while the launch runs, stops it and returns CUEMU_ERR_INTERRUPTED (launch.py sets it when
+// Python's default SIGINT handler is installed and the launch runs on the main thread).
+enum { CUEMU_STOP_ON_SIGINT = 1 };
+
 // Checks a launch can turn on (cuemu_launch_params.checks).
-enum { CUEMU_CHECK_RACES = 1 };
+enum { CUEMU_CHECK_RACES = 1, CUEMU_CHECK_TRAFFIC = 2 };
+
+// The memory traffic of one region in one launch (traffic.cpp), per kind of access:
+// [0] loads, [1] stores, [2] atomics. Regions are numbered as in cuemu_hazard.region.
+struct cuemu_traffic {
+  uint64_t bytes[3];            // bytes accessed, repeats included
+  uint64_t accesses[3];         // accesses of single threads
+  uint64_t requests[3];         // warp-level requests (global regions; see traffic.cpp)
+  uint64_t request_sectors[3];  // distinct 32-byte sectors of each request, summed
+  const uint64_t* bits[3];      // global regions: bit i set = byte i - sector_phase touched; else null
+  uint64_t nbits;               // sector_phase + the region's bytes
+};
 
 struct cuemu_launch_params {
   void (*invoke)(void**);
@@ -81,7 +114,7 @@ struct cuemu_launch_params {
   uint64_t seed;    // schedule seed: 0 runs blocks and threads in index order, else a seeded shuffle
   const cuemu_region* regions;   // the array arguments
   uint32_t nregions;
-  uint32_t reserved;
+  uint32_t options;   // CUEMU_STOP_ON_SIGINT
   void* (*tls_probe)(void);      // the module's cuemu_module_tls_probe (finds static __shared__)
 };
 
@@ -124,6 +157,15 @@ unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value
 long long cuemu_clock64(void);
 // Atomics report their read-modify-write here (they are not instrumented themselves).
 void cuemu_atomic_access(void* addr, unsigned size, void* site);
+// Asynchronous copies (cp.async; async_copy.cpp). Per thread, as in PTX: a copy belongs to the
+// group its thread's next commit closes; wait(n) completes all but the n most recent groups.
+void cuemu_cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size);
+void cuemu_cp_async_commit(void);
+void cuemu_cp_async_wait(unsigned pending);
+void cuemu_cp_async_wait_all(void);
+// A tensor-core fragment instruction of the calling warp (CUEMU_MMA_*, CUEMU_LDMATRIX): every
+// lane passes its operands; the results are written to each lane's `out` once all 32 arrived.
+void cuemu_warp_fragment(int op, int arg, const void* in, void* out, const char* file, int line);
 
 // One kernel instance in a module's registry.
 struct cuemu_entry {

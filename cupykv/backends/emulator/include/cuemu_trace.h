@@ -10,12 +10,17 @@
 // the same observers when blocks start and end, when a __syncthreads() completes and when a
 // warp collective completes.
 //
-// Observers today: the race checker (racecheck.cpp). A memory-traffic counter (bytes and
-// 32-byte sectors per region, sectors per warp instruction grouped by call site) plugs in the
-// same way: one more Observer in make_observers().
+// Observers: the race checker (racecheck.cpp) and the memory-traffic counter (traffic.cpp:
+// bytes and 32-byte sectors per region, sectors per warp instruction grouped by call site),
+// chosen per launch by cuemu_launch_params.checks in trace_launch_begin(). Beside them, the
+// asynchronous-copy tracker (async_copy.cpp) sees every shared-memory access while copies are
+// pending; the emulated instructions that touch memory in the runtime (cp.async, ldmatrix)
+// report their accesses through trace_access().
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
+
+#include <string>
 
 #include "cuemu_abi.h"
 
@@ -30,6 +35,7 @@ struct Region {
   uintptr_t lo, hi;    // [lo, hi); empty when lo == hi
   int space;           // CUEMU_GLOBAL, CUEMU_SHARED_DYNAMIC or CUEMU_SHARED_STATIC
   bool writable;       // global: some argument over it is a non-const pointer
+  uint32_t sector_phase;  // global: (lo - its allocation's start) % 32
   uint32_t index;      // position in the launch's region table
   bool watched;        // set by an observer in launch_begin: it wants this region's accesses
   void* shadow;        // racecheck's per-byte state, null when races are not tracked here
@@ -86,7 +92,48 @@ void trace_warp_sync(uint32_t warp, uint32_t lanes);
 // ---- for observers ------------------------------------------------------------------
 void request_settle();
 
+// ---- for the emulated instructions that touch memory themselves (async_copy.cpp, fragments.cpp)
+// One access by the running thread (or by thread `tid` of the block), with the call site given
+// by a return address into the kernel's module: what an instrumented load or store reports.
+void trace_access(uintptr_t addr, size_t size, uint8_t kind, const void* ra);
+void trace_access_as(uint32_t tid, uintptr_t addr, size_t size, uint8_t kind, const void* ra);
+uint32_t trace_thread();                  // linear id of the running thread in its block
+uint32_t trace_site(const void* ra);      // a return address as a call site (offset in the module)
+// The launch's memory: the region of the table holding [addr, addr + size) entirely (0 dynamic
+// shared memory, 1 static shared memory, 2 + i regions[i]), -1 when none does; and the region
+// holding addr alone, or null.
+int trace_region_of(uintptr_t addr, size_t size);
+const Region* trace_region_at(uintptr_t addr);
+const Region* trace_region(uint32_t index);
+// Watches both shared memory regions from now until the launch ends, so that every access to
+// them reaches trace hooks (the asynchronous-copy tracker needs them); false when the module is
+// not instrumented (no shadow memory) and accesses cannot be seen.
+bool trace_watch_shared();
+
+// The asynchronous-copy tracker (async_copy.cpp), driven by the scheduler and by access.cpp.
+void async_launch_begin(uint32_t nthreads);
+void async_block_begin();
+extern uint64_t async_pending_bytes;      // bytes of shared memory pending copies will write
+void async_check(const Access& a);        // an access to shared memory while copies are pending
+void async_thread_exit(uint32_t tid);     // fails the launch when the thread has copies pending
+
+// The tensor-core fragment instructions (fragments.cpp): one lane's operands, and the results of
+// a complete warp (all 32 lanes, from thread base_tid). Returns -1, or the lane to blame with
+// *msg set (a bad ldmatrix row address).
+struct FragmentLane {
+  const void* in;
+  void* out;
+  const void* ra;   // return address of the lane's call: its call site
+};
+int fragment_release(int op, int arg, uint32_t base_tid, const FragmentLane* lanes, std::string* msg);
+
+// Ends the launch from the running fiber with an error of `kind` (CUEMU_ERR_*) and message
+// `msg` (runtime.cpp); the running thread is blamed.
+[[noreturn]] void fail_launch(int kind, const char* msg);
+
 // The race checker (racecheck.cpp).
 Observer* racecheck_observer();
+// The memory-traffic counter (traffic.cpp).
+Observer* traffic_observer();
 
 }  // namespace cuemu

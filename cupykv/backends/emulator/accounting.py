@@ -1,0 +1,327 @@
+"""Memory-traffic accounting of emulator launches: bytes, 32-byte sectors, sectors per request.
+
+Inside ``with traffic() as t:`` every emulator launch also runs the traffic counter
+(traffic.cpp, an observer of the same access path as the race checker) and appends a
+:class:`LaunchTraffic` to ``t.launches``::
+
+    with emulator.traffic() as t:
+        cupykv.attention(q, cache, 0)
+    k = t.launches[0].of(cache.k)         # ArgumentTraffic of the argument cache.k
+    k.bytes_loaded, k.sectors_loaded      # bytes (repeats included), distinct 32-byte sectors
+    k.touched("load")                     # bool [nbytes]: exactly which bytes were read
+    t.launches[0].coalescing()            # sectors per request, sectors against the ideal
+    print(t.report())
+
+Sectors are 32-byte pieces of an allocation counted from its start, as a GPU allocation
+starts on a sector boundary (the emulator's start only on 16 bytes). A request is one
+dynamic instance of one memory instruction across the lanes of a warp; the lanes' accesses
+are grouped by call site and visit count (see traffic.cpp). Outside the block nothing is
+counted and launches cost what they did.
+"""
+
+import contextlib
+import ctypes
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import build, memory
+from .errors import EmulatorError
+
+CHECK_TRAFFIC = 2           # CUEMU_CHECK_TRAFFIC
+SECTOR = 32                 # bytes per sector
+KINDS = ("load", "store", "atomic")
+
+_collectors = []            # the Traffic objects of the traffic() blocks now open
+
+
+class _Result(ctypes.Structure):   # cuemu_traffic (cuemu_abi.h)
+    _fields_ = [("bytes", ctypes.c_uint64 * 3), ("accesses", ctypes.c_uint64 * 3),
+                ("requests", ctypes.c_uint64 * 3), ("request_sectors", ctypes.c_uint64 * 3),
+                ("bits", ctypes.c_void_p * 3), ("nbits", ctypes.c_uint64)]
+
+
+def active():
+    """Whether a :func:`traffic` block is open (launches then count their traffic)."""
+    return bool(_collectors)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """One kind of access (load, store or atomic) to some memory in one launch."""
+
+    bytes: int = 0            # bytes accessed, repeats included
+    accesses: int = 0         # accesses of single threads
+    requests: int = 0         # warp-level requests (global memory only)
+    request_sectors: int = 0  # distinct sectors of each request, summed
+    sectors: int = 0          # distinct sectors touched (global memory only)
+    touched_bytes: int = 0    # distinct bytes touched (global memory only)
+
+    @property
+    def sectors_per_request(self):
+        """Average distinct 32-byte sectors of one warp-level request (0.0 without requests)."""
+        return self.request_sectors / self.requests if self.requests else 0.0
+
+    def __add__(self, other):
+        return Counts(*(a + b for a, b in zip(self._values(), other._values())))
+
+    def _values(self):
+        return (self.bytes, self.accesses, self.requests, self.request_sectors, self.sectors,
+                self.touched_bytes)
+
+
+@dataclass(frozen=True, eq=False)
+class _Region:
+    """One region of the launch's table: its counts and touched-byte bitmaps."""
+
+    nbytes: int
+    phase: int                # (start - allocation start) % 32
+    counts: tuple             # Counts per kind
+    bits: tuple               # per kind: packed little-endian bits from (start - phase), or None
+
+    def mask(self, kind, offset, nbytes):
+        bits = self.bits[KINDS.index(kind)]
+        if bits is None:
+            return np.zeros(nbytes, bool)
+        start = self.phase + offset
+        first = start // 8
+        raw = np.unpackbits(bits[first:(start + nbytes + 7) // 8], bitorder="little")
+        return raw[start - 8 * first:start - 8 * first + nbytes].astype(bool)
+
+
+@dataclass(frozen=True)
+class ArgumentTraffic:
+    """What one launch did to the bytes of one array argument.
+
+    Counts cover the argument's region; arguments whose bytes overlap share one region
+    (``shares_region`` lists the others) and then share its counts. Byte offsets are
+    from the argument's lowest byte.
+    """
+
+    index: int                # position in the kernel's parameter list
+    type: str                 # the parameter's C++ type
+    nbytes: int
+    shares_region: tuple      # indices of other arguments over the same bytes
+    _region: _Region = field(repr=False)
+    _offset: int = field(repr=False)   # bytes from the region's start
+
+    def counts(self, kind="load"):
+        """:class:`Counts` of ``kind`` ("load", "store" or "atomic")."""
+        return self._region.counts[KINDS.index(kind)]
+
+    @property
+    def bytes_loaded(self):
+        return self.counts("load").bytes
+
+    @property
+    def bytes_stored(self):
+        return self.counts("store").bytes
+
+    @property
+    def sectors_loaded(self):
+        return self.counts("load").sectors
+
+    @property
+    def sectors_stored(self):
+        return self.counts("store").sectors
+
+    @property
+    def phase(self):
+        """Where byte 0 sits in its 32-byte sector: sector ``s`` holds bytes
+        ``[32 s - phase, 32 s + 32 - phase)``."""
+        return (self._region.phase + self._offset) % SECTOR
+
+    def touched(self, kind="load"):
+        """bool ``[nbytes]``: the bytes accessed by ``kind`` at least once."""
+        return self._region.mask(kind, self._offset, self.nbytes)
+
+    def sectors(self, kind="load"):
+        """Sorted ids of the sectors accessed by ``kind`` (see :attr:`phase`)."""
+        return self.sectors_of(self.touched(kind))
+
+    def sectors_of(self, mask):
+        """Sorted ids of the sectors that hold a ``True`` byte of a bool mask ``[nbytes]``."""
+        offsets = np.flatnonzero(np.asarray(mask, bool)) + self.phase
+        return np.unique(offsets // SECTOR)
+
+    def ranges(self, kind="load"):
+        """int64 ``[n, 2]``: the maximal byte ranges ``[lo, hi)`` accessed by ``kind``."""
+        edges = np.diff(np.concatenate(([0], self.touched(kind).view(np.int8), [0])))
+        return np.stack([np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)], axis=1)
+
+
+@dataclass(frozen=True)
+class Coalescing:
+    """How a launch's accesses of one kind pack into sectors (CPU-measured, not GPU figures)."""
+
+    sectors_per_request: float   # average distinct sectors of one warp-level request
+    sectors: int                 # distinct sectors touched
+    ideal_sectors: int           # ceil(bytes needed / 32)
+    ratio: float                 # sectors / ideal_sectors: 1.0 reads nothing it does not need
+    requested_ratio: float       # sectors of all requests / ideal_sectors: > 1 when re-requested
+
+
+@dataclass(frozen=True)
+class LaunchTraffic:
+    """The memory traffic of one kernel launch."""
+
+    kernel: str
+    grid: tuple
+    block: tuple
+    shared_mem: int
+    arguments: tuple             # ArgumentTraffic of the array arguments, by index
+    extents: tuple = field(repr=False)   # per argument: its (lo, hi) byte addresses as passed
+
+    def argument(self, index):
+        """The :class:`ArgumentTraffic` of argument ``index``."""
+        for a in self.arguments:
+            if a.index == index:
+                return a
+        raise KeyError(f"kernel {self.kernel!r}: argument {index} is not a non-empty array")
+
+    def of(self, array):
+        """The :class:`ArgumentTraffic` of the argument that is ``array`` (same bytes)."""
+        extent = memory.byte_extent(array)
+        for a, e in zip(self.arguments, self.extents):
+            if e == extent:
+                return a
+        raise KeyError(f"kernel {self.kernel!r}: no argument covers exactly the bytes of that array")
+
+    def total(self, kind="load", arrays=None):
+        """:class:`Counts` of ``kind`` over global memory (or over the arguments ``arrays``)."""
+        args = self.arguments if arrays is None else [self.of(a) for a in arrays]
+        regions = {id(a._region): a._region for a in args}
+        return sum((r.counts[KINDS.index(kind)] for r in regions.values()), Counts())
+
+    def coalescing(self, kind="load", arrays=None, needed_bytes=None):
+        """:class:`Coalescing` of ``kind`` over global memory (or the arguments ``arrays``).
+
+        ``needed_bytes``: what the op must access; by default the distinct bytes it did.
+        """
+        c = self.total(kind, arrays)
+        ideal = math.ceil((c.touched_bytes if needed_bytes is None else needed_bytes) / SECTOR)
+        return Coalescing(c.sectors_per_request, c.sectors, ideal, c.sectors / ideal if ideal else 0.0,
+                          c.request_sectors / ideal if ideal else 0.0)
+
+    def report(self):
+        """A few lines: per argument, bytes, distinct sectors and sectors per request."""
+        dims = "x".join(str(d) for d in self.grid), "x".join(str(d) for d in self.block)
+        lines = [f"{self.kernel}  grid {dims[0]}  block {dims[1]}"]
+        lines.append(f"  {'arg':>3} {'type':<24}{'':>2}{'bytes':>12} {'sectors':>9} {'ideal':>8} "
+                     f"{'requests':>9} {'sec/req':>7}")
+        for a in self.arguments:
+            for kind in KINDS:
+                c = a.counts(kind)
+                if c.accesses:
+                    lines.append(f"  {a.index:>3} {a.type[:24]:<24}{kind[0].upper():>2}{c.bytes:>12} {c.sectors:>9} "
+                                 f"{math.ceil(c.touched_bytes / SECTOR):>8} {c.requests:>9} "
+                                 f"{c.sectors_per_request:>7.2f}")
+        return "\n".join(lines)
+
+
+class Traffic:
+    """The launches of one :func:`traffic` block, in order (``launches``)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def kernels(self, prefix):
+        """The launches whose kernel name starts with ``prefix``."""
+        return [t for t in self.launches if t.kernel.startswith(prefix)]
+
+    def report(self):
+        """Every launch's :meth:`LaunchTraffic.report`, one after another."""
+        return "\n".join(t.report() for t in self.launches) or "(no launches)"
+
+    def clear(self):
+        self.launches.clear()
+
+
+@contextlib.contextmanager
+def traffic():
+    """Counts the memory traffic of every emulator launch while the block runs.
+
+    Yields a :class:`Traffic`. Blocks may nest (each sees the launches inside it). The race
+    checker keeps running; both observe the same accesses.
+
+    Raises:
+        EmulatorError: modules are built without instrumentation here (no shadow memory),
+            so accesses cannot be seen.
+    """
+    if not build.instrumented():
+        raise EmulatorError("emulator: traffic accounting needs instrumented modules, and this "
+                            "process could not map their shadow memory")
+    collector = Traffic()
+    _collectors.append(collector)
+    try:
+        yield collector
+    finally:
+        _collectors.remove(collector)
+
+
+# ---- called by launch.py ----------------------------------------------------------------
+def _phase(region):
+    """Where a region starts in a 32-byte sector of its allocation."""
+    alloc = memory.find(region.lo)
+    return (region.lo - (alloc.start if alloc is not None else 0)) % SECTOR
+
+
+def set_phases(table, regions):
+    """Writes each region's sector phase into the runtime's region table."""
+    for k, r in enumerate(regions):
+        table[k].sector_phase = _phase(r)
+
+
+def _lib(lib):
+    if not getattr(lib, "_cuemu_traffic_ready", False):
+        lib.cuemu_traffic_results.argtypes = [ctypes.POINTER(ctypes.POINTER(_Result))]
+        lib.cuemu_traffic_results.restype = ctypes.c_uint32
+        lib._cuemu_traffic_ready = True
+    return lib
+
+
+def _popcount(words):
+    if hasattr(np, "bitwise_count"):   # NumPy >= 2.0
+        return int(np.bitwise_count(words).sum())
+    return int(np.unpackbits(words.view(np.uint8)).sum())
+
+
+def _region(raw, nbytes, phase):
+    counts, bits = [], []
+    for k in range(3):
+        packed = None
+        distinct = touched = 0
+        if raw.bits[k] and raw.bytes[k]:
+            words = -(-raw.nbits // 64)
+            packed = np.frombuffer(ctypes.string_at(raw.bits[k], 8 * words), np.uint8)
+            distinct = int(np.count_nonzero(packed.view(np.uint32)))
+            touched = _popcount(packed.view(np.uint64))
+        counts.append(Counts(int(raw.bytes[k]), int(raw.accesses[k]), int(raw.requests[k]),
+                             int(raw.request_sectors[k]), distinct, touched))
+        bits.append(packed)
+    return _Region(nbytes, phase, tuple(counts), tuple(bits))
+
+
+def collect(lib, fn, grid, block, shared_mem, regions, bindings):
+    """Hands the last launch's traffic (``regions`` as racecheck.regions made them) to every
+    open :func:`traffic` block."""
+    ptr = ctypes.POINTER(_Result)()
+    n = _lib(lib).cuemu_traffic_results(ctypes.byref(ptr))
+    if n != len(regions) + 2:
+        raise EmulatorError(f"emulator: traffic of {n} regions for a launch of {len(regions) + 2}")
+    table = [_region(ptr[2 + k], r.hi - r.lo, _phase(r)) for k, r in enumerate(regions)]
+    arguments, extents = [], []
+    for i, a, ptr_i, _ in sorted(bindings, key=lambda b: b[0]):
+        lo, hi = memory.byte_extent(a)
+        dev_lo = ptr_i + (lo - memory.data_ptr(a))
+        k = next((k for k, r in enumerate(regions) if r.lo <= dev_lo < r.hi), None)
+        if k is None:
+            continue   # an empty array
+        others = tuple(sorted(m[0] for m in regions[k].members if m[0] != i))
+        arguments.append(ArgumentTraffic(i, fn.param_types[i], hi - lo, others, table[k], dev_lo - regions[k].lo))
+        extents.append((lo, hi))
+    record = LaunchTraffic(fn.name, tuple(grid), tuple(block), shared_mem, tuple(arguments),
+                           tuple(extents))
+    for c in _collectors:
+        c.launches.append(record)

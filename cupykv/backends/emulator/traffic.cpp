@@ -1,0 +1,237 @@
+// traffic.cpp: the memory-traffic counter, an Observer of the access layer (cuemu_trace.h).
+//
+// On for launches with CUEMU_CHECK_TRAFFIC (launch.py sets it inside emulator.traffic()).
+// Per global region of the launch (array arguments; shared memory is not watched) and per kind
+// of access (load, store, atomic) it counts:
+//  * bytes and accesses of single threads, repeats included;
+//  * which bytes were touched, one bit per byte, so that the set of distinct 32-byte sectors
+//    (and exactly which rows of an array) can be read back. Sectors are counted from the
+//    region's allocation start (cuemu_region.sector_phase), as a GPU allocation starts on a
+//    sector boundary, not from the region's first byte;
+//  * warp-level requests and the distinct sectors each one touches, the figure
+//    Nsight Compute reports as sectors per request. A request is one dynamic instance of one
+//    memory instruction across the lanes of a warp. Lanes run as separate fibers here, so a
+//    lane's access is matched to its warp's other lanes by (call site, kind, how often this
+//    lane has reached that site since its last warp collective or barrier): the n-th visit of
+//    a site by every lane is one request. Lanes that diverge at a site without a warp
+//    collective in between (one lane visits it more often than another, then they reconverge)
+//    are paired by visit count, not by the branch they took: an approximation.
+// cuemu_traffic() returns the results of the last launch; they stay valid until the next one.
+#include <string.h>
+#include <sys/mman.h>
+
+#include <vector>
+
+#include "cuemu_trace.h"
+
+#define CUEMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace cuemu {
+namespace {
+
+inline uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// An open-addressing hash table of up to three 64-bit words per key with a 32-bit value,
+// emptied in O(1) by bumping a generation (each block starts a new one).
+class Table {
+ public:
+  // The slot of the key, created (value 0) when absent; *fresh tells which.
+  uint32_t* find(uint64_t a, uint64_t b, uint64_t c, bool* fresh) {
+    if (2 * (used_ + 1) > cap_) grow();
+    const uint64_t mask = cap_ - 1;
+    const uint64_t h = mix(a ^ b * 0x9e3779b97f4a7c15ull ^ c * 0xc2b2ae3d27d4eb4full);
+    for (uint64_t i = h & mask;; i = (i + 1) & mask) {
+      Slot& s = slots_[i];
+      if (s.gen != gen_) {
+        s = Slot{a, b, c, 0, gen_};
+        ++used_;
+        *fresh = true;
+        return &s.value;
+      }
+      if (s.a == a && s.b == b && s.c == c) {
+        *fresh = false;
+        return &s.value;
+      }
+    }
+  }
+  void clear() {
+    used_ = 0;
+    if (++gen_ == 0) {  // wrapped: stale slots could look current
+      for (Slot& s : slots_) s.gen = 0;
+      gen_ = 1;
+    }
+  }
+
+ private:
+  struct Slot {
+    uint64_t a, b, c;
+    uint32_t value, gen;
+  };
+  void grow() {
+    std::vector<Slot> old;
+    old.swap(slots_);
+    cap_ = cap_ ? 2 * cap_ : 4096;
+    slots_.assign(cap_, Slot{0, 0, 0, 0, 0});
+    const uint32_t gen = gen_;
+    gen_ = 1;
+    used_ = 0;
+    for (const Slot& s : old)
+      if (s.gen == gen) {
+        bool fresh;
+        *find(s.a, s.b, s.c, &fresh) = s.value;
+      }
+  }
+  std::vector<Slot> slots_;
+  uint64_t cap_ = 0, used_ = 0;
+  uint32_t gen_ = 1;
+};
+
+constexpr uint64_t kRequestMark = ~0ull;  // the sector word of a request's own entry
+
+class Traffic final : public Observer {
+ public:
+  bool launch_begin(const LaunchInfo& info) override;
+  void block_begin(uint64_t) override;
+  void access(const Access& a) override;
+  void barrier() override;
+  void warp_sync(uint32_t warp, uint32_t lanes) override;
+
+  std::vector<cuemu_traffic> results;
+
+ private:
+  uint64_t* map_bits(size_t words);
+  void unmap_bits();
+
+  std::vector<uint32_t> phase_;   // per region: sector_phase (global regions)
+  // Per thread: bumped by each warp collective it takes part in; a barrier sets every thread's
+  // to one value above all of them, so the lanes of a warp agree again after one.
+  std::vector<uint32_t> epoch_;
+  Table visits_;                  // (thread, site, kind; epoch) -> visits, of the running block
+  Table sectors_;                 // (request, region, sector) and (request, region, mark)
+  void* bits_ = nullptr;
+  size_t bits_len_ = 0;
+};
+
+uint64_t* Traffic::map_bits(size_t words) {
+  if (!words) return nullptr;
+  void* p = mmap(nullptr, words * 8, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  bits_ = p;
+  bits_len_ = words * 8;
+  return static_cast<uint64_t*>(p);
+}
+
+void Traffic::unmap_bits() {
+  if (bits_) munmap(bits_, bits_len_);
+  bits_ = nullptr;
+  bits_len_ = 0;
+}
+
+bool Traffic::launch_begin(const LaunchInfo& info) {
+  unmap_bits();  // the previous launch's results go now
+  results.assign(info.nregions, cuemu_traffic());
+  phase_.assign(info.nregions, 0);
+  epoch_.assign(info.nthreads, 0);
+  // One mapping holds three bitmaps per global region (committed only where touched).
+  size_t words = 0;
+  std::vector<size_t> first(info.nregions, 0);
+  for (uint32_t i = 0; i < info.nregions; ++i) {
+    Region& r = info.regions[i];
+    if (r.hi == r.lo || r.space != CUEMU_GLOBAL) continue;
+    r.watched = true;
+    phase_[i] = (uint32_t)(r.sector_phase % 32);
+    results[i].nbits = phase_[i] + (r.hi - r.lo);
+    first[i] = words;
+    words += 3 * ((results[i].nbits + 63) / 64);
+  }
+  uint64_t* bits = map_bits(words);
+  if (words && !bits) return false;
+  for (uint32_t i = 0; i < info.nregions; ++i) {
+    const size_t n = (results[i].nbits + 63) / 64;
+    if (!n) continue;
+    for (int k = 0; k < 3; ++k) results[i].bits[k] = bits + first[i] + k * n;
+  }
+  return true;
+}
+
+void Traffic::block_begin(uint64_t) {
+  visits_.clear();
+  sectors_.clear();
+  memset(epoch_.data(), 0, epoch_.size() * sizeof(uint32_t));
+}
+
+void Traffic::barrier() {
+  uint32_t next = 0;
+  for (uint32_t e : epoch_) next = e > next ? e : next;
+  ++next;
+  for (uint32_t& e : epoch_) e = next;
+}
+
+void Traffic::warp_sync(uint32_t warp, uint32_t lanes) {
+  for (uint32_t l = 0; l < 32; ++l)
+    if (lanes >> l & 1 && warp * 32 + l < epoch_.size()) ++epoch_[warp * 32 + l];
+}
+
+void Traffic::access(const Access& a) {
+  const uint32_t region = a.region->index;
+  cuemu_traffic& t = results[region];
+  const int kind = (a.kind & ACCESS_ATOMIC) ? 2 : (a.kind & ACCESS_WRITE) ? 1 : 0;
+  uint64_t* bits = const_cast<uint64_t*>(t.bits[kind]);
+  if (!bits || !a.size) return;  // shared memory (watched by the race checker): not counted
+  t.bytes[kind] += a.size;
+  ++t.accesses[kind];
+
+  // The bytes touched, counted from the sector boundary before the region's start.
+  const uint64_t first = a.addr - a.region->lo + phase_[region], end = first + a.size;
+  for (uint64_t w = first >> 6; w <= (end - 1) >> 6; ++w) {
+    const uint64_t lo = w << 6 > first ? 0 : first & 63, hi = (w + 1) << 6 < end ? 64 : end - (w << 6);
+    bits[w] |= (hi - lo == 64 ? ~0ull : ((1ull << (hi - lo)) - 1)) << lo;
+  }
+
+  // Which request of its warp this access belongs to: the lane's n-th visit of the site.
+  bool fresh;
+  const uint64_t thread_site = (uint64_t)a.site | (uint64_t)kind << 32 | (uint64_t)a.tid << 34;
+  const uint64_t epoch = epoch_[a.tid];
+  uint32_t* visit = visits_.find(thread_site, epoch, 0, &fresh);
+  const uint64_t n = (*visit)++;
+  const uint64_t request = (uint64_t)a.site | (uint64_t)kind << 32 | (uint64_t)(a.tid >> 5) << 34 |
+                           (uint64_t)region << 40;
+  const uint64_t instance = epoch << 32 | n;
+  sectors_.find(request, instance, kRequestMark, &fresh);
+  if (fresh) ++t.requests[kind];
+  for (uint64_t s = first >> 5; s <= (end - 1) >> 5; ++s) {
+    sectors_.find(request, instance, s, &fresh);
+    if (fresh) ++t.request_sectors[kind];
+  }
+}
+
+Traffic* g_traffic = nullptr;
+
+}  // namespace
+
+Observer* traffic_observer() {
+  if (!g_traffic) g_traffic = new Traffic();
+  return g_traffic;
+}
+
+}  // namespace cuemu
+
+// The traffic of every region of the last launch that counted it (cuemu_traffic, one per region:
+// dynamic shared memory, static __shared__ variables, then the argument regions); valid until
+// the next launch.
+CUEMU_EXPORT uint32_t cuemu_traffic_results(const cuemu_traffic** out) {
+  cuemu::Traffic* t = cuemu::g_traffic;
+  if (!t) {
+    *out = nullptr;
+    return 0;
+  }
+  *out = t->results.data();
+  return (uint32_t)t->results.size();
+}

@@ -1,0 +1,40 @@
+// signals.cu: kernels that never finish (for Ctrl-C), that fault inside libc, or inside the
+// kernels' memcpy (tests/test_emulator_signals.py). They compile for NVRTC too.
+
+// Spins on a local variable: no access the emulator sees, no barrier, no call.
+__global__ void spin(int* out) {
+  volatile int go = 1;
+  while (go) {
+  }
+  out[threadIdx.x] = go;
+}
+
+// Busy-waits on a flag in global memory that nothing sets: every read of the (watched)
+// argument calls the emulator's access hook.
+__global__ void wait_for_flag(int* flag) {
+  while (((volatile int*)flag)[0] == 0) {
+  }
+}
+
+// Hands printf a bad pointer: the fault happens inside libc, not in kernel code.
+__global__ void print_string(const char* text) {
+  if (threadIdx.x == 0) printf("[%s]\n", text);
+}
+
+// Finishes: the emulator still runs kernels after an interrupted launch.
+__global__ void fill(int* out) { out[threadIdx.x] = 7; }
+
+// memmove within one array in both directions (n <= size - 2), and a memset: the runtime's
+// copy routines, not libc's, run them.
+__global__ void shift(int* a, int n) {
+  if (threadIdx.x == 0) {
+    memmove(a + 1, a, n * sizeof(int));      // overlapping, destination after the source
+    memmove(a, a + 2, n * sizeof(int));      // overlapping, destination before the source
+    memset(a + n, 0, 2 * sizeof(int));
+  }
+}
+
+// Copies n floats from x into y: one past the end of x when n is its size + 1.
+__global__ void copy_floats(float* y, const float* x, int n) {
+  if (threadIdx.x == 0) memcpy(y, x, n * sizeof(float));
+}

@@ -1,0 +1,63 @@
+// traffic.cu: kernels whose memory traffic is known, for the emulator's traffic counter
+// (tests/test_traffic.py). Each comment says what one warp request touches. The same file
+// must also compile with NVRTC (sm_80, C++17).
+
+// Lane i reads x[i * stride] and writes out[i] (float). One warp request of the load touches
+// 4 sectors with stride 1 (128 contiguous bytes), 32 with stride 8 (a sector per lane) and
+// 1 with stride 0 (every lane reads x[0]).
+extern "C" __global__ void strided_copy(const float* __restrict__ x, float* __restrict__ out, int stride,
+                                        int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = x[(long long)i * stride];
+}
+
+// Each thread copies one 16-byte vector: 16 sectors per request of a full warp.
+extern "C" __global__ void vector_copy(const uint4* __restrict__ x, uint4* __restrict__ out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = x[i];
+}
+
+// out[c] = sum of rows [0, rows) of m [*, row_len] (one block, a thread per column). With
+// rows = live + 1 it reads one row too far: the planted over-read of tests/test_traffic.py.
+extern "C" __global__ void sum_rows(const float* __restrict__ m, float* __restrict__ out, int rows,
+                                    int row_len) {
+  for (int c = threadIdx.x; c < row_len; c += blockDim.x) {
+    float acc = 0.f;
+    for (int r = 0; r < rows; ++r) acc += m[(long long)r * row_len + c];
+    out[c] = acc;
+  }
+}
+
+// One warp. Lane l reads x[l] once, and odd lanes read x[32 + l] too, at the same call site
+// in a second trip of the loop: two requests (4 sectors, then 4 sectors of 16 lanes).
+extern "C" __global__ void uneven_trips(const float* __restrict__ x, float* __restrict__ out) {
+  const int lane = threadIdx.x;
+  float acc = 0.f;
+  for (int k = 0; k <= lane % 2; ++k) acc += x[k * 32 + lane];
+  out[lane] = acc;
+}
+
+// One warp, two rounds separated by __syncwarp(). Round 0: every lane reads x[lane] and
+// lane 0 alone x[32] in a second trip (extra = 1); round 1: every lane reads x[64 + lane].
+// Pairing lanes by their visits since the last warp collective gives three requests (4, 1
+// and 4 sectors); counting visits over the whole launch would split round 1 between lane 0
+// and the others. (`extra` is an argument so that g++ cannot compile lane 0's trips as
+// separate code: a call site is an instruction of the host compiler's code.)
+extern "C" __global__ void realigned_trips(const float* __restrict__ x, float* __restrict__ out, int extra) {
+  const int lane = threadIdx.x;
+  float acc = 0.f;
+  for (int round = 0; round < 2; ++round) {
+    const int trips = round == 0 && lane == 0 ? 1 + extra : 1;
+    for (int k = 0; k < trips; ++k) acc += x[round * 64 + k * 32 + lane];
+    __syncwarp();
+  }
+  out[lane] = acc;
+}
+
+// Every thread adds 1 to count[0] (atomic) and copies 16 bytes with memcpy.
+extern "C" __global__ void count_and_copy(int* __restrict__ count, const float* __restrict__ x,
+                                          float* __restrict__ out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  atomicAdd(count, 1);
+  memcpy(out + 4 * i, x + 4 * i, 16);
+}

@@ -1,0 +1,246 @@
+"""cp.async on the emulator (cupykv/kernels/async_copy.cuh): copies land at their wait, and
+every way of depending on an unfinished copy fails loudly.
+
+The kernels are tests/emulator_kernels/async_copy.cu, each with a switch between correct code and
+a planted misuse. The semantics checked are the PTX ISA's ("cp.async", "cp.async.commit_group",
+"cp.async.wait_group / cp.async.wait_all"): groups are per thread, wait_group N completes all
+but the N most recent groups (empty groups count), wait_all commits first, src-size bytes are
+read and the rest zero-filled. The same source compiles with NVRTC for sm_80 and sm_90 without
+spills, so what runs here is what a GPU will run.
+"""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupykv import nvrtc_check
+from cupykv.backends import emulator as E
+from cupykv.kernels import KERNEL_DIR
+
+KERNELS = Path(__file__).parent / "emulator_kernels"
+SOURCE = KERNELS / "async_copy.cu"
+HEADER = Path(KERNEL_DIR) / "async_copy.cuh"
+NAMES = ["async_roundtrip<4>", "async_roundtrip<8>", "async_roundtrip<16>", "async_pipeline", "async_groups"]
+FILL = 0xFFFFFFFF    # four bytes of the emulator's fill of dynamic shared memory (and of pending copies)
+
+
+def line(needle, path=SOURCE):
+    """``'file:LINE'`` of the only line of ``path`` holding ``needle``."""
+    hits = [i + 1 for i, text in enumerate(path.read_text().splitlines()) if needle in text]
+    assert len(hits) == 1, (needle, hits)
+    return f"{path.name}:{hits[0]}"
+
+
+ISSUE = line("cp_async<BYTES>(dst, src + first, src_bytes);")   # the kernel line of the copy
+
+
+@pytest.fixture(scope="module")
+def module():
+    return E.Module(SOURCE.read_text(), NAMES, include_dirs=[KERNELS, KERNEL_DIR], filename=str(SOURCE))
+
+
+def roundtrip(module, nbytes, n, threads, mode):
+    """Runs async_roundtrip<nbytes> on src = 1..n; returns (src, out)."""
+    src = E.asarray(np.arange(1, n + 1, dtype=np.float32))
+    out = E.zeros(threads * nbytes // 4, np.float32)
+    module.get_function(f"async_roundtrip<{nbytes}>")(1, threads, (src, out, np.int32(n), np.int32(mode)))
+    return src, out
+
+
+def expected_roundtrip(src, nbytes, threads):
+    """The model: the tile is src zero-filled past n; out is the tile shifted by one thread's piece."""
+    width = threads * nbytes // 4
+    tile = np.zeros(width, np.float32)
+    tile[:src.size] = src
+    return np.roll(tile, -(nbytes // 4))
+
+
+def assert_still_works(module):
+    src, out = roundtrip(module, 16, 30, 8, 0)
+    np.testing.assert_array_equal(out, expected_roundtrip(src, 16, 8))
+
+
+# ---- copies land at the wait, zero-filled past src_bytes ---------------------------------------
+@pytest.mark.parametrize("nbytes", [4, 8, 16])
+@pytest.mark.parametrize("n, threads", [(64, 16), (30, 8), (1, 32), (0, 4)])
+def test_copies_land_at_the_wait_zero_filled_past_the_live_bytes(module, nbytes, n, threads):
+    n = min(n, threads * nbytes // 4)
+    src, out = roundtrip(module, nbytes, n, threads, 0)
+    np.testing.assert_array_equal(out, expected_roundtrip(src, nbytes, threads))
+
+
+def test_a_two_stage_pipeline_is_exact(module):
+    threads, tiles = 64, 5
+    width = threads * 4
+    src = E.asarray(np.random.default_rng(0).standard_normal(tiles * width).astype(np.float32))
+    out = E.zeros((tiles, threads), np.float32)
+    module.get_function("async_pipeline")(1, threads, (src, out, np.int32(tiles), np.int32(0)),
+                                          shared_mem=2 * width * 4)
+    np.testing.assert_array_equal(out, 2 * src.reshape(tiles, width)[:, (4 * np.arange(threads) + 5) % width])
+
+
+# ---- wait_group N: all but the N most recent groups, exactly ---------------------------------
+def pending_after(n_groups, empty_mask, uncommitted, wait_n):
+    """Slots whose copies are still pending after the wait: the PTX model, written out."""
+    if wait_n < 0:                         # wait_all = commit_group; wait_group 0
+        return set()
+    pending = {g for g in range(n_groups) if g >= n_groups - wait_n and not empty_mask >> g & 1}
+    if uncommitted:                        # never committed: no wait_group covers it
+        pending.add(n_groups)
+    return pending
+
+
+@pytest.mark.parametrize("empty_mask", [0, 0b1000, 0b0010], ids=["no-empty", "newest-empty", "group1-empty"])
+@pytest.mark.parametrize("uncommitted", [0, 1])
+def test_wait_group_completes_all_but_the_n_most_recent_groups(module, empty_mask, uncommitted):
+    n_groups, threads = 4, 32
+    src = E.asarray(np.arange(1, 4 * (n_groups + 1) + 1, dtype=np.float32))
+    fn = module.get_function("async_groups")
+    for wait_n in (0, 1, 2, 3, -1):
+        pending = pending_after(n_groups, empty_mask, uncommitted, wait_n)
+        for probe in range(n_groups + 1):
+            out = E.zeros(threads, np.float32)
+            args = (src, out, np.int32(n_groups), np.int32(empty_mask), np.int32(uncommitted), np.int32(wait_n),
+                    np.int32(probe))
+            case = f"wait_n={wait_n} probe={probe}"
+            if probe in pending:
+                with pytest.raises(E.AsyncCopyError, match="touches bytes that an asynchronous copy still writes"):
+                    fn(1, threads, args, shared_mem=threads * (n_groups + 1) * 16)
+                continue
+            fn(1, threads, args, shared_mem=threads * (n_groups + 1) * 16)
+            written = probe < n_groups and not empty_mask >> probe & 1 or probe == n_groups and uncommitted
+            if written:
+                assert (out == src[4 * probe]).all(), case
+            else:   # nothing was copied there: the emulator's fill of shared memory, never a copy
+                assert (out.view(np.uint32) == FILL).all(), case
+
+
+# ---- every dependence on an unfinished copy fails, naming both call sites ---------------------
+def test_reading_the_destination_before_the_wait_fails_naming_both_lines(module):
+    with pytest.raises(E.AsyncCopyError) as caught:
+        roundtrip(module, 16, 30, 8, 1)
+    message = str(caught.value)
+    assert message.startswith("kernel 'async_roundtrip<16>' block (0,0,0) thread (")
+    assert "a read of 4 bytes of static __shared__ tile (in async_roundtrip<16>) byte offset " in message
+    assert f" at {line('if (mode == 1) out[first] = tile[first];')} touches bytes that an asynchronous copy " \
+           "still writes (16-byte cp.async issued by thread (" in message
+    assert f"(inlined into {ISSUE}), group 0 of that thread)" in message
+    assert f"{HEADER.name}:" in message
+    assert_still_works(module)
+
+
+def test_writing_the_destination_before_the_wait_fails(module):
+    with pytest.raises(E.AsyncCopyError, match=f"a write to 4 bytes .* at {line('if (mode == 4) tile[first]')} "):
+        roundtrip(module, 16, 30, 8, 4)
+    assert_still_works(module)
+
+
+def test_a_second_copy_into_pending_bytes_fails(module):
+    with pytest.raises(E.AsyncCopyError) as caught:
+        roundtrip(module, 16, 30, 8, 8)
+    message = str(caught.value)
+    assert "a cp.async into 16 bytes of static __shared__ tile" in message
+    assert f"(inlined into {line('if (mode == 8) cp_async<BYTES>')})" in message
+    assert f"(inlined into {ISSUE}), not yet committed)" in message
+
+
+def test_exiting_with_a_copy_in_flight_fails(module):
+    with pytest.raises(E.AsyncCopyError, match=r"exits with 1 asynchronous copy not waited for \(the first issued "
+                                               rf"at .*inlined into {ISSUE}\)"):
+        roundtrip(module, 16, 30, 8, 9)
+
+
+def test_another_threads_data_needs_a_barrier_after_the_wait(module):
+    # Without the __syncthreads() thread t reads thread t + 1's piece: still in flight (AsyncCopyError)
+    # or landed but unordered (RaceError), depending on the order the schedule runs the threads.
+    with pytest.raises((E.AsyncCopyError, E.RaceError)) as caught:
+        roundtrip(module, 16, 30, 8, 2)
+    assert line("for (int k = 0; k < kFloats; ++k) out[first + k]") in str(caught.value)
+    assert_still_works(module)
+
+
+@pytest.mark.parametrize("mode, match", [
+    (5, r"the destination \(static __shared__ tile \(in async_roundtrip<16>\) byte offset \d+\) is not aligned "
+        r"to the copy size 16 bytes"),
+    (6, r"src_bytes 20 is not in 0\.\.16"),
+    (7, r"the destination \(argument 1 \(float32 array of shape \(32,\)\) element \d+ \(byte offset \d+\)\) is not "
+        r"in shared memory"),
+    (3, r"reads 16 bytes at argument 0 \(float32 array of shape \(30,\)\) element 28 \(byte offset 112\), 8 past "
+        r"the end of the array"),
+], ids=["misaligned", "src-bytes-too-large", "global-destination", "source-past-the-end"])
+def test_operands_the_instruction_does_not_allow_fail(module, mode, match):
+    with pytest.raises(E.AsyncCopyError, match=rf"cp\.async at {HEADER.name}:\d+ \(inlined into {ISSUE}\) by "
+                                               rf"thread \(\d,0,0\): {match}"):
+        roundtrip(module, 16, 30, 8, mode)
+    assert_still_works(module)
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_pipeline_bugs_fail(module, mode):
+    """wait<2> leaves the tile being read in flight; no barrier after the wait, or before a stage
+    is refilled, lets a thread read another's bytes unordered or still in flight."""
+    threads, tiles = 64, 4
+    src = E.asarray(np.zeros(tiles * threads * 4, np.float32))
+    errors = E.AsyncCopyError if mode == 1 else (E.AsyncCopyError, E.RaceError)
+    with pytest.raises(errors):
+        module.get_function("async_pipeline")(1, threads, (src, E.zeros((tiles, threads), np.float32), np.int32(tiles),
+                                                           np.int32(mode)), shared_mem=2 * threads * 16)
+
+
+def test_checks_hold_with_the_race_checker_off(module, monkeypatch):
+    """The pending-bytes check does not depend on the race checker: the first copy of a launch
+    turns on the watching of shared memory itself."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")
+    with pytest.raises(E.AsyncCopyError, match="a read of 4 bytes"):
+        roundtrip(module, 16, 30, 8, 1)
+    with pytest.raises(E.AsyncCopyError, match="8 past the end of the array"):
+        roundtrip(module, 16, 30, 8, 3)
+    assert_still_works(module)
+
+
+@pytest.mark.parametrize("seed", ["0", "2", "3"])
+def test_verdicts_do_not_depend_on_the_schedule(module, monkeypatch, seed):
+    """Index order and two more seeded orders of blocks and threads: the same results, the same errors."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", seed)
+    test_a_two_stage_pipeline_is_exact(module)
+    test_wait_group_completes_all_but_the_n_most_recent_groups(module, 0b1000, 1)
+    test_pipeline_bugs_fail(module, 1)
+    test_reading_the_destination_before_the_wait_fails_naming_both_lines(module)
+
+
+# ---- the source read is a load like any other ------------------------------------------------
+def test_the_traffic_counter_sees_each_source_byte_once_in_full_sector_requests(module):
+    threads, tiles = 64, 3
+    src = E.asarray(np.zeros(tiles * threads * 4, np.float32))
+    out = E.zeros((tiles, threads), np.float32)
+    with E.traffic() as t:
+        module.get_function("async_pipeline")(1, threads, (src, out, np.int32(tiles), np.int32(0)),
+                                              shared_mem=2 * threads * 16)
+    (launch,) = t.launches
+    loads = launch.of(src).counts("load")
+    assert loads.bytes == src.nbytes and loads.touched_bytes == src.nbytes
+    assert loads.sectors == src.nbytes // 32
+    assert loads.requests == tiles * threads // 32            # one request per warp and tile
+    assert loads.sectors_per_request == 16.0                    # 32 lanes x 16 contiguous bytes
+    assert launch.of(out).counts("store").bytes == out.nbytes
+
+
+def test_a_source_read_out_of_bounds_faults_like_a_load(module):
+    # 32 threads x 16 bytes from an 8-float array: thread 2 on reads the guard page (or past the end).
+    src = E.asarray(np.ones(8, np.float32))
+    with pytest.raises((E.EmulatorFault, E.AsyncCopyError), match="argument 0"):
+        module.get_function("async_roundtrip<16>")(1, 32, (src, E.zeros(128, np.float32), np.int32(128), np.int32(0)))
+
+
+# ---- the same source is real CUDA ----------------------------------------------------------------
+@pytest.mark.parametrize("arch", nvrtc_check.ARCHS)
+def test_the_kernels_compile_with_nvrtc_without_spills(arch):
+    nvrtc = nvrtc_check.load_nvrtc()
+    program = nvrtc_check.compile_program(nvrtc, SOURCE.name, SOURCE.read_text(), NAMES, arch,
+                                          include_dirs=(str(KERNELS), KERNEL_DIR))
+    reports = nvrtc_check.parse_ptxas_log(program.log, program.lowered, arch)
+    assert {r.instance for r in reports} == set(NAMES)
+    assert [r.instance for r in reports if r.spills] == []
+    for instruction in ("cp.async.cg.shared.global", "cp.async.ca.shared.global", "cp.async.commit_group",
+                        "cp.async.wait_group 1", "cp.async.wait_all"):
+        assert instruction in program.ptx, instruction

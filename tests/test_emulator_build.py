@@ -1,0 +1,165 @@
+"""The emulator's platform check and build cache: clear errors before compiling, one build per
+module across processes, temporaries of killed builds swept, a compile time limit."""
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from cupykv.backends import emulator as E
+from cupykv.backends.emulator import build, diskcache, host
+
+
+def _kernel(tag):
+    """A tiny kernel source that no other test compiles (``tag`` makes its cache key unique)."""
+    return f"// {tag}\n__global__ void k(int* x) {{ x[threadIdx.x] = 3 * threadIdx.x; }}\n"
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty cache folder holding only the runtime already built (so that only modules compile)."""
+    runtime = build.runtime()._name
+    folder = tmp_path / "emulator"
+    folder.mkdir()
+    shutil.copy(runtime, folder)
+    monkeypatch.setenv("CUPYKV_CACHE_DIR", str(tmp_path))
+    return folder
+
+
+# ---- platform ----------------------------------------------------------------------------
+def test_other_architecture_is_refused_before_compiling(monkeypatch):
+    monkeypatch.setattr(host.platform, "machine", lambda: "aarch64")
+    compiles = build.stats["compiles"]
+    with pytest.raises(E.PlatformError, match=r"needs x86-64 Linux .*this machine is Linux aarch64"):
+        E.Module(_kernel("aarch64"), ["k"])
+    assert build.stats["compiles"] == compiles
+
+
+def test_other_os_is_refused(monkeypatch):
+    monkeypatch.setattr(host.platform, "system", lambda: "Darwin")
+    with pytest.raises(E.PlatformError, match="this machine is Darwin"):
+        build.check_platform()
+
+
+def test_no_gxx_on_path(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "CXX", "g++")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(E.PlatformError, match=r"'g\+\+' is not on PATH"):
+        E.Module(_kernel("no g++"), ["k"])
+
+
+def _fake_compiler(folder, macros):
+    script = folder / "g++"
+    script.write_text("#!/bin/sh\n" + "".join(f"echo '#define {m}'\n" for m in macros))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+@pytest.mark.parametrize("macros, match", [
+    (["__GNUC__ 7", "__GNUC_MINOR__ 5"], "is GCC 7.5, older than 9"),
+    (["__GNUC__ 4", "__clang__ 1"], "is not GCC"),
+])
+def test_old_or_foreign_compiler(monkeypatch, tmp_path, macros, match):
+    _fake_compiler(tmp_path, macros)
+    monkeypatch.setattr(build, "CXX", "g++")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(E.PlatformError, match=match):
+        build.check_platform()
+
+
+def test_platform_error_is_a_user_error():
+    from cupykv.errors import BackendUnavailableError, UserError
+    assert issubclass(E.PlatformError, BackendUnavailableError) and issubclass(E.PlatformError, UserError)
+    assert issubclass(E.PlatformError, E.EmulatorError)
+
+
+# ---- build cache -------------------------------------------------------------------------
+def test_stale_temporaries_are_swept(fresh_cache):
+    old = time.time() - 2 * diskcache.stale_after()
+    stale_file = fresh_cache / "mod-0123.abcd.tmp.so"
+    stale_dir = fresh_cache / "mod-4567.efgh.tmp"
+    legacy_dir = fresh_cache / "cuemu-x1y2z3"
+    fresh_file = fresh_cache / "mod-89ab.ijkl.tmp.so"   # another build may own it: kept
+    for path in (stale_dir, legacy_dir):
+        path.mkdir()
+        (path / "kernel.cpp").write_text("int x;")
+    stale_file.write_bytes(b"half a library")
+    fresh_file.write_bytes(b"half a library")
+    for path in (stale_file, stale_dir, legacy_dir):
+        os.utime(path, (old, old))
+    E.Module(_kernel("sweep"), ["k"])
+    assert not stale_file.exists() and not stale_dir.exists() and not legacy_dir.exists()
+    assert fresh_file.exists()
+    assert len(list(fresh_cache.glob("cuemu-runtime-*.so"))) == 1   # the artifacts stay
+
+
+def test_temporaries_of_the_same_module_are_swept_at_once(fresh_cache):
+    """Under a module's lock no live process owns its temporaries: a killed build's are deleted."""
+    source = _kernel("same module")
+    E.Module(source, ["k"])
+    (path,) = fresh_cache.glob("mod-*.so")
+    leftover = fresh_cache / f"{diskcache.temporary_prefix(path)}killed.tmp.so"
+    leftover.write_bytes(b"half a library")
+    path.unlink()
+    build.clear_memory_cache()
+    E.Module(source, ["k"])
+    assert path.exists() and not leftover.exists()
+
+
+CONCURRENT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from cupykv.backends import emulator as E
+    from cupykv.backends.emulator import build
+    start = float(sys.argv[1])
+    time.sleep(max(0.0, start - time.time()))    # both processes start compiling together
+    mod = E.Module(sys.argv[2], ["k"])
+    x = E.zeros(8, np.int32)
+    mod.get_function("k")(1, 8, (x,))
+    assert x.tolist() == [3 * i for i in range(8)], x
+    print(build.stats["compiles"])
+""")
+
+
+def test_two_processes_compile_a_module_once(fresh_cache):
+    env = dict(os.environ, CUPYKV_CACHE_DIR=str(fresh_cache.parent))
+    start = time.time() + 3.0
+    source = _kernel(f"concurrent {start}")
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT, str(start), source], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [proc.communicate(timeout=300) for proc in procs]
+    for proc, (out, err) in zip(procs, results):
+        assert proc.returncode == 0, err
+    assert sorted(int(out.split()[-1]) for out, _ in results) == [0, 1]   # one compiled, the other waited
+    assert len(list(fresh_cache.glob("mod-*.so"))) == 1
+    assert not [p.name for p in fresh_cache.iterdir() if p.name.endswith((".tmp", ".tmp.so"))]
+
+
+def test_compile_timeout(fresh_cache, monkeypatch):
+    monkeypatch.setenv(host.COMPILE_TIMEOUT_ENV, "0.01")
+    with pytest.raises(E.CompileError, match=r"did not finish compiling slow\.cu within 0\.01 s \(set "
+                                             r"CUPYKV_EMULATOR_COMPILE_TIMEOUT"):
+        E.Module(_kernel("timeout"), ["k"], filename="slow.cu")
+    assert not [p.name for p in fresh_cache.iterdir() if p.name.endswith((".tmp", ".tmp.so"))]
+    assert not list(fresh_cache.glob("mod-*.so"))
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_compile_timeout_setting_is_checked(monkeypatch, value):
+    monkeypatch.setenv(host.COMPILE_TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=f"CUPYKV_EMULATOR_COMPILE_TIMEOUT: expected a number of seconds > 0, "
+                                         f"got '{value}'"):
+        host.compile_timeout()
+
+
+def test_module_still_runs_after_the_checks(fresh_cache):
+    mod = E.Module(_kernel("runs"), ["k"])
+    x = E.zeros(4, np.int32)
+    mod.get_function("k")(1, 4, (x,))
+    assert x.tolist() == [0, 3, 6, 9]
