@@ -7,12 +7,13 @@ checks, launch geometry, allocation) happens before any launch.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cupykv import _args
+from cupykv import _args, cache_views
 from cupykv.backends import get_backend
 from cupykv.errors import CacheOverflowError
 from cupykv.kernels import CUDA_TYPES
@@ -21,6 +22,7 @@ from cupykv.spec import MASK_VALUE, CacheSpec
 _APPEND_THREADS = 128
 _SMALL_THREADS = 256   # advance / truncate / reset / additive_mask
 _MASK_ROW_BLOCKS = 1024   # additive_mask: grid y strides over the batch * q_len rows
+_log = logging.getLogger("cupykv")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,15 @@ class KVCache:
     backend : {"cupy", "emulator"} or None
         ``None`` picks CuPy when a CUDA device is usable, else the emulator;
         the ``CUPYKV_BACKEND`` environment variable overrides the choice.
+    lengths : device int32 array ``[batch]``, optional
+        Use this array as the cache's lengths instead of allocating one, so
+        that several caches share it (the caches of a draft and a target
+        model that must stay in step): each sees the others' ``advance``,
+        ``truncate``, ``reset`` and ``set_lengths``. It must be C-contiguous,
+        writeable, on this backend's current device, hold values in
+        ``0..max_seq`` (read once, here) and share no byte with another
+        cache's buffers other than its lengths. Overflow flags stay per
+        cache: a clamp sets the flag of the cache whose call clamped.
 
     Attributes
     ----------
@@ -71,33 +82,51 @@ class KVCache:
         ``[n_layers, batch, n_kv_heads, max_seq, head_dim]`` (HND), in the
         storage dtype (bfloat16 is uint16 bit patterns on CuPy).
     lengths : device int32 ``[batch]``
-        Committed length of each sequence.
+        Committed length of each sequence (the array given as ``lengths``, if any).
     overflow : device int32 ``[batch]``
         1 where a write or advance went past ``max_seq``; see :meth:`check`.
+        The device-side capacity answer: a graph step cannot ask
+        :meth:`has_capacity`, but it can read these flags after replay.
+    shares_lengths : bool
+        ``lengths`` was given to the constructor (it is not this cache's own).
 
     Raises
     ------
     TypeError
-        ``spec`` is not a CacheSpec.
+        ``spec`` is not a CacheSpec; ``lengths`` is not a device int32 array
+        of this backend.
     ValueError
-        ``backend`` is not a backend name.
+        ``backend`` is not a backend name; ``lengths`` has the wrong shape,
+        is strided, read-only, overlaps another cache's buffers or holds a
+        value outside ``0..max_seq``.
     MemoryError
         The cache needs more bytes than the backend can give (free device
         memory on CuPy, available host memory on the emulator); raised before
         anything is allocated, with both numbers.
     """
 
-    def __init__(self, spec: CacheSpec, backend=None):
+    # views, capacity queries and footprint (cupykv/cache_views.py): no launches, no state of their own
+    layer = cache_views.layer
+    live = cache_views.live
+    remaining_capacity = cache_views.remaining_capacity
+    has_capacity = cache_views.has_capacity
+    nbytes = property(cache_views.nbytes)
+    __repr__ = cache_views.kv_cache_repr
+
+    def __init__(self, spec: CacheSpec, backend=None, *, lengths=None):
         if not isinstance(spec, CacheSpec):
             raise TypeError(f"spec: expected a cupykv.CacheSpec, got {type(spec).__name__}")
         self.spec = spec
         self._backend = get_backend(backend)
+        shared = None if lengths is None else self._shared_lengths(lengths)
+        self.shares_lengths = shared is not None
         available, source = self._backend.available_memory()
-        _args.check_memory("spec", self._bytes_needed(spec), available, self._backend.name, source)
+        _args.check_memory("spec", self._bytes_needed(spec, own_lengths=shared is None), available,
+                           self._backend.name, source)
         storage = self._backend.storage_dtype(spec.dtype)
         self.k = self._backend.zeros(spec.shape, storage)
         self.v = self._backend.zeros(spec.shape, storage)
-        self.lengths = self._backend.zeros((spec.batch,), np.int32)
+        self.lengths = self._backend.zeros((spec.batch,), np.int32) if shared is None else shared
         self.overflow = self._backend.zeros((spec.batch,), np.int32)
         # [batch] int32 staging for host-given per-sequence values (advance, truncate, reset).
         self._per_seq = self._backend.zeros((spec.batch,), np.int32)
@@ -106,11 +135,22 @@ class KVCache:
             ("k", self.k), ("v", self.v), ("lengths", self.lengths), ("overflow flags", self.overflow),
             ("per-sequence staging buffer", self._per_seq)))
         _args.register_buffers(self)
+        _log.debug("created %r", self)
 
     @staticmethod
-    def _bytes_needed(spec: CacheSpec) -> int:
-        """Bytes a cache of ``spec`` allocates: K and V plus three int32 ``[batch]`` arrays."""
-        return spec.nbytes + 3 * 4 * spec.batch
+    def _bytes_needed(spec: CacheSpec, own_lengths: bool = True) -> int:
+        """Bytes a cache of ``spec`` allocates: K and V plus three int32 ``[batch]`` arrays (two with shared lengths)."""
+        return spec.nbytes + (3 if own_lengths else 2) * 4 * spec.batch
+
+    def _shared_lengths(self, lengths):
+        """The caller's lengths array, checked (before anything is allocated) to serve as this cache's."""
+        spec = self.spec
+        lengths = _args.int32_operand("lengths", lengths, self._backend)
+        _args.check_lengths_shape("lengths", lengths, spec)
+        _args.check_writeable("lengths", lengths)
+        _args.check_apart_from_caches("lengths", lengths, shareable=("lengths",))
+        _args.check_lengths_values("lengths", self._backend.to_host(lengths), spec)
+        return lengths
 
     # -- introspection -------------------------------------------------------
     @property
@@ -175,7 +215,7 @@ class KVCache:
         return layer * strides[0], strides[1], strides[seq_axis], strides[head_axis]
 
     # -- writes --------------------------------------------------------------
-    def append(self, layer, k, v, rope=None) -> None:
+    def append(self, layer, k, v, rope=None, *, return_positions=False, positions_out=None):
         """Write new rows at each sequence's pending positions of one layer.
 
         Row ``i`` of sequence ``b`` goes to position ``lengths[b] + i``. The rows
@@ -193,13 +233,110 @@ class KVCache:
             read from the cache itself would race with the writes: copy them first).
         rope : Rope, optional
             Rotate each key row at its position before storing it.
+        return_positions : bool, default False
+            Return where each row went (abaddon's offset), see Returns.
+        positions_out : device int32 array ``[batch, n_new]``, optional
+            Preallocated array for those positions (implies
+            ``return_positions``): the graph-safe form, since a captured step
+            may not allocate. C-contiguous, writeable, apart from ``k``, ``v``
+            and every cache's buffers.
+
+        Returns
+        -------
+        None, or device int32 ``[batch, n_new]`` with ``return_positions`` or ``positions_out``
+            ``lengths[b] + i`` where row ``i`` of sequence ``b`` was written,
+            ``-1`` where it overflowed; filled on the device, at run time.
 
         Raises
         ------
         TypeError, ValueError
             Bad arguments, before anything is launched.
+        CaptureError
+            ``return_positions=True`` without ``positions_out`` inside a captured step.
         """
         self._check_device()
+        spec = self.spec
+        layer, n_new, k, v, rope = self._rows_args(layer, k, v, rope)
+        out = _args.positions_output(return_positions, positions_out, spec, n_new, self._backend,
+                                     [("k", k), ("v", v)])
+        grid = (spec.batch * n_new,)
+        _args.check_launch("k", f"batch * n_new = {spec.batch} * {n_new} rows", grid, (_APPEND_THREADS,))
+        out = self._allocated_positions_out(out, return_positions, n_new)
+        self._launch(
+            "append", f"cupykv_append<{CUDA_TYPES[spec.dtype]}>", grid, (_APPEND_THREADS,),
+            (self.k, self.v, k, v, self.lengths, self.overflow, self._per_seq if out is None else out,
+             np.int32(out is not None), *self.kernel_view(layer).layout_args(),
+             np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
+             np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
+        return out
+
+    def write(self, layer, positions, k, v, rope=None, *, return_positions=False, positions_out=None):
+        """Write new rows of one layer at positions given per row (GraphSafeKV's ``write``).
+
+        Row ``i`` of sequence ``b`` goes to position ``positions[b, i]``;
+        ``lengths`` is neither read nor changed (commit with :meth:`advance`
+        or :meth:`set_lengths`). As with :meth:`append`, a row whose position
+        is outside ``0..max_seq-1`` is not written and sets ``overflow[b]``;
+        the other rows of the call are still written.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index in ``0..n_layers-1``.
+        positions : device int32 array ``[batch, n_new]``, or host ints
+            Where each row goes; ``[batch]`` when ``n_new`` is 1. A device
+            array is read at run time (graph-safe); it must be C-contiguous
+            and apart from the cache's K, V and flags (the cache's own
+            ``lengths`` is allowed: that is :meth:`append`'s position). Host
+            values (a NumPy int array or nested lists, each a kernel int) are
+            checked and uploaded, so not inside a captured step. Two rows of
+            one sequence at one position in ``0..max_seq-1``: refused in host
+            values; in a device array the later row wins (the earlier is not
+            written), as if the rows were written one after another.
+        k, v : device array ``[batch, n_new, n_kv_heads, head_dim]``
+            As for :meth:`append`.
+        rope : Rope, optional
+            Rotate each key row at its own position before storing it.
+        return_positions, positions_out
+            As for :meth:`append`; a position is ``-1`` where the row was not
+            written (out of range, or replaced by a later row at that position).
+
+        Returns
+        -------
+        None, or device int32 of the shape of ``positions`` (with ``return_positions`` or ``positions_out``)
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments, before anything is uploaded, allocated or launched.
+        CaptureError
+            Host positions, or ``return_positions`` without ``positions_out``, inside a captured step.
+        """
+        self._check_device()
+        spec = self.spec
+        layer, n_new, k, v, rope = self._rows_args(layer, k, v, rope)
+        positions, host_positions = _args.positions_operand(positions, spec, n_new, self._backend, [
+            ("the cache's k", self.k), ("the cache's v", self.v), ("the cache's overflow flags", self.overflow),
+            ("the cache's per-sequence staging buffer", self._per_seq)])   # what the launch writes
+        # [batch, n_new], or [batch]: a new positions_out has the shape of positions
+        shape = tuple(positions.shape) if host_positions is None else tuple(np.shape(positions))
+        inputs = [("k", k), ("v", v)] + ([("positions", positions)] if host_positions is None else [])
+        out = _args.positions_output(return_positions, positions_out, spec, n_new, self._backend, inputs)
+        grid = (spec.batch * n_new,)
+        _args.check_launch("k", f"batch * n_new = {spec.batch} * {n_new} rows", grid, (_APPEND_THREADS,))
+        if host_positions is not None:   # every check passed: upload (refused inside a captured step)
+            positions = self._backend.asarray(host_positions.astype(np.int32))
+        out = self._allocated_positions_out(out, return_positions, n_new, shape)
+        self._launch(
+            "write", f"cupykv_write<{CUDA_TYPES[spec.dtype]}>", grid, (_APPEND_THREADS,),
+            (self.k, self.v, k, v, positions, self.overflow, self._per_seq if out is None else out,
+             np.int32(out is not None), *self.kernel_view(layer).layout_args(),
+             np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
+             np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
+        return out
+
+    def _rows_args(self, layer, k, v, rope):
+        """Checked ``layer, n_new, k, v, rope`` of append and write (rows on this backend, apart from the cache)."""
         spec = self.spec
         layer = _args.check_layer(layer, spec)
         n_new = _args.check_rows("k", k, spec)
@@ -210,13 +347,13 @@ class KVCache:
         v = _args.device_operand("v", v, self._backend, spec.dtype)
         _args.check_apart_from_caches("k", k, self, others=False)
         _args.check_apart_from_caches("v", v, self, others=False)
-        grid = (spec.batch * n_new,)
-        _args.check_launch("k", f"batch * n_new = {spec.batch} * {n_new} rows", grid, (_APPEND_THREADS,))
-        self._launch(
-            "append", f"cupykv_append<{CUDA_TYPES[spec.dtype]}>", grid, (_APPEND_THREADS,),
-            (self.k, self.v, k, v, self.lengths, self.overflow, *self.kernel_view(layer).layout_args(),
-             np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
-             np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
+        return layer, n_new, k, v, rope
+
+    def _allocated_positions_out(self, out, return_positions, n_new, shape=None):
+        """``out``, or a new device int32 array ``shape`` (default ``[batch, n_new]``) when positions are asked for."""
+        if out is None and return_positions:
+            out = self._backend.zeros(shape or (self.spec.batch, n_new), np.int32)
+        return out
 
     # -- lengths -------------------------------------------------------------
     def advance(self, n=1) -> None:
@@ -273,6 +410,41 @@ class KVCache:
             "truncate", "cupykv_truncate", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
             (self.lengths, targets, np.int32(spec.batch)))
 
+    def set_lengths(self, new_lengths) -> None:
+        """Set the committed lengths, growing or shrinking them (GraphSafeKV's ``mark_written``).
+
+        Unlike :meth:`truncate` it may grow a sequence: the rows up to the new
+        length become live as they are stored (write them first, with
+        :meth:`write` or :meth:`append`). A value past ``max_seq`` is clamped
+        to ``max_seq`` and sets that sequence's overflow flag.
+
+        Parameters
+        ----------
+        new_lengths : int, int sequence ``[batch]`` or device int32 array ``[batch]``
+            Host values are ints in ``0..2**31-1`` (the kernel's int). An int is
+            a launch constant and a device array is read at run time: both are
+            graph-safe; a host sequence is uploaded, so not inside a captured
+            step. A negative device value is clamped to 0 (without a flag). A
+            device array must be C-contiguous and must not overlap the cache's
+            lengths or flags.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad ``new_lengths``, before anything is uploaded or launched.
+        """
+        self._check_device()
+        spec = self.spec
+        constant = _args.is_int(new_lengths)
+        if constant:
+            new_lengths = _args.check_int32("new_lengths", new_lengths, lo=0)
+        values = self._per_seq if constant else \
+            self._per_sequence_arg("new_lengths", new_lengths, lambda host: _args.check_set_lengths(host, spec))
+        self._launch(
+            "set_lengths", "cupykv_set_lengths", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
+            (self.lengths, self.overflow, values, np.int32(not constant), np.int32(new_lengths if constant else 0),
+             np.int32(spec.batch), np.int32(spec.max_seq)))
+
     def reset(self, slots=None) -> None:
         """Empty sequence slots: ``lengths[slots] = 0`` and their overflow flags cleared.
 
@@ -282,6 +454,10 @@ class KVCache:
             Slots to reset; ``None`` resets all of them. A device mask (nonzero
             = reset) is read at run time (graph-safe); it must be C-contiguous
             and must not overlap the cache's lengths or flags.
+
+        With shared lengths (``KVCache(..., lengths=...)``) the shared
+        ``lengths[slots]`` become 0 for every cache that shares them; only this
+        cache's overflow flags are cleared.
 
         Raises
         ------

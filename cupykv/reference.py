@@ -11,19 +11,28 @@ import numpy as np
 
 from ._args.cache_args import (
     check_advance,
+    check_capacity_request,
     check_layer,
+    check_lengths_shape,
+    check_lengths_values,
     check_new_lengths,
+    check_pending,
+    check_positions,
+    check_positions_shape,
     check_q,
     check_q_len,
     check_rope,
     check_rows,
     check_same_shape,
     check_scale,
+    check_seq,
+    check_set_lengths,
     check_slots,
     check_softcap,
+    check_view_layout,
     check_window,
 )
-from ._args.scalars import check_int
+from ._args.scalars import check_bool, check_int, got
 from .errors import CacheOverflowError
 from .rope import Rope, rope_angles
 from .spec import MASK_VALUE, CacheSpec
@@ -78,6 +87,9 @@ class KVCache:
     ----------
     spec : CacheSpec
         Shapes, dtype and layout.
+    lengths : numpy.ndarray, int32, shape ``[batch]``, optional
+        Share this array as the lengths (used in place, not copied): values in
+        ``0..max_seq``, C-contiguous and writeable. Overflow flags stay per cache.
 
     Attributes
     ----------
@@ -90,20 +102,30 @@ class KVCache:
         Committed length of each sequence.
     overflow : numpy.ndarray, bool, shape ``[batch]``
         Set when a sequence was appended or advanced past ``max_seq``.
+    shares_lengths : bool
+        ``lengths`` was given to the constructor.
 
     Raises
     ------
     TypeError
-        ``spec`` is not a CacheSpec.
+        ``spec`` is not a CacheSpec; ``lengths`` is not a NumPy int32 array.
+    ValueError
+        ``lengths`` has the wrong shape or a value outside ``0..max_seq``, or is
+        strided or read-only.
     """
 
-    def __init__(self, spec):
+    def __init__(self, spec, *, lengths=None):
         if not isinstance(spec, CacheSpec):
             raise TypeError(f"spec: expected a cupykv.CacheSpec, got {spec!r} ({type(spec).__name__})")
+        if lengths is not None:
+            _check_int32_array("lengths", lengths)
+            check_lengths_shape("lengths", lengths, spec)
+            check_lengths_values("lengths", lengths, spec)
         self.spec = spec
+        self.shares_lengths = lengths is not None
         self.k = np.zeros(spec.shape, dtype=spec.np_dtype)
         self.v = np.zeros(spec.shape, dtype=spec.np_dtype)
-        self.lengths = np.zeros(spec.batch, dtype=np.int32)
+        self.lengths = np.zeros(spec.batch, dtype=np.int32) if lengths is None else lengths
         self.overflow = np.zeros(spec.batch, dtype=np.bool_)
 
     def _sequence(self, array, layer, b):
@@ -114,7 +136,7 @@ class KVCache:
         seq = array[layer, b]  # NHD: [max_seq, n_kv, hd]; HND: [n_kv, max_seq, hd]
         return seq if self.spec.layout == "NHD" else seq.swapaxes(0, 1)
 
-    def append(self, layer, k, v, rope=None):
+    def append(self, layer, k, v, rope=None, *, return_positions=False, positions_out=None):
         """Write pending rows at ``lengths[b] + i``; ``lengths`` does not change.
 
         Parameters
@@ -126,6 +148,15 @@ class KVCache:
             Used as their float64 values and rounded once to the storage dtype.
         rope : Rope, optional
             Rotate each key row at its position before rounding.
+        return_positions : bool, default False
+            Return where each row went.
+        positions_out : numpy.ndarray, int32, shape ``[batch, n_new]``, optional
+            Written with those positions and returned (implies ``return_positions``).
+
+        Returns
+        -------
+        None, or numpy.ndarray int32 ``[batch, n_new]``
+            ``lengths[b] + i`` where row ``i`` of sequence ``b`` was written, ``-1`` where it overflowed.
 
         Notes
         -----
@@ -138,24 +169,79 @@ class KVCache:
             Bad arguments; the cache is left unchanged.
         """
         spec = self.spec
+        layer, n_new, rope = self._rows_args(layer, k, v, rope)
+        out = self._positions_out(return_positions, positions_out, n_new, (spec.batch, n_new))
+        positions = self.lengths.astype(np.int64)[:, None] + np.arange(n_new)  # [batch, n_new]
+        self._store(layer, positions, k, v, rope, out)
+        return out
+
+    def write(self, layer, positions, k, v, rope=None, *, return_positions=False, positions_out=None):
+        """Write rows at given positions: row ``i`` of sequence ``b`` at ``positions[b, i]``; ``lengths`` unchanged.
+
+        Parameters
+        ----------
+        layer : int
+            Layer index in ``0..n_layers - 1``.
+        positions : array_like of int, shape ``[batch, n_new]`` (``[batch]`` when ``n_new`` is 1)
+            Kernel ints; positions outside ``0..max_seq-1`` are not written and
+            set ``overflow[b]``. Two rows of one sequence at one position in
+            range are refused.
+        k, v, rope, return_positions, positions_out
+            As for :meth:`append`; ``positions_out`` has the shape of ``positions``.
+
+        Returns
+        -------
+        None, or numpy.ndarray int32 of the shape of ``positions``
+            The position of each written row, ``-1`` where a row was not written.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments; the cache is left unchanged.
+        """
+        layer, n_new, rope = self._rows_args(layer, k, v, rope)
+        values = check_positions(positions, self.spec, n_new)  # int64 [batch, n_new]
+        out = self._positions_out(return_positions, positions_out, n_new, np.shape(positions))
+        self._store(layer, values, k, v, rope, out)
+        return out
+
+    def _rows_args(self, layer, k, v, rope):
+        """Checked ``(layer, n_new, rope)`` of append and write."""
+        spec = self.spec
         layer = check_layer(layer, spec)
         n_new = check_rows("k", k, spec, dtypes=FLOAT_DTYPES)
         check_rows("v", v, spec, dtypes=FLOAT_DTYPES)
         check_same_shape("k", k, "v", v)
-        rope = check_rope(rope, spec)
+        return layer, n_new, check_rope(rope, spec)
+
+    def _positions_out(self, return_positions, positions_out, n_new, shape):
+        """``positions_out`` checked, a new int32 array of ``shape`` when asked for, or None."""
+        return_positions = check_bool("return_positions", return_positions)
+        if positions_out is None:
+            return np.zeros(shape, np.int32) if return_positions else None
+        _check_int32_array("positions_out", positions_out)
+        check_positions_shape("positions_out", positions_out, self.spec, n_new)
+        return positions_out
+
+    def _store(self, layer, positions, k, v, rope, out):
+        """Round and store row ``i`` of sequence ``b`` at ``positions[b, i]`` (int64 ``[batch, n_new]``) if in range."""
+        spec = self.spec
         k64 = np.asarray(k).astype(np.float64)  # [batch, n_new, n_kv, hd]
         v64 = np.asarray(v).astype(np.float64)
-        for b in range(spec.batch):
-            start = int(self.lengths[b])
-            n_fit = max(0, min(n_new, spec.max_seq - start))
-            if n_fit < n_new:
+        written = np.full(positions.shape, -1, dtype=np.int32)  # [batch, n_new]
+        for b in range(spec.batch):   # the positions of one sequence are distinct (checked by the callers)
+            fits = (positions[b] >= 0) & (positions[b] < spec.max_seq)  # [n_new]
+            if not fits.all():
                 self.overflow[b] = True
-            keys = k64[b, :n_fit]  # [n_fit, n_kv, hd]
+            where = positions[b, fits]  # [n_fit]
+            keys = k64[b, fits]  # [n_fit, n_kv, hd]
             if rope is not None:
-                positions = np.arange(start, start + n_fit)[:, None]  # [n_fit, 1]
-                keys = _rotate(keys, positions, rope.theta)
-            self._sequence(self.k, layer, b)[start : start + n_fit] = round_to_storage(keys, spec.np_dtype)
-            self._sequence(self.v, layer, b)[start : start + n_fit] = round_to_storage(v64[b, :n_fit], spec.np_dtype)
+                keys = _rotate(keys, where[:, None], rope.theta)
+            self._sequence(self.k, layer, b)[where] = round_to_storage(keys, spec.np_dtype)
+            self._sequence(self.v, layer, b)[where] = round_to_storage(v64[b, fits], spec.np_dtype)
+            written[b, fits] = where
+        if out is not None:
+            out.reshape(-1)[:] = written.reshape(-1)
 
     def advance(self, n):
         """Commit ``n`` pending rows: ``lengths += n``, clamped to ``max_seq``.
@@ -192,6 +278,23 @@ class KVCache:
             cache is left unchanged.
         """
         self.lengths[:] = check_new_lengths(new_lengths, self.lengths, self.spec)
+
+    def set_lengths(self, new_lengths):
+        """Set the lengths, growing or shrinking them; values past ``max_seq`` are clamped and flagged.
+
+        Parameters
+        ----------
+        new_lengths : int or array_like of int, shape ``[batch]``
+            Each in ``0..2**31-1`` (the kernels' int).
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad ``new_lengths``; the cache is left unchanged.
+        """
+        values = check_set_lengths(new_lengths, self.spec)  # int64 [batch]
+        self.overflow |= values > self.spec.max_seq
+        self.lengths[:] = np.minimum(values, self.spec.max_seq)
 
     def reset(self, slots=None):
         """Set ``lengths[slots] = 0`` and clear their overflow flags.
@@ -242,8 +345,55 @@ class KVCache:
         if bad:
             raise CacheOverflowError.for_sequences(bad, self.spec.max_seq)
 
+    def layer(self, layer, layout=None):
+        """Full-capacity ``(k, v)`` views of one layer, in the cache's layout or the one asked for.
+
+        Returns ``[batch, max_seq, n_kv_heads, head_dim]`` (NHD) or
+        ``[batch, n_kv_heads, max_seq, head_dim]`` (HND) views of ``k`` and ``v``.
+        """
+        layer = check_layer(layer, self.spec)
+        layout = check_view_layout(layout, self.spec)
+        k, v = self.k[layer], self.v[layer]
+        return (k, v) if layout == self.spec.layout else (k.swapaxes(1, 2), v.swapaxes(1, 2))
+
+    def live(self, layer, seq=None, *, pending=0, layout=None):
+        """Views of the first ``min(lengths[seq] + pending, max_seq)`` rows of one sequence of one layer.
+
+        Returns ``[n, n_kv_heads, head_dim]`` (NHD) or ``[n_kv_heads, n, head_dim]``
+        (HND) views; ``seq`` may be ``None`` for a cache of batch 1.
+        """
+        spec = self.spec
+        layer = check_layer(layer, spec)
+        seq = check_seq(seq, spec)
+        pending = check_pending(pending)
+        layout = check_view_layout(layout, spec)
+        n = min(int(self.lengths[seq]) + pending, spec.max_seq)
+        k, v = self.layer(layer, layout)
+        rows = (seq, slice(0, n)) if layout == "NHD" else (seq, slice(None), slice(0, n))
+        return k[rows], v[rows]
+
+    def remaining_capacity(self):
+        """Positions left per sequence, ``max_seq - lengths``, int64 ``[batch]``."""
+        return self.spec.max_seq - self.lengths.astype(np.int64)
+
+    def has_capacity(self, n=1):
+        """Whether ``lengths + n <= max_seq``, bool ``[batch]``; ``n`` an int or ints ``[batch]`` in ``0..2**31-1``."""
+        return self.remaining_capacity() >= check_capacity_request(n, self.spec)
+
+    @property
+    def nbytes(self):
+        """Bytes of ``k``, ``v``, the overflow flags and, unless shared, the lengths."""
+        own = [self.k, self.v, self.overflow] + ([] if self.shares_lengths else [self.lengths])
+        return int(sum(a.nbytes for a in own))
+
+    def __repr__(self):
+        spec = self.spec
+        shared = ", shared lengths" if self.shares_lengths else ""
+        return (f"reference.KVCache(shape={spec.shape}, dtype={spec.dtype}, layout={spec.layout}, "
+                f"{self.nbytes / 2**20:.3g} MiB{shared})")
+
     def copy(self):
-        """Deep copy: a new KVCache with the same spec and copied arrays."""
+        """Deep copy: a new KVCache with the same spec and copied arrays (the lengths are not shared)."""
         other = KVCache(self.spec)
         for name in ("k", "v", "lengths", "overflow"):
             getattr(other, name)[...] = getattr(self, name)
@@ -267,6 +417,16 @@ class KVCache:
         b = check_int("b", b, 0, self.spec.batch - 1)
         length = int(self.lengths[b])
         return tuple(self._sequence(arr, layer, b)[:length].astype(np.float64) for arr in (self.k, self.v))
+
+
+def _check_int32_array(name, array):
+    """TypeError unless ``array`` is a NumPy int32 array; ValueError unless it is C-contiguous and writeable."""
+    if not isinstance(array, np.ndarray) or array.dtype != np.int32:
+        what = f"{type(array).__name__} of dtype {array.dtype}" if isinstance(array, np.ndarray) else got(array)
+        raise TypeError(f"{name}: expected a numpy int32 array, got {what}")
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ValueError(f"{name}: expected a C-contiguous, writeable array, got strides {array.strides} "
+                         f"(writeable={array.flags.writeable})")
 
 
 def attention(q, cache, layer, scale=None, window=None, softcap=None, rope=None):

@@ -2,7 +2,7 @@
 
 - ``every-kernel``: launches every kernel instance listed in
   :data:`cupykv.kernels.KERNELS` at least once, at small shapes, through the
-  public API (the cache ops, :func:`cupykv.attention` with and without
+  public API (the cache ops (append, write, advance, set_lengths, ...), :func:`cupykv.attention` with and without
   split-KV, :func:`cupykv.linear` and :mod:`cupykv.ops`), records each launch
   and fails if an instance was never launched. A kernel added to ``KERNELS``
   without a call here makes this workload fail, naming it. On a GPU it runs
@@ -101,10 +101,13 @@ def _attention_round(backend: Backend, dtype: str, head_dim: int, seed: int) -> 
     k = random_array(backend, (2, 3, 1, head_dim), dtype, seed)        # [batch, n_new, n_kv, head_dim]
     v = random_array(backend, (2, 3, 1, head_dim), dtype, seed + 1)
     q = random_array(backend, (2, 1, 2, head_dim), dtype, seed + 2)    # [batch, q_len, n_heads, head_dim]
-    cache.append(0, k, v, rope=rope)
+    cache.append(0, k, v, rope=rope, return_positions=True)
+    positions = backend.asarray(np.array([[0, 1, 2], [0, 1, 2]], np.int32))          # where append wrote
+    cache.write(0, positions, k, v, rope=rope, return_positions=True)                 # the same rows again
     for num_splits in NUM_SPLITS:
         cupykv.attention(q, cache, 0, rope=rope, num_splits=num_splits)
     cache.advance(3)
+    cache.set_lengths([3, 3])
     cache.additive_mask(q_len=1)
     cache.truncate([2, 1])
     cache.reset([1])
@@ -131,6 +134,28 @@ def _bench_delay_round(backend: Backend) -> None:
     backend.launch("delay", "cupykv_delay", (1,), (1,), (spun, np.int64(1000)))
 
 
+def _decoding_round(backend: Backend) -> None:
+    """The device-side decoding loops' bookkeeping kernels (cupykv.models.decoding), on tiny int32 arrays."""
+    from cupykv.models import decoding
+
+    batch, k = 3, 2
+
+    def ids(*values):
+        return backend.asarray(np.array(values, np.int32).reshape(-1))
+
+    stop_ids = ids(7, -1)
+    decoding.decode_commit(ids(1, 2, 3), ids(0, 0, 0), ids(0, 0, 0), ids(1, 1, 0), ids(2, 1, 5), ids(7, 4, 5),
+                           ids(4, 6, 2), stop_ids, max_length=15)
+    chain = ids(1, 2, 3, 4, 5, 6, 7, 8, 9).reshape(k + 1, batch)                     # [k + 1, batch]
+    verify_ids = backend.zeros((batch, k + 1), np.int32)
+    decoding.speculative_gather(verify_ids, chain, row_stride=1, col_stride=batch)
+    target_ids = ids(4, 9, 9, 5, 8, 7, 6, 9, 9).reshape(batch, k + 1)             # [batch, k + 1]
+    outputs = [backend.zeros(shape, np.int32) for shape in ((batch, k + 1), (batch,), (batch,), (batch,), (batch,),
+                                                             (batch, 2))]
+    decoding.speculative_accept(*outputs, ids(1, 1, 0), ids(5, 5, 5), verify_ids, target_ids, ids(7, 8, 9),
+                                stop_ids, max_length=12)
+
+
 def launch_every_kernel(backend=None) -> list[tuple[str, str]]:
     """Launch every instance in ``KERNELS`` through the public API; return the launches made.
 
@@ -148,6 +173,7 @@ def launch_every_kernel(backend=None) -> list[tuple[str, str]]:
                 _attention_round(backend, dtype, head_dim, seed=100 * i + 10 * j)
             _decoder_ops_round(backend, dtype, seed=1000 + i)
         _bench_delay_round(backend)
+        _decoding_round(backend)
         backend.synchronize()
     check_coverage(launched)
     return list(launched)

@@ -88,6 +88,93 @@ def build_truncate(draw, env):
     return Call("truncate", ("new_lengths",), dict(new_lengths=new), lambda: env.cache.truncate(new.value), check)
 
 
+@arguments("new_lengths")
+def build_set_lengths(draw, env):
+    new = arg(draw, "new_lengths", per_sequence(env, 0, INT32_MAX))
+    device = isinstance(new.value, np.ndarray) and env.backend.is_device_array(new.value)
+    if new.valid and not device and not _host_in_range(new, env, 0, INT32_MAX):
+        new = Arg(new.value, False, new.how)
+    values = host(new.value) if device else new.value
+
+    def check(_):
+        env.oracle.set_lengths(np.maximum(values, 0) if device else values)   # set_lengths.cu: negative device -> 0
+        testing.assert_matches_reference(env.cache, env.oracle)
+
+    return Call("set_lengths", ("new_lengths",), dict(new_lengths=new), lambda: env.cache.set_lengths(new.value),
+                check)
+
+
+@st.composite
+def write_positions(draw, env, n_new):
+    """``write``'s positions for ``n_new`` rows: device int32 ``[batch, n_new]`` (or ``[batch]``), host ints
+    (a list or a NumPy array; valid without two in-range rows of a sequence at one position), the cache's own
+    lengths (valid for one row), or bad forms: strided, int64, the cache's flags or K, a wrong shape, junk."""
+    batch, max_seq = env.spec.batch, env.spec.max_seq
+    values = env.rng.integers(-2, max_seq + 3, (batch, n_new)).astype(np.int32)   # repeats included
+    bad = maybe_bad(draw)
+    how = draw(st.sampled_from(("device", "device", "one row", "list", "numpy", "lengths")
+                               + (("strided", "int64", "overflow", "k", "wrong shape", "past int32", "junk")
+                                  if bad else ())))
+    if how == "device":
+        return Arg(env.device(values), True, f"device {values.tolist()}")
+    if how == "one row":
+        return Arg(env.device(values[:, 0].copy()), n_new == 1, f"device [batch] {values[:, 0].tolist()}")
+    if how == "lengths":
+        return Arg(env.cache.lengths, n_new == 1, "the cache's lengths")
+    if how in ("list", "numpy", "past int32"):
+        if how == "past int32":
+            values = values.astype(np.int64)
+            values[0, 0] = draw(st.sampled_from((2**31, -2**31 - 1)))
+        distinct = all(len(set(r)) == len(r) for r in ([p for p in row if 0 <= p < max_seq] for row in values.tolist()))
+        value = values.tolist() if how == "list" else values.astype(np.int64)
+        return Arg(value, how != "past int32" and distinct, f"{how} {values.tolist()}")
+    if how == "strided":
+        array = env.device(np.repeat(values, 2, axis=1))[:, ::2]
+        return Arg(array, _c_contiguous_ints(array), "device strided")
+    if how == "int64":
+        return Arg(env.device(values.astype(np.int64)), False, "device int64")
+    if how == "overflow":
+        return Arg(env.cache.overflow, False, "the cache's overflow flags")
+    if how == "k":
+        view = cache_view(env, (batch, n_new), np.int32, "k")
+        return Arg(view, False, "a view of the cache's k") if view is not None else Arg("1", False, "junk")
+    if how == "wrong shape":
+        return Arg(env.device(np.zeros((batch, n_new + 1), np.int32)), False, "device wrong shape")
+    return Arg(draw(st.sampled_from(("1", None, 1.0, [[0.5] * n_new] * batch, [[True] * n_new] * batch))), False,
+               "junk")
+
+
+def _c_contiguous_ints(array) -> bool:
+    return bool(array.flags.c_contiguous)
+
+
+@arguments("layer", "positions", "k", "v", "rope")
+def build_write(draw, env):
+    spec = env.spec
+    n_new = draw(st.integers(1, 3))
+    shape = (spec.batch, n_new, spec.n_kv_heads, spec.head_dim)
+    layer = arg(draw, "layer", ints(0, spec.n_layers - 1))
+    positions = arg(draw, "positions", write_positions(env, n_new))
+    k = arg(draw, "k", arrays(env, shape, spec.dtype))
+    v = arg(draw, "v", arrays(env, shape_of(k) or shape, spec.dtype))
+    rope = arg(draw, "rope", ropes(spec.head_dim))
+    args = dict(layer=layer, positions=positions, k=k, v=v, rope=rope)
+    if shape_of(k) != shape or shape_of(v) != shape:   # positions were drawn for n_new rows of this shape
+        args["shapes"] = invalid(f"k {shape_of(k)}, v {shape_of(v)}")
+    before = {name: storage_view(args[name].value, env) for name in ("k", "v") if shape_of(args[name])}
+    rows = np.array(host(positions.value)).reshape(spec.batch, n_new) if positions.valid else None
+
+    def check(_):
+        for i in range(n_new):   # one row at a time: a later row at one position wins, as write.cu does
+            env.oracle.write(layer.value, rows[:, i], before["k"][:, i : i + 1], before["v"][:, i : i + 1],
+                             rope=make_rope(rope.value))
+        testing.assert_matches_reference(env.cache, env.oracle, rope_used=rope.value is not None)
+
+    return Call("write", ("layer", "positions", "k", "v", "rope", "Rope.theta"), args,
+                lambda: env.cache.write(layer.value, positions.value, k.value, v.value, rope=make_rope(rope.value)),
+                check)
+
+
 @arguments("slots")
 def build_reset(draw, env):
     batch = env.spec.batch
@@ -164,8 +251,11 @@ def build_attention(draw, env):
     elif out_how == "q itself":
         out = Arg(q.value, False, "q itself")
     elif out_how == "over q" and q_shape and q.valid:
-        q_values, over = overlapping(env, storage_view(q.value, env), out_shape, env.cache.k.dtype)
-        q, out = Arg(q_values, True, q.how), Arg(over, False, "over q")
+        first = storage_view(q.value, env)
+        shift = 4   # overlapping() puts q 4 bytes into the buffer and out at byte 0
+        q_values, over = overlapping(env, first, out_shape, env.cache.k.dtype, shift_bytes=shift)
+        shared = min(shift + first.nbytes, over.nbytes) - shift   # a q of 4 bytes or less shares none
+        q, out = Arg(q_values, True, q.how), Arg(over, shared <= 0, "over q")
     else:
         view = cache_view(env, out_shape, env.cache.k.dtype, draw(st.sampled_from(("k", "v"))))
         out = Arg(view, False, "the cache's") if view is not None else Arg(None, True, "none")

@@ -38,6 +38,7 @@ EXAMPLES = 10 * settings.default.max_examples
 CALLS = {
     "append": (fuzz_calls.build_append, 4), "advance": (fuzz_calls.build_advance, 3),
     "truncate": (fuzz_calls.build_truncate, 3), "reset": (fuzz_calls.build_reset, 2),
+    "write": (fuzz_calls.build_write, 3), "set_lengths": (fuzz_calls.build_set_lengths, 2),
     "additive_mask": (fuzz_calls.build_additive_mask, 2), "attention": (fuzz_calls.build_attention, 5),
     "Rope": (fuzz_calls.build_rope, 1), "CacheSpec": (fuzz_calls.build_cache_spec, 1),
     "KVCache": (fuzz_calls.build_kv_cache, 1),

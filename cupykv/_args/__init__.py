@@ -24,6 +24,8 @@ What is checked, module by module:
   in-place is allowed only where an op documents it).
 - :mod:`~cupykv._args.limits`: the bounds of the kernels' ``int`` arithmetic
   and CUDA's launch limits, checked with the shape that sets the launch.
+- :mod:`~cupykv._args.positions`: ``write``'s positions and the
+  ``positions_out`` of ``append`` and ``write``.
 
 The reference (:mod:`cupykv.reference`, :mod:`cupykv.ops_reference`) uses
 ``scalars`` and ``cache_args`` only; the rest is the fast path's.
@@ -33,8 +35,12 @@ from cupykv._args.arrays import (FLOAT_DTYPES, backend_for, check_contiguous, ch
                                  to_backend_array)
 from cupykv._args.cache_args import (check_advance, check_layer, check_new_lengths, check_q, check_q_len,
                                      check_rope, check_rope_theta, check_rows, check_same_shape, check_scale,
-                                     check_slots, check_softcap, check_window)
+                                     check_slots, check_softcap, check_window,
+                                     check_capacity_request, check_lengths_shape, check_lengths_values,
+                                     check_pending, check_positions, check_positions_shape, check_seq,
+                                     check_set_lengths, check_view_layout)
 from cupykv._args.limits import INT32_MAX, MAX_NEW, MAX_SEQ, check_launch, check_memory
+from cupykv._args.positions import positions_operand, positions_output
 from cupykv._args.overlap import (byte_range, check_apart_from_caches, check_no_overlap, register_buffers,
                                   shared_bytes)
 from cupykv._args.scalars import (check_bool, check_choice, check_float, check_int, check_int32,
@@ -45,7 +51,10 @@ __all__ = [
     "device_operand", "float_operand", "float_output", "int32_operand", "to_backend_array",
     "check_advance", "check_layer", "check_new_lengths", "check_q", "check_q_len", "check_rope", "check_rope_theta",
     "check_rows", "check_same_shape", "check_scale", "check_slots", "check_softcap", "check_window",
+    "check_capacity_request", "check_lengths_shape", "check_lengths_values", "check_pending", "check_positions",
+    "check_positions_shape", "check_seq", "check_set_lengths", "check_view_layout",
     "INT32_MAX", "MAX_NEW", "MAX_SEQ", "check_launch", "check_memory",
+    "positions_operand", "positions_output",
     "byte_range", "check_apart_from_caches", "check_no_overlap", "register_buffers", "shared_bytes",
     "check_bool", "check_choice", "check_float", "check_int", "check_int32", "check_positive_float32", "got",
     "is_int", "shown",

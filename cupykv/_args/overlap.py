@@ -84,13 +84,15 @@ def register_buffers(owner) -> None:
     _live_owners.add(owner)
 
 
-def check_apart_from_caches(name, array, own=None, *, others=True) -> None:
+def check_apart_from_caches(name, array, own=None, *, others=True, shareable=()) -> None:
     """ValueError, naming ``name``, when ``array`` shares memory with a cache's or a plan's buffers.
 
     ``own`` (the call's cache) is named "the cache's ..."; with ``others``,
     every other live KVCache and AttentionPlan is checked too ("a KVCache's
-    ...", "an AttentionPlan's ..."). The ranges were taken once per owner, so
-    this costs one range and a few comparisons per owner.
+    ...", "an AttentionPlan's ..."). Buffers whose description is in
+    ``shareable`` (``("lengths",)`` for a cache's shared lengths) may overlap.
+    The ranges were taken once per owner, so this costs one range and a few
+    comparisons per owner.
     """
     first, last = byte_range(array)
     owners = [own] if own is not None else []
@@ -100,6 +102,8 @@ def check_apart_from_caches(name, array, own=None, *, others=True) -> None:
         kind = type(owner).__name__
         whose = "the cache's" if owner is own else f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}'s"
         for what, start, end in owner.owned_ranges():
+            if what in shareable:
+                continue
             common = min(last, end) - max(first, start)
             if common > 0:
                 raise ValueError(f"{name}: expected an array that does not overlap {whose} {what}, "

@@ -68,7 +68,9 @@ def _per_type(template: str) -> tuple[str, ...]:
 
 KERNELS: dict[str, KernelFile] = {
     "append": KernelFile("append.cu", _per_type("cupykv_append<{t}>")),
+    "write": KernelFile("write.cu", _per_type("cupykv_write<{t}>")),
     "advance": KernelFile("advance.cu", ("cupykv_advance",)),
+    "set_lengths": KernelFile("set_lengths.cu", ("cupykv_set_lengths",)),
     "truncate": KernelFile("truncate.cu", ("cupykv_truncate",)),
     "reset": KernelFile("reset.cu", ("cupykv_reset",)),
     "additive_mask": KernelFile("additive_mask.cu", ("cupykv_additive_mask",)),
@@ -87,6 +89,9 @@ KERNELS: dict[str, KernelFile] = {
     "add": KernelFile("add.cu", _per_type("cupykv_add<{t}>")),
     "argmax": KernelFile("argmax.cu", _per_type("cupykv_argmax<{t}>")),
     "delay": KernelFile("delay.cu", ("cupykv_delay",)),  # the bench timer's guard (bench/timing.py)
+    # decoding loops on the device (cupykv.models.decoding): stopping, and the speculative cycle
+    "decode_commit": KernelFile("decode_commit.cu", ("cupykv_decode_commit",)),
+    "speculative": KernelFile("speculative.cu", ("cupykv_speculative_gather", "cupykv_speculative_accept")),
 }
 
 

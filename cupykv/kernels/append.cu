@@ -5,6 +5,7 @@
 //     pos <  max_seq: k_cache[layer, b, pos] = rope(k_new[b, i], pos) (or k_new[b, i])
 //                     v_cache[layer, b, pos] = v_new[b, i]
 //     pos >= max_seq: nothing is written; overflow[b] = 1.
+//     return_positions: positions_out[b, i] = pos where the row was written, else -1.
 // `lengths` is not changed (the rows stay pending until advance).
 //
 // Launch geometry: grid (batch * n_new), block (128); block r writes row i = r % n_new
@@ -14,7 +15,8 @@
 //
 // Device-resident arguments (read or written at run time, so a captured graph
 // stays valid when they change): lengths [batch] int32 (read), overflow [batch]
-// int32 (set to 1). Everything else (layer, strides, theta) is fixed per launch.
+// int32 (set to 1), positions_out [batch, n_new] int32 (written when
+// return_positions). Everything else (layer, strides, theta) is fixed per launch.
 //
 // Strides are in elements, so one kernel serves the NHD and the HND layout.
 // Without rope the row is copied bit for bit. With rope the key is rotated in
@@ -29,6 +31,8 @@ __global__ void __launch_bounds__(1024) cupykv_append(
     const T* __restrict__ v_new,           // [batch, n_new, n_kv, head_dim], contiguous
     const int* __restrict__ lengths,       // [batch], device-resident
     int* __restrict__ overflow,            // [batch], device-resident, set to 1 on overflow
+    int* __restrict__ positions_out,       // [batch, n_new], written when return_positions
+    int return_positions,
     long long layer_offset,                // layer * stride of the layer axis
     long long stride_batch, long long stride_seq, long long stride_head,
     int n_new, int n_kv, int head_dim, int max_seq,
@@ -36,10 +40,12 @@ __global__ void __launch_bounds__(1024) cupykv_append(
     const int b = blockIdx.x / n_new;
     const int i = blockIdx.x - b * n_new;
     const int pos = lengths[b] + i;
-    if (pos < 0 || pos >= max_seq) {  // uniform across the block: no barrier below
-        if (threadIdx.x == 0) overflow[b] = 1;
-        return;
+    const bool in_range = pos >= 0 && pos < max_seq;   // uniform across the block: no barrier below
+    if (threadIdx.x == 0) {
+        if (!in_range) overflow[b] = 1;
+        if (return_positions) positions_out[(long long)b * n_new + i] = in_range ? pos : -1;
     }
+    if (!in_range) return;
     const long long src_row = ((long long)b * n_new + i) * n_kv * head_dim;
     const long long dst_row = layer_offset + b * stride_batch + (long long)pos * stride_seq;
     const int row_elems = n_kv * head_dim;

@@ -9,24 +9,27 @@ on the next replay, and positions come from the cache's device lengths.
 
 Prompts of different lengths are prefilled in one batched pass (padded to the
 longest; each sequence then advances by its own length), then decoded
-greedily, eagerly or through the graph; both give identical tokens.
+greedily in a loop that stays on the device (:mod:`cupykv.models.decoding`):
+several decode steps per graph replay, or speculative cycles with a draft
+model, with stopping on the device. Eager and graph decoding, any number of
+steps per replay and speculative decoding all give identical tokens.
 """
 from __future__ import annotations
 
-import json
-import os
+import dataclasses
+from collections import OrderedDict
 
 import numpy as np
 
 from cupykv import _args, ops
 from cupykv.attention import attention
 from cupykv.cache import KVCache
-from cupykv.graph import capture
 from cupykv.models.config import LlamaConfig
+from cupykv.models.weights import load_config, load_weights
 from cupykv.rope import Rope
 from cupykv.spec import DTYPES, MAX_SEQ, CacheSpec
 
-__all__ = ["LlamaConfig", "Llama"]
+__all__ = ["LlamaConfig", "Llama", "load_weights"]
 
 
 class _Activations:
@@ -72,6 +75,13 @@ class Llama:
         Sequence slots; ``generate`` takes up to ``batch`` prompts.
     backend : {"cupy", "emulator"} or None
 
+    Attributes
+    ----------
+    cache : KVCache
+    stats : cupykv.models.decoding.DecodeStats or None
+        What the last :meth:`generate` did: passes, steps, tokens, and for
+        speculative decoding the acceptance rate and tokens per cycle.
+
     Raises
     ------
     TypeError, ValueError
@@ -85,24 +95,28 @@ class Llama:
         dtype = _args.check_choice("dtype", dtype, DTYPES)
         max_seq = _args.check_int("max_seq", max_seq, 1, MAX_SEQ)
         batch = _args.check_int32("batch", batch, lo=1)
-        self.config = config
-        self.cache = KVCache(CacheSpec(n_layers=config.num_hidden_layers, n_kv_heads=config.num_key_value_heads,
-                                       head_dim=config.head_dim, max_seq=max_seq, batch=batch, dtype=dtype),
-                             backend=backend)
-        backend = self.cache._backend
-        self.backend = backend
-        self.rope = Rope(theta=config.rope_theta)
-        storage = backend.storage_dtype(dtype)
-        host_dtype = self.cache.spec.np_dtype
-        self.weights = {name: backend.asarray(np.asarray(array, dtype=np.float32).astype(host_dtype))
-                        for name, array in config.check_weights(weights).items()}
+        cache = KVCache(_cache_spec(config, dtype, max_seq, batch), backend=backend)
+        host_dtype = cache.spec.np_dtype
+        weights = {name: cache._backend.asarray(np.asarray(array, dtype=np.float32).astype(host_dtype))
+                   for name, array in config.check_weights(weights).items()}
         if config.tie_word_embeddings:
-            self.weights["lm_head.weight"] = self.weights["model.embed_tokens.weight"]
-        self._storage = storage
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        self._setup(config, cache, weights)
+
+    def _setup(self, config: LlamaConfig, cache: KVCache, weights: dict) -> None:
+        """Attach the cache and the device weights; allocate the decode buffers."""
+        self.config, self.cache, self.weights = config, cache, weights
+        backend = self.backend = cache._backend
+        batch = cache.spec.batch
+        self.rope = Rope(theta=config.rope_theta)
+        storage = self._storage = backend.storage_dtype(cache.spec.dtype)
         self._decode = _Activations(backend, config, storage, batch, 1)
         self._logits = backend.zeros((batch, config.vocab_size), storage)
         self._embedding_error = backend.zeros((1,), np.int32)
-        self._graph = None
+        self._loops = OrderedDict()      # decoding loops (with their graphs) by shape, least recently used first
+        self._last_loop = None
+        self._stop = None                # the device-side stopping state, made on first use
+        self.stats = None
 
     # -- constructors ----------------------------------------------------------
     @classmethod
@@ -113,7 +127,7 @@ class Llama:
     @classmethod
     def from_safetensors(cls, config_path_or_dict, path, **kwargs) -> "Llama":
         """Load HF-named weights from a ``.safetensors`` (or ``.npz``) file and a config.json path or dict."""
-        return cls(_load_config(config_path_or_dict), load_weights(path), **kwargs)
+        return cls(load_config(config_path_or_dict), load_weights(path), **kwargs)
 
     @classmethod
     def from_gguf(cls, path_or_checkpoint, **kwargs) -> "Llama":
@@ -137,17 +151,51 @@ class Llama:
             else read_gguf(path_or_checkpoint)
         return cls(checkpoint.config, checkpoint.weights, **kwargs)
 
+    def first_layers(self, n_layers, *, max_seq=None) -> "Llama":
+        """A draft for self-speculative decoding: this model cut after ``n_layers`` layers.
+
+        The draft runs the embedding, layers ``0..n_layers-1``, the final norm
+        and the LM head of this model, reading its device weights (nothing is
+        copied), with a cache of its own: pass it as ``generate(...,
+        draft=model.first_layers(n))``.
+
+        Parameters
+        ----------
+        n_layers : int
+            In ``1..num_hidden_layers``.
+        max_seq : int, optional
+            The draft cache's capacity; this model's by default.
+
+        Raises
+        ------
+        ValueError
+            ``n_layers`` or ``max_seq`` out of range; MemoryError for a cache the backend cannot hold.
+        """
+        n_layers = _args.check_int("n_layers", n_layers, 1, self.config.num_hidden_layers)
+        spec = self.cache.spec
+        max_seq = spec.max_seq if max_seq is None else _args.check_int("max_seq", max_seq, 1, MAX_SEQ)
+        config = dataclasses.replace(self.config, num_hidden_layers=n_layers)
+        cache = KVCache(_cache_spec(config, spec.dtype, max_seq, spec.batch), backend=self.backend)
+        draft = Llama.__new__(Llama)
+        draft._setup(config, cache, {name: self.weights[name] for name in (*config.weight_shapes(), "lm_head.weight")})
+        return draft
+
     # -- the forward pass ------------------------------------------------------
     def _w(self, layer: int, name: str):
         return self.weights[f"model.layers.{layer}.{name}.weight"]
 
-    def _forward(self, act: _Activations) -> None:
-        """Embed ``act.ids``, run every layer (appending K/V at the pending positions), leave ``act.hidden``.
+    def _activations(self, tokens: int) -> _Activations:
+        """Buffers for a forward pass of ``tokens`` tokens per sequence (allocates: not inside capture)."""
+        return _Activations(self.backend, self.config, self._storage, self.cache.spec.batch, tokens)
+
+    def _forward(self, act: _Activations, ids=None) -> None:
+        """Embed ``ids`` (default ``act.ids``), run every layer (appending K/V at the pending positions),
+        leave ``act.hidden``.
 
         Launches only; allocates nothing, so it can be captured.
         """
         eps = self.config.rms_norm_eps
-        ops.embedding(act.ids, self.weights["model.embed_tokens.weight"], out=act.hidden,
+        ops.embedding(act.ids if ids is None else ids, self.weights["model.embed_tokens.weight"], out=act.hidden,
                       error_flag=self._embedding_error)
         for layer in range(self.config.num_hidden_layers):
             ops.rmsnorm(act.hidden, self._w(layer, "input_layernorm"), eps, out=act.normed)
@@ -165,24 +213,25 @@ class Llama:
             ops.linear(act.act, self._w(layer, "mlp.down_proj"), out=act.proj)
             ops.add(act.hidden, act.proj, out=act.hidden)
 
-    def _head(self, hidden) -> None:
-        """Final norm, LM head and greedy argmax into the decode ids (the next step's input)."""
-        act = self._decode
-        ops.rmsnorm(hidden, self.weights["model.norm.weight"], self.config.rms_norm_eps, out=act.normed)
-        ops.linear(act.normed, self.weights["lm_head.weight"], out=self._logits)
-        ops.argmax(self._logits, out=act.ids)
+    def _head(self, hidden, normed, logits, ids) -> None:
+        """Final norm (into ``normed``), LM head (into ``logits``) and greedy argmax (into ``ids``), per row."""
+        ops.rmsnorm(hidden, self.weights["model.norm.weight"], self.config.rms_norm_eps, out=normed)
+        ops.linear(normed, self.weights["lm_head.weight"], out=logits)
+        ops.argmax(logits, out=ids)
 
     def decode_step(self) -> None:
         """One greedy token for every sequence, from the ids of the previous one.
 
         Reads the device ids (the last token of each sequence), runs every
         layer at the cache's device lengths, writes the next ids and the logits
-        into the model's buffers and advances the cache by one. Launches only,
-        so it can be captured: ``generate`` replays it as one graph; call it
-        directly (after a ``generate``) for custom loops or timing.
+        into the model's buffers and advances the cache by one, for every
+        sequence (``generate``'s loops add a stop check per step, see
+        :mod:`cupykv.models.decoding`). Launches only, so it can be captured;
+        call it directly (after a ``generate``) for custom loops or timing.
         """
-        self._forward(self._decode)
-        self._head(self._decode.hidden)
+        act = self._decode
+        self._forward(act)
+        self._head(act.hidden, act.normed, self._logits, act.ids)
         self.cache.advance(1)
 
     def feed(self, token_ids) -> None:
@@ -206,7 +255,7 @@ class Llama:
     def _prefill(self, prompts: list[list[int]]) -> None:
         """Run every prompt (padded to the longest) through the model; leaves the first new token in ids."""
         batch, longest = self.cache.spec.batch, max(len(p) for p in prompts)
-        act = _Activations(self.backend, self.config, self._storage, batch, longest)
+        act = self._activations(longest)
         ids = np.zeros((batch, longest), np.int32)
         for b, prompt in enumerate(prompts):
             ids[b, : len(prompt)] = prompt
@@ -215,166 +264,174 @@ class Llama:
         self._forward(act)
         lengths = np.array([len(p) for p in prompts], np.int64)
         last_rows = np.arange(batch) * longest + lengths - 1   # each sequence's last prompt token
-        self._head(act.hidden[self.backend.asarray(last_rows)])
+        self._head(act.hidden[self.backend.asarray(last_rows)], self._decode.normed, self._logits, self._decode.ids)
         self.cache.advance(lengths)
 
     # -- generation --------------------------------------------------------------
-    def _check_prompts(self, prompts, max_new_tokens) -> list[list[int]]:
+    def _check_prompts(self, prompts, max_new_tokens, margin: int = 0, draft=None) -> list[list[int]]:
+        """The prompts as int lists, padded with one-token dummies to ``batch``.
+
+        ``margin`` (the draft's ``num_speculative``) is the verify pass's rows past the last token:
+        ``len(prompt) + max_new_tokens + margin`` must fit the target, and one row more the draft.
+        """
         spec = self.cache.spec
         max_new_tokens = _args.check_int("max_new_tokens", max_new_tokens, 1, max(1, spec.max_seq - 1))
         if not isinstance(prompts, (list, tuple)) or not 1 <= len(prompts) <= spec.batch:
             raise ValueError(f"prompts: expected a list of 1..{spec.batch} token lists, got {prompts!r:.80}")
+        plus = " + num_speculative" if margin else ""
+        limits = [(spec.max_seq, f"max_seq={spec.max_seq}")]
+        if draft is not None:
+            limits.append((draft.cache.spec.max_seq + 1, f"the draft's max_seq + 1={draft.cache.spec.max_seq + 1}"))
         checked = []
         for b, prompt in enumerate(prompts):
             tokens = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
             if not tokens or not self._is_token_list(tokens):
                 raise ValueError(f"prompts[{b}]: expected a non-empty list of token ids in "
                                  f"0..{self.config.vocab_size - 1}, got {prompt!r:.80}")
-            if len(tokens) + max_new_tokens > spec.max_seq:
-                raise ValueError(f"prompts[{b}]: expected len(prompt) + max_new_tokens <= max_seq={spec.max_seq}, "
-                                 f"got {len(tokens)} + {max_new_tokens}")
+            for limit, what in limits:
+                if len(tokens) + max_new_tokens + margin > limit:
+                    raise ValueError(f"prompts[{b}]: expected len(prompt) + max_new_tokens{plus} <= {what}, "
+                                     f"got {len(tokens)} + {max_new_tokens}{f' + {margin}' if margin else ''}")
             checked.append([int(t) for t in tokens])
         # unused slots decode a one-token dummy prompt; their tokens are dropped
         return checked + [[0]] * (spec.batch - len(checked))
 
     def generate(self, prompts, max_new_tokens: int, *, use_graph: bool = True, return_logits: bool = False,
-                 progress=None, stop_ids=(), on_token=None):
-        """Greedy decoding of a batch of prompts.
+                 progress=None, stop_ids=(), on_token=None, eos_token_id=None, tokens_per_replay: int = 1,
+                 draft: "Llama | None" = None, num_speculative: int | None = None):
+        """Greedy decoding of a batch of prompts, in a loop that runs on the device.
+
+        After a batched prefill, either ``tokens_per_replay`` decode steps run
+        per pass, or, with a ``draft``, one speculative cycle; each pass is one
+        graph replay (or the same launches eagerly). Token ids, positions and
+        the stopping state stay on the device inside a pass; the host reads the
+        new tokens once per pass. Every setting gives the same tokens: those of
+        plain greedy decoding of this model (see :mod:`cupykv.models.decoding`).
+        ``self.stats`` (a :class:`~cupykv.models.DecodeStats`) describes the last call.
 
         Parameters
         ----------
         prompts : list of list of int
             1..batch prompts of token ids, of any lengths >= 1.
         max_new_tokens : int
-            Tokens to generate per prompt (the first comes from the prefill).
+            Tokens to generate per prompt (the first comes from the prefill);
+            ``len(prompt) + max_new_tokens <= max_seq``.
         use_graph : bool, default True
-            Replay one captured decode step (every layer) instead of launching eagerly.
+            Replay a captured pass instead of launching eagerly.
         return_logits : bool, default False
-            Also return the float32 logits of every generated step, ``[steps, batch, vocab]``.
+            Also return the float32 logits of every generated token.
         progress : callable, optional
-            Called as ``progress(done, total)`` after each token.
-        stop_ids : sequence of int, optional
-            Token ids that end a sequence (end of text, end of turn): a
-            sequence's tokens stop after the first one, which is kept, and
-            decoding stops once every sequence has emitted one.
+            Called as ``progress(done, total)`` after each token (``done``: the
+            longest prompt's new tokens so far).
+        stop_ids, eos_token_id : int or sequence of int, optional
+            Token ids that end a sequence (end of text, end of turn; both
+            arguments are merged, at most 64 ids): its tokens end with the first
+            one. A stopped sequence appends no more rows and its length stays
+            frozen; decoding ends once every sequence has stopped.
         on_token : callable, optional
-            Called as ``on_token(ids)`` after each step with that step's new
-            token of every prompt (a list), for streaming.
+            Called as ``on_token(ids)`` with one new token per prompt (a list;
+            ``None`` for a prompt that has no token in this call: it stopped,
+            or, with a draft, it accepted fewer tokens this cycle), for streaming.
+        tokens_per_replay : int, default 1
+            Decode steps per pass, in 1..1024 (1 with a draft). Steps past a
+            sequence's end are no-ops on the device.
+        draft : Llama, optional
+            A (smaller) model with the same vocabulary, batch and backend, and
+            its own cache, that proposes tokens for speculative decoding.
+        num_speculative : int, optional
+            Tokens the draft proposes per cycle, in 1..64 (4 by default with a
+            draft); ``len(prompt) + max_new_tokens + num_speculative`` must fit
+            this model's ``max_seq`` and the draft's ``max_seq + 1``.
 
         Returns
         -------
         tokens : list of list of int
-            The new tokens, one list per prompt.
+            The new tokens, one list per prompt, ending at a stop id.
         logits : np.ndarray float32 ``[steps, len(prompts), vocab]``
-            Only with ``return_logits=True``; ``steps`` is ``max_new_tokens``
-            unless every sequence stopped earlier.
+            Only with ``return_logits=True``: row ``s`` of prompt ``b`` gave its
+            token ``s``; ``steps`` is the longest list's length, and rows past a
+            shorter list's end are zeros.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument, named, before anything runs.
         """
+        from cupykv.models import decoding
+
         n_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else 0
-        padded = self._check_prompts(prompts, max_new_tokens)
+        k = decoding.check_draft(self, draft, num_speculative)
+        padded = self._check_prompts(prompts, max_new_tokens, margin=k, draft=draft)
         use_graph = _args.check_bool("use_graph", use_graph)
         return_logits = _args.check_bool("return_logits", return_logits)
-        if progress is not None and not callable(progress):
-            raise TypeError(f"progress: expected None or a callable, got {_args.got(progress)}")
-        stops = self._check_stop_ids(stop_ids)
+        for name, value in (("progress", progress), ("on_token", on_token)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{name}: expected None or a callable, got {_args.got(value)}")
+        tokens_per_replay = _args.check_int("tokens_per_replay", tokens_per_replay, 1, 1 if draft else 1024)
+        stops = sorted(set(self._check_stop_ids("stop_ids", stop_ids))
+                       | set(self._check_stop_ids("eos_token_id", () if eos_token_id is None else eos_token_id)))
+        if len(stops) > decoding.MAX_STOP_IDS:
+            raise ValueError(f"stop_ids: expected at most {decoding.MAX_STOP_IDS} distinct stop ids (with "
+                             f"eos_token_id), got {len(stops)}")
+        if draft is None:
+            loop = self._loop(("greedy", tokens_per_replay), lambda: decoding.GreedyLoop(self, tokens_per_replay))
+        else:
+            loop = self._loop(("speculative", id(draft), k), lambda: decoding.SpeculativeLoop(self, draft, k))
         self._prefill(padded)
-        steps_ids, steps_logits = [], []
-        stopped = np.zeros(n_prompts, bool)
+        if draft is not None:
+            draft._prefill(padded)
+        tokens, logits, self.stats = decoding.decode(self, loop, padded, n_prompts, max_new_tokens, stops,
+                                                     use_graph=use_graph, return_logits=return_logits,
+                                                     progress=progress, on_token=on_token)
+        for model in (self, draft) if draft is not None else (self,):
+            if model.backend.to_host(model._embedding_error)[0]:   # cannot happen for validated prompts and argmax ids
+                raise RuntimeError("embedding: a token id outside 0..vocab_size-1 reached the model")
+        return (tokens, logits) if return_logits else tokens
 
-        def collect(done):
-            ids = self.backend.to_host(self._decode.ids)
-            steps_ids.append(ids)
-            if return_logits:
-                steps_logits.append(self._host_logits())
-            if on_token is not None:
-                on_token(ids[:n_prompts].tolist())
-            if progress is not None:
-                progress(done, max_new_tokens)
-            stopped[:] |= np.isin(ids[:n_prompts], stops)
-            return bool(stopped.all())
+    def _loop(self, key, make):
+        """The decoding loop of shape ``key`` (a few kept, with their graphs), made on first use.
 
-        finished = collect(1)
-        for step in range(1, max_new_tokens):
-            if finished:
-                break
-            if not use_graph:
-                self.decode_step()
-            elif self._graph is None:
-                self._graph = capture(self.decode_step)   # the warm-up run is this step
-            else:
-                self._graph.replay()
-            finished = collect(step + 1)
-        if self.backend.to_host(self._embedding_error)[0]:   # cannot happen for validated prompts and argmax ids
-            raise RuntimeError("embedding: a token id outside 0..vocab_size-1 reached the model")
-        tokens = [_cut_after_stop(row, stops) for row in np.stack(steps_ids, axis=1)[:n_prompts].tolist()]
-        if return_logits:
-            return tokens, np.stack(steps_logits)[:, :n_prompts]
-        return tokens
+        A speculative loop holds its draft, so the draft's ``id`` in its key names a live model.
+        """
+        loop = self._loops.pop(key, None) or make()
+        self._loops[key] = loop
+        while len(self._loops) > _LOOPS_KEPT:
+            self._loops.popitem(last=False)
+        return loop
+
+    def _stop_state(self):
+        """The device-side stopping state every loop of this model shares (made once)."""
+        from cupykv.models.decoding import StopState
+
+        if self._stop is None:
+            self._stop = StopState(self.backend, self.cache.spec.batch)
+        return self._stop
+
+    @property
+    def _graph(self):
+        """The graph of the loop the last ``generate`` ran (None after an eager one)."""
+        return getattr(self._last_loop, "graph", None)
 
     def _is_token_list(self, values) -> bool:
         """Whether ``values`` is a list, tuple or array of token ids in ``0..vocab_size - 1``."""
         return isinstance(values, (list, tuple, np.ndarray)) and all(
             _args.is_int(t) and 0 <= t < self.config.vocab_size for t in values)
 
-    def _check_stop_ids(self, stop_ids) -> np.ndarray:
-        if _args.is_int(stop_ids):
-            stop_ids = [stop_ids]
-        if not self._is_token_list(stop_ids):
-            raise ValueError(f"stop_ids: expected token ids in 0..{self.config.vocab_size - 1}, got {stop_ids!r:.80}")
-        return np.array([int(i) for i in stop_ids], np.int64)
+    def _check_stop_ids(self, name, stop_ids) -> list[int]:
+        """``stop_ids`` (an id or a sequence of ids) as a list of ints."""
+        ids = [stop_ids] if _args.is_int(stop_ids) else stop_ids
+        if not self._is_token_list(ids):
+            raise ValueError(f"{name}: expected token ids in 0..{self.config.vocab_size - 1}, got {stop_ids!r:.80}")
+        return [int(i) for i in ids]
 
     def _host_logits(self) -> np.ndarray:
         host = self.backend.to_host(self._logits)
         return host.view(self.cache.spec.np_dtype).astype(np.float32)
 
 
-def _cut_after_stop(tokens: list[int], stop_ids) -> list[int]:
-    """``tokens`` up to and including the first stop id."""
-    for i, token in enumerate(tokens):
-        if token in stop_ids:
-            return tokens[: i + 1]
-    return tokens
+_LOOPS_KEPT = 4
 
 
-def _load_config(config_path_or_dict) -> LlamaConfig:
-    if isinstance(config_path_or_dict, LlamaConfig):
-        return config_path_or_dict
-    if isinstance(config_path_or_dict, (str, os.PathLike)):
-        with open(config_path_or_dict, encoding="utf-8") as f:
-            return LlamaConfig.from_hf(json.load(f))
-    return LlamaConfig.from_hf(config_path_or_dict)
-
-
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bfloat16",
-                       "I64": np.int64, "I32": np.int32}
-
-
-def load_weights(path) -> dict[str, np.ndarray]:
-    """HF-named host arrays from a ``.safetensors`` file or an ``.npz``.
-
-    The safetensors format (an 8-byte little-endian header size, a JSON header,
-    then raw little-endian tensors) is read directly, memory-mapped, so that
-    bfloat16 checkpoints load as ``ml_dtypes.bfloat16`` arrays (NumPy itself has
-    no bfloat16, and ``safetensors.numpy`` rejects them).
-    """
-    import ml_dtypes
-
-    path = os.fspath(path)
-    if path.endswith(".npz"):
-        with np.load(path) as archive:
-            return {name: archive[name] for name in archive.files}
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    header_size = int(raw[:8].view("<u8")[0])
-    header = json.loads(bytes(raw[8 : 8 + header_size]))
-    data = raw[8 + header_size :]
-    weights = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r}: expected one of {sorted(_SAFETENSORS_DTYPES)}, "
-                             f"got dtype {entry['dtype']}")
-        dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).newbyteorder("<")
-        begin, end = entry["data_offsets"]
-        weights[name] = data[begin:end].view(dtype).reshape(entry["shape"])
-    return weights
+def _cache_spec(config: LlamaConfig, dtype: str, max_seq: int, batch: int) -> CacheSpec:
+    return CacheSpec(n_layers=config.num_hidden_layers, n_kv_heads=config.num_key_value_heads,
+                     head_dim=config.head_dim, max_seq=max_seq, batch=batch, dtype=dtype)

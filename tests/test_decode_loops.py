@@ -1,0 +1,281 @@
+"""Decoding loops on the device: N steps per replay give the tokens of one, and sequences stop on the device.
+
+Each property compares a loop against plain decoding of the same tiny model
+(one step per replay, no stop ids) with its list cut after the first stop
+id: the loops must give exactly those tokens. The two bookkeeping kernels
+are checked against NumPy statements of their rules, written here.
+"""
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from cupykv.models import Llama, LlamaConfig
+from cupykv.models import decoding
+from backends import BACKENDS
+
+TINY = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+            vocab_size=40)
+MAX_SEQ = 16
+#: each example runs a tiny model a few times on the emulator
+EXAMPLES = max(10, settings.default.max_examples // 5)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(batch: int, backend: str = "emulator", seed: int = 0, max_seq: int = MAX_SEQ) -> Llama:
+    return Llama.random(LlamaConfig(**TINY), seed=seed, max_seq=max_seq, batch=batch, backend=backend)
+
+
+def cut(tokens, stops):
+    """``tokens`` up to and including the first stop id."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+@st.composite
+def runs(draw, max_batch=3, max_new=8):
+    """(model, prompts, max_new_tokens): 1..batch prompts of different lengths that fit MAX_SEQ."""
+    batch = draw(st.integers(1, max_batch))
+    new = draw(st.integers(1, max_new))
+    prompts = draw(st.lists(st.lists(st.integers(0, TINY["vocab_size"] - 1), min_size=1, max_size=MAX_SEQ - new),
+                            min_size=1, max_size=batch))
+    return tiny(batch), prompts, new
+
+
+@settings(max_examples=EXAMPLES)
+@given(run=runs(), n_steps=st.integers(1, 8), use_graph=st.booleans(), data=st.data())
+def test_n_steps_per_replay_give_the_tokens_of_one(run, n_steps, use_graph, data):
+    model, prompts, new = run
+    plain = model.generate(prompts, new)
+    # stop ids drawn from what plain decoding emits, so that sequences stop mid-replay
+    emitted = sorted({t for row in plain for t in row})
+    stops = data.draw(st.lists(st.sampled_from(emitted), max_size=2))
+    tokens = model.generate(prompts, new, tokens_per_replay=n_steps, eos_token_id=stops, use_graph=use_graph)
+    assert tokens == [cut(row, stops) for row in plain]
+    # a stopped sequence's length is frozen: the prompt and every token but the last are committed
+    lengths = model.cache.lengths_host()
+    assert [lengths[b] for b in range(len(prompts))] == [len(p) + len(t) - 1 for p, t in zip(prompts, tokens)]
+    model.cache.check()
+    assert model.next_tokens()[: len(prompts)] == [t[-1] for t in tokens]   # a stopped sequence's ids are frozen
+    stats = model.stats
+    assert stats.steps == stats.replays * n_steps and stats.tokens == sum(map(len, tokens))
+    assert stats.replays == -(-(max(map(len, tokens)) - 1) // n_steps)   # no replay once all have stopped
+
+
+def test_stopped_sequences_write_no_row_past_their_last_token():
+    """The cache is poisoned with NaN; after decoding, only rows up to each sequence's last token changed."""
+    model = tiny(3)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    plain = model.generate(prompts, 8)
+    stops = [plain[0][1], plain[2][4]]
+    spec = model.cache.spec
+    for buffer in (model.cache.k, model.cache.v):
+        model.backend.upload(buffer, np.full(spec.shape, np.nan, np.float32))
+    tokens = model.generate(prompts, 8, eos_token_id=stops, tokens_per_replay=5)
+    assert tokens == [cut(row, stops) for row in plain]
+    lengths = model.cache.lengths_host()
+    assert lengths.tolist() == [len(p) + len(t) - 1 for p, t in zip(prompts, tokens)]
+    for buffer in (model.cache.k, model.cache.v):
+        host = model.backend.to_host(buffer)                         # [layers, batch, max_seq, n_kv, head_dim]
+        for b, length in enumerate(lengths):
+            written = max(length + 1, 3)    # live rows and the last token's pending row (or the padded prefill's)
+            assert not np.isnan(host[:, b, :written]).any()
+            assert np.isnan(host[:, b, written:]).all()               # nothing past them
+    model.cache.check()
+
+
+def test_logits_and_streaming_match_one_step_per_replay():
+    model = tiny(2)
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    plain, plain_logits = model.generate(prompts, 7, return_logits=True)
+    stops = [plain[1][2]]
+    seen, progress = [], []
+    tokens, logits = model.generate(prompts, 7, return_logits=True, tokens_per_replay=4, stop_ids=stops,
+                                    on_token=seen.append, progress=lambda done, total: progress.append((done, total)))
+    assert tokens == [plain[0], cut(plain[1], stops)]
+    assert logits.shape == plain_logits.shape
+    assert np.array_equal(logits[:, 0], plain_logits[:, 0])           # the same kernels on the same inputs: bitwise
+    assert np.array_equal(logits[:3, 1], plain_logits[:3, 1]) and not logits[3:, 1].any()   # zeros past the stop
+    assert [step[0] for step in seen] == tokens[0]
+    assert [step[1] for step in seen] == tokens[1] + [None] * (len(tokens[0]) - len(tokens[1]))
+    assert progress == [(i, 7) for i in range(1, 8)]
+
+
+def test_max_new_tokens_and_capacity_stop_on_the_device():
+    model = tiny(2)
+    prompts = [[1] * 10, [2] * 4]
+    plain = model.generate(prompts, MAX_SEQ - 10)                       # the fullest call generate accepts
+    assert model.cache.lengths_host().tolist()[0] == MAX_SEQ - 1
+    model.cache.check()
+    # past what generate accepts, capacity stops the first sequence on the device, at a full cache
+    padded = [list(p) for p in prompts]
+    model._prefill(padded)
+    loop = decoding.GreedyLoop(model, 4)
+    tokens, _, _ = decoding.decode(model, loop, padded, 2, 12, [], use_graph=True, return_logits=False)
+    assert tokens[0] == plain[0] and len(tokens[1]) == 12
+    assert model.cache.lengths_host().tolist() == [MAX_SEQ - 1, 4 + 11]
+    model.cache.check()
+
+
+def test_a_replay_of_n_steps_launches_n_decode_steps():
+    model = tiny(1)
+    model.generate([[1, 2]], 3)
+    one = model._graph.num_launches
+    layers = model.config.num_hidden_layers
+    assert one == 14 * layers + 6                                       # decode_step, then decode_commit
+    model.generate([[1, 2]], 3, tokens_per_replay=5)
+    assert model._graph.num_launches == 5 * one
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_and_eager_loops_agree(backend):
+    model = tiny(3, backend)
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12]]
+    eager = model.generate(prompts, 6, use_graph=False, tokens_per_replay=3, eos_token_id=11)
+    assert model.generate(prompts, 6, tokens_per_replay=3, eos_token_id=11) == eager
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(tokens_per_replay=0), ValueError, r"^tokens_per_replay: expected an int in 1\.\.1024, got 0$"),
+    (dict(tokens_per_replay=2.0), TypeError, r"^tokens_per_replay: expected an int in 1\.\.1024, got 2\.0 \(float\)$"),
+    (dict(eos_token_id=40), ValueError, r"^eos_token_id: expected token ids in 0\.\.39, got 40$"),
+    (dict(eos_token_id=[1, -1]), ValueError, r"^eos_token_id: expected token ids in 0\.\.39, got \[1, -1\]$"),
+    (dict(on_token=5), TypeError, r"^on_token: expected None or a callable, got 5 \(int\)$"),
+])
+def test_bad_loop_arguments_are_named_before_anything_runs(kwargs, error, message):
+    model = tiny(2)
+    model.cache.reset()
+    with pytest.raises(error, match=message):
+        model.generate([[1, 2]], 3, **kwargs)
+    assert model.cache.lengths_host().tolist() == [0, 0]
+
+
+def test_more_stop_ids_than_the_device_list_holds_are_refused():
+    model = Llama.random(LlamaConfig(**dict(TINY, vocab_size=100)), max_seq=8, backend="emulator")
+    with pytest.raises(ValueError, match=r"^stop_ids: expected at most 64 distinct stop ids .*got 65$"):
+        model.generate([[1]], 2, stop_ids=list(range(30)), eos_token_id=list(range(30, 65)))
+
+
+# -- the bookkeeping kernels against NumPy statements of their rules ---------------------------
+def commit_rule(ids, active, budget, next_ids, lengths, stops, max_length):
+    """NumPy decode_commit: returns (ids, tokens, advance_by, active, budget)."""
+    ids, active, budget = ids.copy(), active.copy(), budget.copy()
+    tokens = np.full_like(ids, -1)
+    advance_by = active.copy()
+    live = active == 1
+    ids[live] = tokens[live] = next_ids[live]
+    budget[live] -= 1
+    stopped = (budget <= 0) | (lengths + 1 >= max_length) | np.isin(next_ids, stops)
+    active[live & stopped] = 0
+    return ids, tokens, advance_by, active, budget
+
+
+@settings(max_examples=EXAMPLES)
+@given(data=st.data(), batch=st.integers(1, 300))
+def test_decode_commit_follows_its_rule(data, batch):
+    model = tiny(1)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    ints = lambda lo, hi: rng.integers(lo, hi, batch).astype(np.int32)   # noqa: E731
+    ids, active, budget, next_ids, lengths = ints(0, 9), ints(0, 2), ints(0, 4), ints(0, 9), ints(0, 12)
+    stops = data.draw(st.lists(st.integers(0, 9), max_size=4))
+    max_length = data.draw(st.integers(0, 14))
+    device = [model.backend.asarray(a) for a in (ids, np.zeros_like(ids), np.zeros_like(ids), active, budget,
+                                                 next_ids, lengths, np.array(stops + [-1, 5], np.int32))]
+    decoding.decode_commit(*device, max_length=max_length)
+    got = [model.backend.to_host(a) for a in device[:5]]
+    want = commit_rule(ids, active, budget, next_ids, lengths, stops, max_length)
+    for name, g, w in zip(("ids", "tokens", "advance_by", "active", "budget"), got, want):
+        assert np.array_equal(g, w), name
+
+
+def test_decode_commit_arguments_are_named():
+    model = tiny(1)
+    a = model.backend.zeros((2,), np.int32)
+    b, c, d, e, f, g, h = (model.backend.zeros((2,), np.int32) for _ in range(7))
+    with pytest.raises(ValueError, match=r"^tokens: expected shape \(2,\), got \(3,\)$"):
+        decoding.decode_commit(a, model.backend.zeros((3,), np.int32), b, c, d, e, f, g, max_length=4)
+    with pytest.raises(ValueError, match=r"^ids: expected an array that does not overlap active"):
+        decoding.decode_commit(a, b, c, a, d, e, f, g, max_length=4)
+    with pytest.raises(TypeError, match=r"^lengths: expected dtype int32, got float32$"):
+        decoding.decode_commit(a, b, c, d, e, f, model.backend.zeros((2,), np.float32), g, max_length=4)
+    with pytest.raises(ValueError, match=r"^max_length: expected an int in 0\.\.2147483647, got -1$"):
+        decoding.decode_commit(a, b, c, d, e, f, g, h, max_length=-1)
+
+
+# -- replays of multi-step graphs interleaved with truncate, reset and new budgets -----------------
+@functools.lru_cache(maxsize=None)
+def greedy_next(history: tuple) -> int:
+    """The greedy token after ``history``, from a prefill of all of it (rows are computed alike at any q_len)."""
+    oracle = tiny(1, seed=0)
+    oracle._prefill([list(history)])
+    return oracle.next_tokens()[0]
+
+
+class LoopMachine(RuleBasedStateMachine):
+    """One model (batch 2) decoding through captured N-step graphs while its cache is rolled back and reset.
+
+    Per slot the host keeps the token history (prompt and new tokens; every token but the last is
+    committed), the budget and whether it still decodes. Each replay must emit exactly the greedy
+    continuation of every live slot, stop slots whose budget runs out or whose cache is full, and leave
+    the device lengths at ``len(history) - 1`` with no overflow flag.
+    """
+
+    @initialize(n_steps=st.sampled_from([1, 2, 4]),
+                prompts=st.lists(st.lists(st.integers(0, 39), min_size=1, max_size=6), min_size=2, max_size=2),
+                budgets=st.lists(st.integers(0, 12), min_size=2, max_size=2))
+    def start(self, n_steps, prompts, budgets):
+        self.model = model = tiny(2)
+        self.loop = model._loop(("greedy", n_steps), lambda: decoding.GreedyLoop(model, n_steps))
+        model._prefill(prompts)
+        self.history = [p + [t] for p, t in zip(prompts, model.next_tokens())]
+        self.refill(budgets)
+
+    @rule(budgets=st.lists(st.integers(0, 12), min_size=2, max_size=2))
+    def refill(self, budgets):
+        self.budget = list(budgets)
+        self.active = [n > 0 and len(h) - 1 + 1 <= self.loop.max_length for n, h in zip(budgets, self.history)]
+        self.loop.state.start(self.budget, [], self.active)
+
+    @rule()
+    def replay(self):
+        decoding.run_pass(self.model, self.loop, use_graph=True)
+        got = self.model.backend.to_host(self.loop.tokens)          # [n_steps, batch]
+        for step in range(self.loop.n_steps):
+            for b, history in enumerate(self.history):
+                if not self.active[b]:
+                    assert got[step, b] == -1
+                    continue
+                assert got[step, b] == greedy_next(tuple(history))
+                history.append(int(got[step, b]))
+                self.budget[b] -= 1
+                self.active[b] = self.budget[b] > 0 and len(history) < self.loop.max_length + 1
+
+    @rule(slot=st.integers(0, 1), fraction=st.floats(0, 1))
+    def truncate(self, slot, fraction):
+        keep = int(fraction * (len(self.history[slot]) - 1))         # committed rows to keep
+        self.history[slot] = self.history[slot][: keep + 1]
+        lengths = [len(h) - 1 for h in self.history]
+        self.model.cache.truncate(self.model.cache.to_device(np.array(lengths, np.int32)))
+        self.model.feed([h[-1] for h in self.history])              # the last token is embedded next
+
+    @rule(slot=st.integers(0, 1))
+    def reset(self, slot):
+        self.model.cache.reset([slot])
+        self.history[slot] = self.history[slot][-1:]                 # decoding goes on from its last token alone
+
+    @invariant()
+    def lengths_and_flags_follow_the_history(self):
+        if not hasattr(self, "history"):
+            return
+        assert self.model.cache.lengths_host().tolist() == [len(h) - 1 for h in self.history]
+        assert self.model.backend.to_host(self.loop.state.active).tolist() == [int(a) for a in self.active]
+        self.model.cache.check()
+
+
+TestLoopMachine = LoopMachine.TestCase
+TestLoopMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=10, deadline=None)
