@@ -18,7 +18,8 @@ from cupykv.bench import PLANS, SCHEMA, plan_for
 from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits
 from cupykv.bench.report import EMULATOR_LABEL
 
-SECTIONS = ("copy", "attention_decode", "full_axis", "linear", "model_decode", "smollm2_decode", "traffic")
+SECTIONS = ("copy", "attention_decode", "full_axis", "linear", "model_decode", "smollm2_decode", "decode_loops",
+            "traffic")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -128,6 +129,20 @@ def test_sections_cover_the_plan(bench):
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (576, 9, 3)
     assert dict(PLANS["full"].smollm2_config)["num_hidden_layers"] == 30
     assert PLANS["full"].smollm2_batches == (1, 8)
+
+
+def test_decode_loops_cover_the_plan_and_reproduce_greedy_tokens(bench):
+    plan, section = PLANS["smoke"], bench["data"]["sections"]["decode_loops"]
+    k, layers = plan.loop_speculative, plan.loop_draft_layers
+    want = [(b, f"{n} steps per replay") for b in plan.loop_batches for n in plan.loop_replay_steps] + \
+        [(b, f"speculative k={k}, draft {layers} layers") for b in plan.loop_batches]
+    assert sorted((row["batch"], row["mode"]) for row in section["results"]) == sorted(want)
+    for row in section["results"]:
+        assert _close(row["tokens_per_s"], row["batch"] / (row["time_per_token_ms"] * 1e-3))
+    first = {row["batch"]: row for row in section["results"] if row["mode"] == "1 steps per replay"}
+    for row in section["results"]:
+        assert _close(row["speedup_over_1"], first[row["batch"]]["time_per_token_ms"] / row["time_per_token_ms"])
+    assert section["checks"] and all(check["passed"] for check in section["checks"])   # tokens as plain greedy
 
 
 def test_the_emulator_reports_traffic_with_exact_sector_counts(bench):

@@ -16,6 +16,9 @@ side by side:
   ``cupykv.models.llama``.
 - ``smollm2_decode``: tokens/s of a random-weight model with SmolLM2-135M's
   shape, batch 1 and 8, eager and graph.
+- ``decode_loops``: greedy generation of the SmolLM2-shaped model, wall
+  clock per call: tokens/s with N decode steps per graph replay, and one
+  speculative cycle (self-speculative draft) as a multiple of one decode step.
 - ``traffic`` (emulator only): sectors per warp request and distinct sectors
   over the ideal for decode attention's K/V loads and linear's weight loads,
   counted by the emulator; properties of the access patterns, not GPU figures.
@@ -66,6 +69,12 @@ class Plan:
     model_context: int           # live tokens when each timing phase starts
     smollm2_config: tuple = ()   # LlamaConfig keyword arguments of the SmolLM2-shaped model, as pairs
     smollm2_batches: tuple = (1, 8)
+    loop_tokens: int = 64        # decode_loops: new tokens per generate call
+    loop_replay_steps: tuple = (1, 4, 16)   # decode_loops: decode steps per graph replay
+    loop_draft_layers: int = 8   # decode_loops: the self-speculative draft keeps this many layers
+    loop_speculative: int = 4    # decode_loops: tokens a draft proposes per cycle
+    loop_batches: tuple = (1, 8)
+    loop_repeat: int = 6         # decode_loops: timed generate calls per figure (wall clock)
     n_heads: int = 64
     n_kv_heads: int = 8
     head_dim: int = 128
@@ -114,13 +123,15 @@ PLANS = {
                       ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 1000)),
         model_batch=1, model_max_seq=64, model_context=16,
         smollm2_config=tuple((k, {"num_hidden_layers": 2, "vocab_size": 2048}.get(k, v)) for k, v in _SMOLLM2),
-        smollm2_batches=(1, 2)),
+        smollm2_batches=(1, 2), loop_tokens=6, loop_replay_steps=(1, 4), loop_draft_layers=1,
+        loop_batches=(1,), loop_repeat=3),
 }
 
 #: section name -> function of a Context, in run order (copy first: the others divide by it).
 SECTIONS = (("copy", sections.copy_bandwidth), ("attention_decode", sections.attention_decode),
             ("full_axis", sections.full_axis), ("linear", sections.linear), ("model_decode", model.model_decode),
-            ("smollm2_decode", model.smollm2_decode), ("traffic", sections.traffic))
+            ("smollm2_decode", model.smollm2_decode), ("decode_loops", model.decode_loops),
+            ("traffic", sections.traffic))
 
 
 def plan_for(emulated: bool, quick: bool) -> Plan:

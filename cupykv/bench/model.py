@@ -2,13 +2,16 @@
 
 :func:`eager_vs_graph` times any zero-argument decode step both ways;
 :func:`_llama_step` builds a random-weight model and returns its
-``decode_step``; :func:`smollm2_decode` times SmolLM2-135M's shape per batch.
+``decode_step``; :func:`smollm2_decode` times SmolLM2-135M's shape per batch;
+:func:`decode_loops` times whole generate calls (N steps per replay, speculative
+cycles).
 """
 from __future__ import annotations
 
 import time
 
 from cupykv.bench.arrays import fill_random
+from cupykv.bench.timing import HostTimer
 from cupykv.graph import capture
 
 
@@ -112,6 +115,70 @@ def smollm2_decode(ctx) -> dict:
         "params": {**{k: v for k, v in params.items() if k != "batch"}, "batches": list(ctx.plan.smollm2_batches)},
         "units": {"eager_tokens_per_s": "new tokens per second, all sequences", "graph_tokens_per_s": "same, graph",
                   "eager_time_ms": "ms per step, median", "graph_time_ms": "ms per step, median"},
+        "results": rows,
+        "checks": checks,
+    }
+
+
+def decode_loops(ctx) -> dict:
+    """Greedy generation of the SmolLM2-shaped model: N steps per replay, and speculative cycles.
+
+    Each figure is a difference of two wall-clock timings of whole
+    ``generate`` calls (``loop_tokens`` new tokens, and 1; the fastest of
+    ``loop_repeat`` calls each, the least disturbed by other host work), so the prefill and
+    the first token cancel and what remains is ``loop_tokens - 1`` decode
+    steps, with the host's reads of the tokens once per replay included. The
+    graphs are captured on the warm-up calls and replayed in the timed ones.
+    """
+    from cupykv.models import Llama, LlamaConfig
+
+    plan, backend = ctx.plan, ctx.backend
+    wall = HostTimer(backend, warmup=1, repeat=plan.loop_repeat, min_warmup_s=0.0)
+    config = LlamaConfig(**dict(plan.smollm2_config))
+    k, new = plan.loop_speculative, plan.loop_tokens
+    rows, checks = [], []
+    for batch in plan.loop_batches:
+        model = Llama.random(config, seed=0, dtype="bfloat16", max_seq=16 + new + k + 16, batch=batch,
+                             backend=backend)
+        draft = model.first_layers(plan.loop_draft_layers)
+        prompts = [[(31 * b + 7 * i) % config.vocab_size for i in range(8 + b % 3)] for b in range(batch)]
+
+        def per_step(**options):
+            """Seconds per decode step (and the tokens) of generate with ``options``."""
+            long = wall(lambda: model.generate(prompts, new, use_graph=True, **options))
+            tokens = model.generate(prompts, new, use_graph=True, **options)
+            stats = model.stats
+            short = wall(lambda: model.generate(prompts, 1, use_graph=True, **options))
+            return (long.min_s - short.min_s) / (new - 1), tokens, stats   # fastest calls: least host noise
+
+        greedy_step, want, _ = per_step(tokens_per_replay=1)
+        for steps in plan.loop_replay_steps:
+            seconds, tokens, _ = per_step(tokens_per_replay=steps) if steps != 1 else (greedy_step, want, None)
+            rows.append({"batch": batch, "mode": f"{steps} steps per replay", "time_per_token_ms": seconds * 1e3,
+                         "tokens_per_s": batch / seconds, "speedup_over_1": greedy_step / seconds})
+            checks.append({"what": f"batch {batch}, {steps} steps per replay: tokens equal 1 step per replay",
+                           "passed": tokens == want})
+        seconds, tokens, stats = per_step(draft=draft, num_speculative=k)
+        cycle_s = seconds * (new - 1) / max(1, stats.cycles)
+        rows.append({"batch": batch, "mode": f"speculative k={k}, draft {plan.loop_draft_layers} layers",
+                     "time_per_token_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
+                     "speedup_over_1": greedy_step / seconds, "cycle_over_step": cycle_s / greedy_step,
+                     "acceptance_rate": stats.acceptance_rate, "tokens_per_cycle": stats.tokens_per_cycle})
+        checks.append({"what": f"batch {batch}, speculative: tokens equal plain greedy", "passed": tokens == want})
+        del model, draft
+    return {
+        "status": "ok",
+        "description": "generate() of a random-weight model with SmolLM2-135M's shape, wall clock per call: time per "
+                       "token = (fastest call of loop_tokens new tokens - fastest call of 1) / (loop_tokens - 1), "
+                       "graphs replayed, "
+                       "host reads of the tokens included; cycle_over_step = one speculative cycle / one greedy "
+                       "decode step (1 step per replay), speculative rows only, with acceptance_rate and tokens_per_cycle",
+        "params": {"config": dict(plan.smollm2_config), "dtype": "bfloat16", "loop_tokens": new,
+                   "replay_steps": list(plan.loop_replay_steps), "num_speculative": k,
+                   "draft_layers": plan.loop_draft_layers, "batches": list(plan.loop_batches),
+                   "timer": wall.method},
+        "units": {"time_per_token_ms": "ms per decode step, all sequences", "tokens_per_s": "new tokens per second",
+                  "speedup_over_1": "time per token at 1 step per replay / this"},
         "results": rows,
         "checks": checks,
     }

@@ -61,6 +61,7 @@ def table(data: dict) -> str:
     block("linear", ("out_features", "in_features", "rows", "time_ms", "bandwidth_GBps", "pct_of_copy"))
     block("model_decode", ("eager_time_ms", "graph_time_ms", "ratio_eager_over_graph"))
     block("smollm2_decode", ("batch", "eager_tokens_per_s", "graph_tokens_per_s"))
+    block("decode_loops", ("batch", "mode", "time_per_token_ms", "tokens_per_s", "speedup_over_1"))
     block("traffic", ("what", "sectors_per_request", "sectors_over_ideal", "requested_over_ideal"))
     failed = [check["what"] for check in all_checks(data) if not check["passed"]]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED: ' + '; '.join(failed)}")

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 import cupykv
 from cupykv.bench.arrays import fill_random, random_array, relative_error, to_f32
+
+if TYPE_CHECKING:
+    from cupykv.backends.base import Backend
+    from cupykv.bench import Plan
+    from cupykv.bench.timing import Timing
 
 GB = 1e9
 ERROR_LIMIT = 1e-2  # bf16 outputs: one rounding to bfloat16 is about 2e-3 relative
@@ -24,9 +30,9 @@ ERROR_LIMIT = 1e-2  # bf16 outputs: one rounding to bfloat16 is about 2e-3 relat
 class Context:
     """What every section needs: the backend, the sizes, the timer, and the copy yardstick."""
 
-    backend: object
-    plan: object
-    timer: object
+    backend: Backend
+    plan: Plan
+    timer: Callable[..., Timing]   # timer(fn, flush=True) -> Timing (cupykv.bench.timing.make_timer)
     copy_GBps: float = math.nan
 
 
@@ -152,7 +158,8 @@ def _decode_points(ctx: Context, batch: int, results: list, checks: list) -> Non
 def attention_decode(ctx: Context) -> dict:
     """Decode attention (q_len 1, bf16) bandwidth over live K+V bytes, per batch and live length."""
     plan = ctx.plan
-    results, checks = [], []
+    results: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
     for batch in plan.decode_batches:
         _decode_points(ctx, batch, results, checks)
     return {
