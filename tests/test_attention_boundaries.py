@@ -1,0 +1,431 @@
+"""attention at every boundary a redesign could move (issue 10, item 5), pinned against today's kernel.
+
+The coming decode-attention redesign changes the tiling (key tiles, cp.async stages, tensor-core row
+tiles), the split plan and the combine. These tests fix the contract at the places such changes break:
+
+- live lengths b*T - 1, b*T, b*T + 1 (b = 1..3) for today's chunk and row tile and for the plausible
+  tiles of a redesign (BOUNDARY_SIZES), and at capacity;
+- query-row counts (q_len x group) that straddle every row tile, and q_len 1..16 at every GQA group 1..8;
+- split counts 1..64 with live ranges k*T*splits + 1 (an uneven last split), more splits than keys
+  (empty splits), and the split counts plan_splits gives an H200 (132 SMs x 4..6 blocks);
+- windows that start just before, at and just after a tile (chunk, split) edge;
+- NaN and +-inf in rows that are pending but not attended, past the live rows, below a window and in
+  the other layer: the output must stay finite and within tolerance;
+- the split-KV combine across graph replays while lengths change on the device;
+- empty history (lengths 0) with q_len > 1, and rows that attend only themselves (exact).
+
+The key ranges carry a few marked keys (at the edges under test) whose logit is about SPIKE for
+every query of the sequence, so dropping or doubling one moves the output far past the tolerance
+of every dtype, bfloat16 included. The reference is the oracle; tolerances are cupykv.tolerances'.
+Two checks are exact, as the contract's arithmetic is: a query that attends one row alone returns
+that V row bit for bit (its weight is exp(0) / exp(0) = 1), and one that attends nothing returns zeros.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import cupykv
+from cupykv import attention_plan, reference, testing
+from cupykv.tolerances import assert_attention_close
+from backends import BACKENDS
+
+CHUNK = attention_plan.CHUNK            # keys a block scores at once today
+TILE_ROWS = attention_plan.TILE_ROWS    # query rows (query x head of a GQA group) a block owns today
+# Today's tiles and the tiles a redesign may plausibly choose (keys per stage, rows per mma tile).
+BOUNDARY_SIZES = sorted({CHUNK, TILE_ROWS, 16, 32, 64, 128, 256})
+ROW_TILES = sorted({TILE_ROWS, 16, 32, 64})
+SPIKE = 8.0                              # logit of a marked key: e**8 outweighs hundreds of plain keys
+NAN, INF = float("nan"), float("inf")
+POISONS = [(NAN, NAN), (INF, -INF), (-INF, NAN), (NAN, INF)]   # (K, V) values written where nothing may read
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def straddling(tile, multiples=(1, 2, 3)):
+    """b * tile - 1, b * tile, b * tile + 1 for each multiple b."""
+    return [b * tile + d for b in multiples for d in (-1, 0, 1)]
+
+
+def _nhd(array, spec):
+    """``[n_layers, batch, max_seq, n_kv, hd]`` view of a cache-shaped array in either layout."""
+    return array if spec.layout == "NHD" else array.swapaxes(2, 3)
+
+
+def _spec(max_seq, *, batch=1, n_kv=1, head_dim=8, dtype="float32", layout="NHD", n_layers=2):
+    return cupykv.CacheSpec(n_layers=n_layers, n_kv_heads=n_kv, head_dim=head_dim, max_seq=max_seq, batch=batch,
+                            dtype=dtype, layout=layout)
+
+
+def _oracle(spec, q_len, group, rng, *, layer, marked=None):
+    """The reference cache with random K/V at every position, and queries ``[batch, q_len, n_heads, hd]``.
+
+    Every query of sequence b leans on one direction per kv head; the keys at ``marked[b]`` (in
+    ``layer``, every kv head) point along it, so each gets a logit near SPIKE for every such query.
+    """
+    dtype, hd = spec.np_dtype, spec.head_dim
+    oracle = reference.KVCache(spec)
+    oracle.k[...] = (rng.standard_normal(spec.shape) * 0.5).astype(dtype)
+    oracle.v[...] = rng.standard_normal(spec.shape).astype(dtype)
+    u = rng.standard_normal((spec.batch, spec.n_kv_heads, hd))     # [batch, n_kv, hd], |u|^2 = hd
+    u *= math.sqrt(hd) / np.linalg.norm(u, axis=-1, keepdims=True)
+    noise = rng.standard_normal((spec.batch, q_len, group * spec.n_kv_heads, hd))
+    q = np.repeat(u, group, axis=1)[:, None] + 0.25 * noise   # [batch, q_len, n_heads, hd]
+    for b, positions in (marked or {}).items():
+        positions = sorted({p for p in positions if 0 <= p < spec.max_seq})
+        _nhd(oracle.k, spec)[layer, b, positions] = (u[b] * (SPIKE / math.sqrt(hd))).astype(dtype)
+    return oracle, q.astype(dtype)
+
+
+def _poisoned(oracle, spec, layer, tail, *, below=None, extra=None, values=(NAN, NAN)):
+    """Copies of the oracle's K and V with ``values`` wherever attention may not look.
+
+    That is: the whole other layer(s), positions ``>= tail[b]`` of every layer, positions
+    ``< below[b]`` of ``layer`` and ``extra[b]`` positions of ``layer``.
+    """
+    k, v = oracle.k.copy(), oracle.v.copy()
+    for array, value in zip((k, v), values):
+        view = _nhd(array, spec)
+        view[np.arange(spec.n_layers) != layer] = value
+        for b in range(spec.batch):
+            view[:, b, max(0, int(tail[b])):] = value
+            if below is not None:
+                view[layer, b, :max(0, int(below[b]))] = value
+            if extra is not None and len(extra[b]):
+                view[layer, b, list(extra[b])] = value
+    return k, v
+
+
+def attend(backend, spec, lengths, q_len, group, *, num_splits=1, window=None, layer=None, marked=None,
+           poison_pending=None, values=(NAN, NAN), seed=0, checked=None, **options):
+    """Attention on a poisoned backend cache against the reference; returns (got, want) as float64.
+
+    Poisoned with ``values`` (K, V): the other layer, every row past the pending ones, with a
+    window the rows below query 0's window, and ``poison_pending[b]`` (pending positions; then
+    only the queries in ``checked``, a slice, are compared). Fails on a non-finite or
+    out-of-tolerance output. ``layer`` defaults to ``seed % n_layers``.
+    """
+    rng = np.random.default_rng(seed)
+    layer = seed % spec.n_layers if layer is None else layer
+    oracle, q = _oracle(spec, q_len, group, rng, layer=layer, marked=marked)
+    oracle.set_lengths(lengths)
+    tail = [n + q_len for n in lengths]
+    below = None
+    if window is not None:   # below query 0's window: attended by no query
+        below = [min(n - window + 1, spec.max_seq) for n in lengths]
+    k, v = _poisoned(oracle, spec, layer, tail, below=below, extra=poison_pending, values=values)
+    cache = cupykv.KVCache(spec, backend=backend)
+    cache.k[...], cache.v[...] = cache.to_device(k), cache.to_device(v)
+    cache.set_lengths(list(lengths))
+    got = cupykv.attention(cache.to_device(q), cache, layer, window=window, num_splits=num_splits, **options)
+    got = testing.to_numpy(got, spec).astype(np.float64)
+    want = reference.attention(q, oracle, layer, window=window, **options)
+    checked = slice(None) if checked is None else checked
+    context = (f"({spec}, lengths {list(lengths)}, q_len {q_len}, group {group}, num_splits {num_splits}, "
+               f"window {window}, layer {layer}, poison {values}, {options})")
+    bad = ~np.isfinite(got[:, checked])
+    assert not bad.any(), f"non-finite output at {np.argwhere(bad)[:5].tolist()} {context}"
+    value_scale = float(np.abs(oracle.v[layer].astype(np.float64)).max())
+    assert_attention_close(got[:, checked], want[:, checked], spec.dtype, value_scale, context=context)
+    return got, want
+
+
+def _splits(requested, max_seq):
+    return min(requested, attention_plan.max_splits(max_seq))
+
+
+def _pending_marks(length, q_len):
+    """Each pending row up to 16 of them; of more, the first two, the last two and each 16th."""
+    offsets = range(q_len) if q_len <= 16 else {0, 1, q_len - 2, q_len - 1} | set(range(15, q_len, 16))
+    return [length + i for i in sorted(offsets)]
+
+
+def _boundary_marks(live, tile):
+    """The first key, the last three keys and the keys either side of each tile edge below ``live``."""
+    return [0, live - 3, live - 2, live - 1] + [m * tile + d for m in (1, 2, 3) for d in (-1, 0) if m * tile < live]
+
+
+# -- 1. live lengths across every tile edge -------------------------------------------------------
+# (q_len, group, num_splits, dtype, head_dim, layout): fp32 for the tightest tolerance, both 16-bit
+# dtypes, and the specialised head_dim 64 / 128 instances.
+VARIANTS = [(1, 1, 1, "float32", 8, "NHD"), (1, 4, 2, "bfloat16", 16, "HND"), (3, 2, 3, "float16", 8, "NHD"),
+            (2, 8, 4, "bfloat16", 128, "NHD"), (5, 1, 2, "float16", 64, "HND")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "q{}g{}s{}-{}-hd{}-{}".format(*v))
+@pytest.mark.parametrize("tile", BOUNDARY_SIZES)
+@pytest.mark.parametrize("multiple", [1, 2, 3])
+def test_live_lengths_straddle_every_tile_edge(backend, variant, tile, multiple):
+    # One sequence per live length b*T - 1, b*T, b*T + 1 (live = committed + pending rows).
+    q_len, group, splits, dtype, head_dim, layout = variant
+    lives = straddling(tile, (multiple,))
+    max_seq = max(3 * tile + 8, splits * CHUNK)
+    spec = _spec(max_seq, batch=3, head_dim=head_dim, dtype=dtype, layout=layout)
+    lengths = [max(0, live - q_len) for live in lives]
+    marked = {b: _boundary_marks(live, tile) for b, live in enumerate(lives)}
+    attend(backend, spec, lengths, q_len, group, num_splits=_splits(splits, max_seq), marked=marked,
+           values=POISONS[multiple], seed=tile + multiple)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tile", BOUNDARY_SIZES)
+@pytest.mark.parametrize("multiple", [1, 2, 3])
+def test_capacity_on_a_tile_edge(backend, tile, multiple):
+    # max_seq = b*T: full, one short and two short; q_len 3 runs queries past capacity, which see every row.
+    max_seq = multiple * tile
+    q_len, group, splits, dtype, head_dim, layout = VARIANTS[(tile + multiple) % len(VARIANTS)]
+    spec = _spec(max_seq, batch=3, head_dim=head_dim, dtype=dtype, layout=layout)
+    lengths = [max_seq, max_seq - 1, max(0, max_seq - 2)]
+    marked = {b: _boundary_marks(max_seq, tile) for b in range(3)}
+    attend(backend, spec, lengths, 3, group, num_splits=_splits(splits, max_seq), marked=marked,
+           seed=tile * multiple)
+
+
+# -- 2. query rows across every row tile ---------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tile", ROW_TILES)
+@pytest.mark.parametrize("multiple", [1, 2, 3])
+def test_query_rows_straddle_every_row_tile(backend, tile, multiple):
+    # rows = q_len * group = b*T - 1, b*T, b*T + 1, with the largest group <= 8 that divides them.
+    for rows in straddling(tile, (multiple,)):
+        group = max(g for g in range(1, 9) if rows % g == 0)
+        q_len = rows // group
+        spec = _spec(CHUNK + q_len + 4, batch=2, n_kv=1 + rows % 2, dtype=DTYPES[rows % 3])
+        lengths = [CHUNK - q_len // 2, 0]           # seq 0's pending rows straddle a chunk edge
+        marked = {b: _pending_marks(n, q_len) + [0, CHUNK - 1, CHUNK] for b, n in enumerate(lengths)}
+        attend(backend, spec, lengths, q_len, group, num_splits=1 + rows % 2, marked=marked, seed=rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_len", range(1, 17))
+@pytest.mark.parametrize("group", range(1, 9))
+def test_every_q_len_at_every_gqa_group(backend, q_len, group):
+    # Sequence 0's pending rows straddle a chunk edge; sequence 1 has no history (lengths 0).
+    index = q_len * 8 + group
+    spec = _spec(2 * CHUNK + 8, batch=2, head_dim=(8, 16)[index % 2], dtype=DTYPES[index % 3],
+                 layout=("NHD", "HND")[(index // 2) % 2])
+    lengths = [CHUNK - q_len // 2 - 1, 0]
+    marked = {b: [n + i for i in range(q_len)] + [0, CHUNK - 1, CHUNK] for b, n in enumerate(lengths)}
+    attend(backend, spec, lengths, q_len, group, num_splits=1 + index % 2, marked=marked,
+           values=POISONS[index % len(POISONS)], seed=index)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q_len_and_group_on_the_specialised_head_dims(backend, head_dim, dtype):
+    for q_len, group in [(1, 8), (4, 4), (8, 2), (16, 8), (5, 3), (16, 1)]:
+        spec = _spec(2 * CHUNK + 24, batch=2, n_kv=2, head_dim=head_dim, dtype=dtype,
+                     layout="HND" if group % 2 else "NHD")
+        lengths = [CHUNK - q_len // 2, 0]
+        marked = {b: [n + i for i in range(q_len)] + [CHUNK - 1, CHUNK] for b, n in enumerate(lengths)}
+        attend(backend, spec, lengths, q_len, group, num_splits=2, marked=marked, seed=q_len * group)
+
+
+# -- 3. split counts 1..64: uneven last splits and empty splits ---------------------------------------
+def _split_ranges(splits):
+    """Key ranges T * splits + 1 for today's chunk and for one other boundary size T in turn, one key,
+    and a chunk and one (empty splits from 3 splits on)."""
+    others = [tile for tile in BOUNDARY_SIZES if tile != CHUNK]
+    return sorted({1, CHUNK + 1, CHUNK * splits + 1, others[splits % len(others)] * splits + 1})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("splits", range(1, 65))
+def test_every_split_count_keeps_an_uneven_last_split(backend, splits):
+    ranges = _split_ranges(splits)
+    max_seq = max(max(ranges) + 4, splits * CHUNK)
+    spec = _spec(max_seq, batch=len(ranges), dtype=DTYPES[splits % 3], layout=("NHD", "HND")[splits % 2],
+                 n_layers=1)
+    marked = {b: [0, r - 3, r - 2, r - 1] for b, r in enumerate(ranges)}    # q_len 1: the query sits at r - 1
+    attend(backend, spec, [r - 1 for r in ranges], 1, 1, num_splits=splits, marked=marked,
+           values=POISONS[splits % len(POISONS)], seed=splits)
+
+
+# (batch, n_kv, q_len, n_heads, max_seq): shapes whose H200 plans split 8..64 ways (those capped by
+# max_seq // 256 and those that fill the device: 44, 55 and 64 splits; 8, 10 and 11).
+H200_SHAPES = [(1, 1, 1, 1, 16384), (4, 2, 1, 8, 8192), (1, 1, 16, 2, 4096), (12, 1, 1, 4, 16384),
+               (9, 8, 1, 64, 4096), (5, 2, 2, 16, 2048)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", H200_SHAPES, ids=str)
+def test_the_split_counts_an_h200_plans(backend, shape):
+    # plan_splits for 132 SMs x 4, 5 and 6 resident blocks; sequence 0 gets an uneven last split,
+    # the others one key (empty splits) and a chunk and one.
+    batch, n_kv, q_len, n_heads, max_seq = shape
+    group = n_heads // n_kv
+    spec = _spec(max_seq, batch=batch, n_kv=n_kv, dtype="bfloat16", n_layers=1)
+    counts = sorted({attention_plan.plan_splits(spec, q_len, n_heads, 132 * per_sm) for per_sm in (4, 5, 6)})
+    assert max(counts) > 1
+    for splits in counts:
+        lives = [min(CHUNK * splits + 1, max_seq)] + [(1, CHUNK + 1)[b % 2] for b in range(1, batch)]
+        lengths = [max(0, live - q_len) for live in lives]
+        marked = {b: [0, live - 2, live - 1] + [n + i for i in range(q_len)] for b, (live, n) in
+                  enumerate(zip(lives, lengths))}
+        attend(backend, spec, lengths, q_len, group, num_splits=splits, marked=marked, seed=splits)
+
+
+# -- 4. windows starting at tile and split edges --------------------------------------------------------
+# (q_len, group, num_splits, window): a window one key past a tile, two tiles long, and a chunk and one.
+WINDOWS = [(1, 1, 1, "tile+1", lambda tile: tile + 1), (4, 2, 2, "2tile", lambda tile: 2 * tile),
+           (2, 4, 3, "chunk+1", lambda tile: CHUNK + 1)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tile", BOUNDARY_SIZES)
+@pytest.mark.parametrize("edge", [-1, 0, 1], ids=["before", "at", "after"])
+@pytest.mark.parametrize("variant", WINDOWS, ids=lambda v: "q{}g{}s{}-w={}".format(*v[:4]))
+def test_windows_start_at_tile_edges(backend, tile, edge, variant):
+    # Query 0 of sequence b attends from b*T + edge on; the rows below are poisoned. The splits of a
+    # split plan start at the window (today) or at whole tiles (a redesign may): both are crossed.
+    q_len, group, splits, _, width = variant
+    window = width(tile)
+    starts = [m * tile + edge for m in (1, 2, 3)]
+    lengths = [start + window - 1 for start in starts]
+    max_seq = max(lengths) + q_len + 4
+    spec = _spec(max_seq, batch=3, dtype=DTYPES[(tile + edge) % 3], layout=("NHD", "HND")[edge % 2])
+    marked = {b: [s + i for i in range(q_len)] + [n + i for i in range(q_len)] + [s - 1 + tile]
+              for b, (s, n) in enumerate(zip(starts, lengths))}
+    attend(backend, spec, lengths, q_len, group, num_splits=_splits(splits, max_seq), window=window,
+           marked=marked, values=POISONS[edge + 1], seed=tile + edge)
+
+
+# -- 5. NaN and +-inf in pending rows a query does not attend ------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_len", [2, 5, 16])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("values", POISONS[:3], ids=["nan", "inf", "-inf"])
+def test_pending_rows_past_a_query_never_reach_it(backend, q_len, group, values):
+    # Pending row lengths[b] + m is poisoned: queries 0..m-1 read it (same tile, same chunk) but
+    # may not attend it. Sequence 0's pending rows straddle a chunk edge; sequence 1 has no history.
+    for m in sorted({1, q_len // 2, q_len - 1}):
+        spec = _spec(2 * CHUNK + 24, batch=2, dtype=DTYPES[(q_len + m) % 3], layout=("NHD", "HND")[m % 2])
+        lengths = [CHUNK - q_len // 2, 0]
+        marked = {b: [n + i for i in range(m)] + [CHUNK - 1] for b, n in enumerate(lengths)}
+        attend(backend, spec, lengths, q_len, group, num_splits=1 + m % 2, marked=marked, values=values,
+               poison_pending=[[n + m] for n in lengths], checked=slice(0, m), seed=q_len + m)
+
+
+# -- 6. empty history and rows that attend only themselves -----------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len, group", [(2, 8), (7, 3), (16, 1)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_rows_that_attend_only_themselves_are_exact(backend, dtype, q_len, group, num_splits):
+    # With window 1 each query attends its own row alone, so its output is that V row exactly; past
+    # capacity (sequence 3's later queries) it attends nothing: zeros. Sequence 0 has no history.
+    max_seq = 2 * CHUNK
+    spec = _spec(max_seq, batch=4, n_kv=2, dtype=dtype, layout="HND" if q_len % 2 else "NHD")
+    lengths = [0, CHUNK - q_len // 2, CHUNK, max_seq - q_len // 2]
+    got, want = attend(backend, spec, lengths, q_len, group, num_splits=num_splits, window=1, seed=q_len)
+    assert np.array_equal(got, want), "a query that attends only its own row must return that V row exactly"
+    past = q_len // 2                                        # sequence 3's first query past capacity
+    assert np.all(got[3, past:] == 0) and np.all(np.abs(got[3, :past]).max(axis=-1) > 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("q_len, group", [(2, 1), (5, 4), (16, 8)])
+def test_empty_history_with_several_queries(backend, q_len, group):
+    # lengths 0: query i attends rows 0..i, all of them pending; query 0 attends itself alone (exact).
+    for dtype, num_splits in [("float32", 1), ("bfloat16", 2), ("float16", 3)]:
+        spec = _spec(3 * CHUNK, batch=2, n_kv=2, dtype=dtype)
+        marked = {b: range(q_len) for b in range(2)}
+        got, want = attend(backend, spec, [0, 0], q_len, group, num_splits=num_splits, marked=marked,
+                           values=POISONS[num_splits], seed=q_len + num_splits)
+        assert np.array_equal(got[:, 0], want[:, 0]), "query 0 of an empty sequence must return its V row exactly"
+
+
+# -- 7. the split-KV combine across graph replays ----------------------------------------------------------
+REPLAY_LENGTHS = [[CHUNK - 1, 0], [CHUNK, 1], [3 * CHUNK + 1, 2 * CHUNK], [3 * CHUNK + 1, 2 * CHUNK],
+                  [0, 5 * CHUNK - 2], [5 * CHUNK + 1, 0], [17, CHUNK + 1], [17, CHUNK + 1]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("splits, q_len", [(2, 1), (3, 4), (8, 1), (5, 16)])
+def test_the_split_combine_is_right_on_every_replay(backend, splits, q_len):
+    # A captured step attends over both layers with one split plan (one workspace), then advances by
+    # a device array. Between replays the lengths change on the device (set_lengths from a device
+    # array inside the step) and the rows past the pending ones are poisoned again.
+    group = 2
+    spec = _spec(max(6 * CHUNK + q_len + 8, splits * CHUNK), batch=2, dtype="float32",
+                 layout="HND" if splits % 2 else "NHD")
+    rng = np.random.default_rng(splits)
+    marks = {b: [0, CHUNK - 1, CHUNK, 3 * CHUNK, 5 * CHUNK - 1] for b in range(2)}
+    oracle, q_host = _oracle(spec, q_len, group, rng, layer=0, marked=marks)
+    _nhd(oracle.k, spec)[1] = _nhd(oracle.k, spec)[0][:, ::-1]    # layer 1: the keys reversed
+    cache = cupykv.KVCache(spec, backend=backend)
+    plan = cupykv.AttentionPlan(cache, q_len, group * spec.n_kv_heads, num_splits=splits)
+    q = cache.to_device(q_host)
+    outs = [cache.to_device(np.zeros(q_host.shape, spec.np_dtype)) for _ in range(spec.n_layers)]
+    targets = cache.to_device(np.zeros(spec.batch, np.int32))
+    steps = cache.to_device(np.zeros(spec.batch, np.int32))
+
+    def step():
+        cache.set_lengths(targets)
+        for layer, out in enumerate(outs):
+            plan.run(q, layer, out=out)
+        cache.advance(steps)
+
+    def prepare(lengths, advance):
+        tail = [n + q_len for n in lengths]
+        k, v = oracle.k.copy(), oracle.v.copy()
+        for array in (k, v):
+            for b, first in enumerate(tail):
+                _nhd(array, spec)[:, b, first:] = NAN
+        cache.k[...], cache.v[...] = cache.to_device(k), cache.to_device(v)
+        targets[...] = cache.to_device(np.array(lengths, np.int32))
+        steps[...] = cache.to_device(np.array(advance, np.int32))
+
+    def check(lengths, advance, replay):
+        oracle.set_lengths(lengths)
+        scale = float(np.abs(oracle.v.astype(np.float64)).max())
+        for layer, out in enumerate(outs):
+            got = testing.to_numpy(out, spec).astype(np.float64)
+            assert np.isfinite(got).all(), f"replay {replay}, layer {layer}: non-finite output"
+            assert_attention_close(got, reference.attention(q_host, oracle, layer), spec.dtype, scale,
+                                   context=f"(replay {replay}, layer {layer}, lengths {lengths}, splits {splits})")
+        oracle.advance(advance)
+        assert cache.lengths_host().tolist() == oracle.lengths.tolist()
+
+    prepare(REPLAY_LENGTHS[0], [1, 0])
+    graph = cupykv.capture(step)            # the warm-up run is replay 0
+    check(REPLAY_LENGTHS[0], [1, 0], 0)
+    for replay, lengths in enumerate(REPLAY_LENGTHS[1:], 1):
+        advance = [replay % 3, CHUNK + 1]
+        prepare(lengths, advance)
+        graph.replay()
+        check(lengths, advance, replay)
+
+
+# -- 8. a property over the same boundaries ------------------------------------------------------------------
+@st.composite
+def boundary_cases(draw):
+    """Lengths, windows and row counts near multiples of a boundary size, every option, every poison."""
+    tile = draw(st.sampled_from(BOUNDARY_SIZES))
+    near = st.builds(lambda m, d: max(0, m * tile + d), st.integers(0, 3), st.integers(-2, 2))
+    q_len, group, n_kv = draw(st.integers(1, 16)), draw(st.integers(1, 8)), draw(st.sampled_from((1, 2)))
+    head_dim = draw(st.sampled_from((8, 16, 64, 128)))
+    lives = draw(st.lists(near, min_size=1, max_size=3))
+    max_seq = max(1, max(lives) + draw(st.sampled_from((0, 1, 3))))
+    spec = _spec(max_seq, batch=len(lives), n_kv=n_kv, head_dim=head_dim, dtype=draw(st.sampled_from(DTYPES)),
+                 layout=draw(st.sampled_from(("NHD", "HND"))))
+    lengths = [min(max(0, live - q_len), max_seq) for live in lives]
+    options = dict(
+        num_splits=draw(st.integers(1, min(64, attention_plan.max_splits(max_seq)))),
+        window=draw(st.none() | st.sampled_from((1, 2)) | near.filter(bool)),
+        softcap=draw(st.none() | st.just(10.0)),
+        rope=draw(st.none() | st.just(cupykv.Rope(theta=500.0))),
+        values=draw(st.sampled_from(POISONS)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    return spec, lengths, q_len, group, options
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=max(10, settings.default.max_examples // 5))
+@given(case=boundary_cases())
+def test_boundary_cases_match_the_reference(backend, case):
+    spec, lengths, q_len, group, options = case
+    attend(backend, spec, lengths, q_len, group, **options)
