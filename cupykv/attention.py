@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from typing import Hashable
 
 from cupykv import _args
+from cupykv._typing import ArrayLike, DeviceArray, FloatLike, IntLike
 from cupykv.attention_plan import AttentionPlan, check_operands, max_splits
 from cupykv.cache import KVCache
+from cupykv.rope import Rope
 
 PLANS_PER_CACHE = 8
-_plans: "weakref.WeakKeyDictionary[KVCache, OrderedDict]" = weakref.WeakKeyDictionary()
+_plans: weakref.WeakKeyDictionary[KVCache, OrderedDict[Hashable, AttentionPlan]] = weakref.WeakKeyDictionary()
 
 
-def plan_for(cache: KVCache, q_len: int, n_heads: int, *, scale=None, window=None, softcap=None, rope=None,
-             num_splits=None) -> AttentionPlan:
+def plan_for(cache: KVCache, q_len: int, n_heads: int, *, scale: float | None = None, window: int | None = None,
+             softcap: float | None = None, rope: Rope | None = None, num_splits: int | None = None) -> AttentionPlan:
     """The cached plan of ``cache`` for these static arguments, made (outside capture) on first use."""
     key = (q_len, n_heads, scale, window, softcap, rope, num_splits)
     plans = _plans.setdefault(cache, OrderedDict())
@@ -36,14 +39,19 @@ def plan_for(cache: KVCache, q_len: int, n_heads: int, *, scale=None, window=Non
     return plan
 
 
-def attention(q, cache: KVCache, layer, *, scale=None, window=None, softcap=None, rope=None, out=None,
-              num_splits=None):
+def attention(q: ArrayLike, cache: KVCache, layer: IntLike, *, scale: FloatLike | None = None,
+              window: IntLike | None = None, softcap: FloatLike | None = None, rope: Rope | None = None,
+              out: ArrayLike | None = None, num_splits: IntLike | None = None) -> DeviceArray:
     """Causal GQA attention of ``q`` over the live rows of one cache layer.
 
     Query ``i`` of sequence ``b`` sits at position ``lengths[b] + i`` (rows
     appended but not yet advanced count as present) and attends to every
     position ``j <= lengths[b] + i`` below ``max_seq`` (and ``j > pos - window``
     with a window). Work follows the live lengths, read on the device.
+
+    Graph-safe: yes, with ``out=`` — launches only: the plan for the call's static shape and options is
+    made (and its workspace allocated) on first use, which in a captured step is its warm-up run; without
+    ``out`` the output is allocated, which a captured step refuses (CaptureError).
 
     Parameters
     ----------
@@ -80,6 +88,8 @@ def attention(q, cache: KVCache, layer, *, scale=None, window=None, softcap=None
     ------
     TypeError, ValueError
         Bad arguments, before anything is allocated or launched.
+    CaptureError
+        No ``out`` inside a captured step.
     """
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a cupykv.KVCache, got {type(cache).__name__}")

@@ -21,9 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupykv import _args
+from cupykv._typing import ArrayLike, DeviceArray, FloatLike, IntLike
+from cupykv.backends.base import Backend
 from cupykv.backends.capture import refuse_in_capture
 from cupykv.cache import KVCache
+from cupykv.cache import KernelView
 from cupykv.kernels import CUDA_TYPES, KERNELS, attention_instance
+from cupykv.rope import Rope
 from cupykv.spec import CacheSpec
 
 TILING = KERNELS["attention"].constants("attention_tiling")
@@ -68,7 +72,7 @@ def plan_splits(spec: CacheSpec, q_len: int, n_heads: int, resident_blocks: int)
     return max(1, min(math.ceil(resident_blocks / blocks), spec.max_seq // MIN_KEYS_PER_SPLIT))
 
 
-def _check_n_heads(n_heads, spec: CacheSpec) -> int:
+def _check_n_heads(n_heads: object, spec: CacheSpec) -> int:
     """``n_heads`` as an int: a positive multiple of ``n_kv_heads``."""
     n_heads = _args.check_int32("n_heads", n_heads, lo=1)
     if n_heads % spec.n_kv_heads:
@@ -76,29 +80,33 @@ def _check_n_heads(n_heads, spec: CacheSpec) -> int:
     return n_heads
 
 
-def check_operands(cache: KVCache, q_len: int, n_heads: int, q, layer, out):
+def check_operands(cache: KVCache, q_len: int, n_heads: int, q: ArrayLike, layer: IntLike,
+                   out: ArrayLike | None) -> tuple[KernelView, DeviceArray, DeviceArray | None]:
     """The cache's kernel view of ``layer``, and ``q`` and ``out`` as kernel operands (see :meth:`AttentionPlan.run`)."""
     spec = cache.spec
     view = cache.kernel_view(layer)
     backend = view.backend
     shape = (spec.batch, q_len, n_heads, spec.head_dim)
-    if _args.check_q(q, spec) != (q_len, n_heads):
-        raise ValueError(f"q: expected the plan's shape {shape}, got {tuple(q.shape)}; make a plan for this shape")
-    q = _args.device_operand("q", q, backend, spec.dtype)
+    found = _args.check_q(q, spec)
+    if found != (q_len, n_heads):
+        got = (spec.batch, *found, spec.head_dim)
+        raise ValueError(f"q: expected the plan's shape {shape}, got {got}; make a plan for this shape")
+    queries = _args.device_operand("q", q, backend, spec.dtype)
+    output = None
     if out is not None:
-        out = _args.device_operand("out", out, backend, spec.dtype, shape, written=True)
-        _args.check_no_overlap("out", out, [("q", q)])
-        _args.check_apart_from_caches("out", out, cache)   # and every other cache and plan
-    return view, q, out
+        output = _args.device_operand("out", out, backend, spec.dtype, shape, written=True)
+        _args.check_no_overlap("out", output, [("q", queries)])
+        _args.check_apart_from_caches("out", output, cache)   # and every other cache and plan
+    return view, queries, output
 
 
 @dataclass(frozen=True)
 class _Workspace:
     """A plan's split-KV scratch: fp32 partial output, running max and sum of every split and query row."""
 
-    partial_out: object   # [splits, rows, head_dim]
-    partial_max: object   # [splits, rows]
-    partial_sum: object   # [splits, rows]
+    partial_out: DeviceArray   # [splits, rows, head_dim]
+    partial_max: DeviceArray   # [splits, rows]
+    partial_sum: DeviceArray   # [splits, rows]
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +121,9 @@ class AttentionPlan:
     position ``j <= lengths[b] + i`` below ``max_seq`` (and ``j > pos - window``
     with a window). Work follows the live lengths, read on the device at run
     time, so one plan serves every step of a decode loop and every layer.
+
+    Graph-safe: no — refused inside a captured step (CaptureError): a plan allocates its workspace. Make
+    plans before capture and run them inside.
 
     Parameters
     ----------
@@ -154,8 +165,9 @@ class AttentionPlan:
         Made inside a captured step (make plans before capture).
     """
 
-    def __init__(self, cache: KVCache, q_len, n_heads, *, scale=None, window=None, softcap=None, rope=None,
-                 num_splits=None):
+    def __init__(self, cache: KVCache, q_len: IntLike, n_heads: IntLike, *, scale: FloatLike | None = None,
+                 window: IntLike | None = None, softcap: FloatLike | None = None, rope: Rope | None = None,
+                 num_splits: IntLike | None = None) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache: expected a cupykv.KVCache, got {type(cache).__name__}")
         refuse_in_capture("making an AttentionPlan (it allocates its workspace)",
@@ -193,7 +205,7 @@ class AttentionPlan:
                              (self._workspace.partial_out, self._workspace.partial_max, self._workspace.partial_sum))
         _args.register_buffers(self)
 
-    def _allocate_workspace(self, backend, head_dim: int) -> _Workspace:
+    def _allocate_workspace(self, backend: Backend, head_dim: int) -> _Workspace:
         """Three buffers, not one, so that on the emulator an overrun of one hits a guard page.
 
         An unsplit launch never touches them: one element each stands in.
@@ -208,18 +220,24 @@ class AttentionPlan:
         """Device bytes of the split-KV workspace this plan owns (0 for an unsplit plan)."""
         return self._workspace.nbytes if self.num_splits > 1 else 0
 
-    def owned_ranges(self):
-        """``(what, first, last)`` byte addresses of the plan's workspace: no op's output may write into them."""
+    def owned_ranges(self) -> tuple[tuple[str, int, int], ...]:
+        """``(what, first, last)`` byte addresses of the plan's workspace: no op's output may write into them.
+
+        Graph-safe: yes — host values, taken when the plan was made.
+        """
         return self._ranges
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         spec = self.cache.spec
         return (f"AttentionPlan(batch={spec.batch}, q_len={self.q_len}, n_heads={self.n_heads}, "
                 f"n_kv_heads={spec.n_kv_heads}, head_dim={spec.head_dim}, dtype={spec.dtype!r}, "
                 f"num_splits={self.num_splits}, grid={self.grid}, workspace_bytes={self.workspace_bytes})")
 
-    def run(self, q, layer, out=None):
+    def run(self, q: ArrayLike, layer: IntLike, out: ArrayLike | None = None) -> DeviceArray:
         """Attend ``q`` over ``layer`` of the plan's cache.
+
+        Graph-safe: yes, with ``out=`` — launches only, into the plan's workspace and ``out``; without
+        ``out`` the output is allocated, which a captured step refuses (CaptureError).
 
         Parameters
         ----------
@@ -242,10 +260,12 @@ class AttentionPlan:
         ------
         TypeError, ValueError
             Bad arguments, before anything is allocated or launched.
+        CaptureError
+            No ``out`` inside a captured step.
         """
         return self._launch(*check_operands(self.cache, self.q_len, self.n_heads, q, layer, out))
 
-    def _launch(self, view, q, out):
+    def _launch(self, view: KernelView, q: DeviceArray, out: DeviceArray | None) -> DeviceArray:
         """Launch on checked operands (``out=None``: a new output array)."""
         spec = self.cache.spec
         backend = view.backend

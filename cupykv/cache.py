@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from cupykv import _args, cache_views
+from cupykv._typing import ArrayLike, DeviceArray, HostArray, IntLike, PerSequence, Positions, Shape
 from cupykv.backends import get_backend
+from cupykv.backends.base import Backend, DeviceInfo
 from cupykv.errors import CacheOverflowError
 from cupykv.kernels import CUDA_TYPES
+from cupykv.rope import Rope
 from cupykv.spec import MASK_VALUE, CacheSpec
 
 _APPEND_THREADS = 128
@@ -35,18 +39,21 @@ class KernelView:
     stride_seq + h * stride_head + d]``, the same for ``v``).
     """
 
-    backend: Any               # the Backend the arrays live on (launch with it)
-    k: Any                     # device array, the whole cache (all layers)
-    v: Any
-    lengths: Any               # device int32 [batch]
-    overflow: Any              # device int32 [batch]
+    backend: Backend           # the Backend the arrays live on (launch with it)
+    k: DeviceArray             # the whole cache (all layers), spec.shape
+    v: DeviceArray
+    lengths: DeviceArray       # int32 [batch]
+    overflow: DeviceArray      # int32 [batch]
     layer_offset: int
     stride_batch: int
     stride_seq: int
     stride_head: int
 
-    def layout_args(self) -> tuple:
-        """``layer_offset, stride_batch, stride_seq, stride_head`` as the kernels' ``long long`` arguments."""
+    def layout_args(self) -> tuple[np.int64, np.int64, np.int64, np.int64]:
+        """``layer_offset, stride_batch, stride_seq, stride_head`` as the kernels' ``long long`` arguments.
+
+        Graph-safe: yes — host values only.
+        """
         return (np.int64(self.layer_offset), np.int64(self.stride_batch), np.int64(self.stride_seq),
                 np.int64(self.stride_head))
 
@@ -57,6 +64,10 @@ def _blocks(n: int, threads: int) -> int:
 
 class KVCache:
     """A static-capacity K/V cache on a backend (CuPy on a GPU, or the CPU emulator).
+
+    Graph-safe: no — refused inside a captured step (CaptureError): making a
+    cache allocates its arrays. Make caches before capture; a step then uses
+    the methods marked graph-safe.
 
     Parameters
     ----------
@@ -103,6 +114,8 @@ class KVCache:
         The cache needs more bytes than the backend can give (free device
         memory on CuPy, available host memory on the emulator); raised before
         anything is allocated, with both numbers.
+    CaptureError
+        Made inside a captured step.
     """
 
     # views, capacity queries and footprint (cupykv/cache_views.py): no launches, no state of their own
@@ -113,7 +126,8 @@ class KVCache:
     nbytes = property(cache_views.nbytes)
     __repr__ = cache_views.kv_cache_repr
 
-    def __init__(self, spec: CacheSpec, backend=None, *, lengths=None):
+    def __init__(self, spec: CacheSpec, backend: str | Backend | None = None, *,
+                 lengths: ArrayLike | None = None) -> None:
         if not isinstance(spec, CacheSpec):
             raise TypeError(f"spec: expected a cupykv.CacheSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -142,7 +156,7 @@ class KVCache:
         """Bytes a cache of ``spec`` allocates: K and V plus three int32 ``[batch]`` arrays (two with shared lengths)."""
         return spec.nbytes + (3 if own_lengths else 2) * 4 * spec.batch
 
-    def _shared_lengths(self, lengths):
+    def _shared_lengths(self, lengths: object) -> DeviceArray:
         """The caller's lengths array, checked (before anything is allocated) to serve as this cache's."""
         spec = self.spec
         lengths = _args.int32_operand("lengths", lengths, self._backend)
@@ -158,52 +172,89 @@ class KVCache:
         """Name of the backend: ``"cupy"`` or ``"emulator"``."""
         return self._backend.name
 
-    def device_info(self):
-        """The device this cache lives on (a :class:`cupykv.backends.base.DeviceInfo`)."""
+    def device_info(self) -> DeviceInfo:
+        """The device this cache lives on (a :class:`cupykv.backends.base.DeviceInfo`).
+
+        Graph-safe: yes — a host query of the device's properties; it
+        launches, allocates and reads nothing on the device.
+        """
         return self._backend.device_info()
 
     @property
-    def xp(self):
+    def xp(self) -> Any:
         """The array module of this cache's arrays (``cupy`` or ``numpy``)."""
         return self._backend.xp
 
-    def lengths_host(self) -> np.ndarray:
-        """Committed lengths as a NumPy int32 ``[batch]`` (synchronises)."""
+    def lengths_host(self) -> HostArray:
+        """Committed lengths as a NumPy int32 ``[batch]`` (synchronises).
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it
+        synchronises and reads the device. Read them after ``replay()``.
+
+        Returns
+        -------
+        numpy.ndarray, int32, shape ``[batch]``
+        """
         return self._backend.to_host(self.lengths)
 
-    def to_device(self, host_array):
+    def to_device(self, host_array: npt.ArrayLike) -> DeviceArray:
         """A copy of a NumPy array on this cache's backend, ready to pass to cupykv ops.
 
         bfloat16 (``ml_dtypes.bfloat16``) becomes what the backend stores: uint16
         bit patterns on CuPy. Integer arrays made this way are device-resident
         per-sequence values for ``advance``/``truncate``/``reset`` (graph-safe).
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it
+        allocates and uploads. Upload before capture.
+
+        Parameters
+        ----------
+        host_array : array_like
+            Any shape and dtype; C-contiguous on the device.
+
+        Returns
+        -------
+        device array of the shape of ``host_array``, its dtype (bfloat16 as the backend stores it)
         """
         return self._backend.asarray(host_array)
 
-    def kernel_view(self, layer) -> KernelView:
+    def kernel_view(self, layer: IntLike) -> KernelView:
         """The arrays, offset and strides a kernel needs to read or write ``layer`` (read-only).
 
         For code that launches its own kernels over the cache (as
         :class:`~cupykv.AttentionPlan` does). Checks that ``layer`` is in
         ``0..n_layers-1`` and that the cache lives on the device kernels
         launch on now.
+
+        Graph-safe: yes — host bookkeeping only: no launch, allocation or
+        device read.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``layer`` is not an int in ``0..n_layers-1``; TypeError when the
+            cache lives on another device than the current one.
         """
         self._check_device()
         layer = _args.check_layer(layer, self.spec)
         return KernelView(self._backend, self.k, self.v, self.lengths, self.overflow, *self._layout(layer))
 
-    def owned_ranges(self):
-        """``(what, first, last)`` byte addresses of every buffer the cache owns: no op's output may write there."""
+    def owned_ranges(self) -> tuple[tuple[str, int, int], ...]:
+        """``(what, first, last)`` byte addresses of every buffer the cache owns: no op's output may write there.
+
+        Graph-safe: yes — host values, taken when the cache was made.
+        """
         return self._owned_ranges
 
-    def _launch(self, op: str, instance: str, grid, block, args, shared_mem: int = 0) -> None:
+    def _launch(self, op: str, instance: str, grid: Sequence[int], block: Sequence[int], args: Sequence[object],
+                shared_mem: int = 0) -> None:
         self._backend.launch(op, instance, grid, block, args, shared_mem)
 
     def _check_device(self) -> None:
         """The cache's arrays must live on the device kernels launch on now (checked before any launch)."""
         self._backend.check_device("cache", self.k)
 
-    def _state(self):
+    def _state(self) -> list[tuple[str, DeviceArray | None]]:
         """The buffers advance, truncate and reset write: lengths and overflow flags."""
         return [("the cache's lengths", self.lengths), ("the cache's overflow flags", self.overflow)]
 
@@ -215,13 +266,19 @@ class KVCache:
         return layer * strides[0], strides[1], strides[seq_axis], strides[head_axis]
 
     # -- writes --------------------------------------------------------------
-    def append(self, layer, k, v, rope=None, *, return_positions=False, positions_out=None):
+    def append(self, layer: IntLike, k: ArrayLike, v: ArrayLike, rope: Rope | None = None, *,
+               return_positions: bool = False, positions_out: ArrayLike | None = None) -> DeviceArray | None:
         """Write new rows at each sequence's pending positions of one layer.
 
         Row ``i`` of sequence ``b`` goes to position ``lengths[b] + i``. The rows
         stay pending (``lengths`` is unchanged) until :meth:`advance`. A row
         whose position is ``>= max_seq`` is not written and sets
         ``overflow[b]``; see :meth:`check`.
+
+        Graph-safe: yes, unless ``return_positions=True`` comes without ``positions_out`` — one
+        launch, which reads the lengths on the device, so each replay appends at the current
+        positions; ``return_positions=True`` alone allocates the positions array, which a captured
+        step refuses (CaptureError).
 
         Parameters
         ----------
@@ -270,7 +327,8 @@ class KVCache:
              np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
         return out
 
-    def write(self, layer, positions, k, v, rope=None, *, return_positions=False, positions_out=None):
+    def write(self, layer: IntLike, positions: Positions, k: ArrayLike, v: ArrayLike, rope: Rope | None = None, *,
+              return_positions: bool = False, positions_out: ArrayLike | None = None) -> DeviceArray | None:
         """Write new rows of one layer at positions given per row (GraphSafeKV's ``write``).
 
         Row ``i`` of sequence ``b`` goes to position ``positions[b, i]``;
@@ -278,6 +336,11 @@ class KVCache:
         or :meth:`set_lengths`). As with :meth:`append`, a row whose position
         is outside ``0..max_seq-1`` is not written and sets ``overflow[b]``;
         the other rows of the call are still written.
+
+        Graph-safe: yes, with device ``positions`` (and ``positions_out`` when positions are returned)
+        — one launch, which reads the positions on the device at run time; host positions are uploaded
+        and ``return_positions=True`` alone allocates: both are refused inside a captured step
+        (CaptureError).
 
         Parameters
         ----------
@@ -315,49 +378,57 @@ class KVCache:
         self._check_device()
         spec = self.spec
         layer, n_new, k, v, rope = self._rows_args(layer, k, v, rope)
-        positions, host_positions = _args.positions_operand(positions, spec, n_new, self._backend, [
+        device_positions, host_positions = _args.positions_operand(positions, spec, n_new, self._backend, [
             ("the cache's k", self.k), ("the cache's v", self.v), ("the cache's overflow flags", self.overflow),
             ("the cache's per-sequence staging buffer", self._per_seq)])   # what the launch writes
         # [batch, n_new], or [batch]: a new positions_out has the shape of positions
-        shape = tuple(positions.shape) if host_positions is None else tuple(np.shape(positions))
-        inputs = [("k", k), ("v", v)] + ([("positions", positions)] if host_positions is None else [])
+        shape = tuple(np.asarray(positions, dtype=object).shape if device_positions is None else device_positions.shape)
+        inputs: list[tuple[str, DeviceArray | None]] = [("k", k), ("v", v)]
+        if device_positions is not None:
+            inputs.append(("positions", device_positions))
         out = _args.positions_output(return_positions, positions_out, spec, n_new, self._backend, inputs)
         grid = (spec.batch * n_new,)
         _args.check_launch("k", f"batch * n_new = {spec.batch} * {n_new} rows", grid, (_APPEND_THREADS,))
         if host_positions is not None:   # every check passed: upload (refused inside a captured step)
-            positions = self._backend.asarray(host_positions.astype(np.int32))
+            device_positions = self._backend.asarray(host_positions.astype(np.int32))
         out = self._allocated_positions_out(out, return_positions, n_new, shape)
         self._launch(
             "write", f"cupykv_write<{CUDA_TYPES[spec.dtype]}>", grid, (_APPEND_THREADS,),
-            (self.k, self.v, k, v, positions, self.overflow, self._per_seq if out is None else out,
+            (self.k, self.v, k, v, device_positions, self.overflow, self._per_seq if out is None else out,
              np.int32(out is not None), *self.kernel_view(layer).layout_args(),
              np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
              np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
         return out
 
-    def _rows_args(self, layer, k, v, rope):
+    def _rows_args(self, layer: object, k: object, v: object,
+                   rope: object) -> tuple[int, int, DeviceArray, DeviceArray, Rope | None]:
         """Checked ``layer, n_new, k, v, rope`` of append and write (rows on this backend, apart from the cache)."""
         spec = self.spec
         layer = _args.check_layer(layer, spec)
         n_new = _args.check_rows("k", k, spec)
         _args.check_rows("v", v, spec)
         _args.check_same_shape("k", k, "v", v)
-        rope = _args.check_rope(rope, spec)
-        k = _args.device_operand("k", k, self._backend, spec.dtype)
-        v = _args.device_operand("v", v, self._backend, spec.dtype)
-        _args.check_apart_from_caches("k", k, self, others=False)
-        _args.check_apart_from_caches("v", v, self, others=False)
-        return layer, n_new, k, v, rope
+        checked_rope = _args.check_rope(rope, spec)
+        k_rows = _args.device_operand("k", k, self._backend, spec.dtype)
+        v_rows = _args.device_operand("v", v, self._backend, spec.dtype)
+        _args.check_apart_from_caches("k", k_rows, self, others=False)
+        _args.check_apart_from_caches("v", v_rows, self, others=False)
+        return layer, n_new, k_rows, v_rows, checked_rope
 
-    def _allocated_positions_out(self, out, return_positions, n_new, shape=None):
+    def _allocated_positions_out(self, out: DeviceArray | None, return_positions: bool, n_new: int,
+                                 shape: Shape | None = None) -> DeviceArray | None:
         """``out``, or a new device int32 array ``shape`` (default ``[batch, n_new]``) when positions are asked for."""
         if out is None and return_positions:
             out = self._backend.zeros(shape or (self.spec.batch, n_new), np.int32)
         return out
 
     # -- lengths -------------------------------------------------------------
-    def advance(self, n=1) -> None:
+    def advance(self, n: PerSequence = 1) -> None:
         """Commit pending rows: ``lengths += n``, clamped to ``max_seq``.
+
+        Graph-safe: yes, with an int or a device array — an int is a launch constant and a device
+        array is read at run time; a host sequence is uploaded, which a captured step refuses
+        (CaptureError).
 
         Parameters
         ----------
@@ -372,21 +443,26 @@ class KVCache:
         ------
         TypeError, ValueError
             Bad ``n``, before anything is uploaded or launched.
+        CaptureError
+            ``n`` is a host sequence inside a captured step.
         """
         self._check_device()
         spec = self.spec
         constant = _args.is_int(n)
-        if constant:
-            n = _args.check_int32("n", n, lo=0)
+        step = _args.check_int32("n", n, lo=0) if constant else 0
         steps = self._per_seq if constant else \
             self._per_sequence_arg("n", n, lambda host: _args.check_advance(host, spec))
         self._launch(
             "advance", "cupykv_advance", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
-            (self.lengths, self.overflow, steps, np.int32(not constant), np.int32(n if constant else 0),
+            (self.lengths, self.overflow, steps, np.int32(not constant), np.int32(step),
              np.int32(spec.batch), np.int32(spec.max_seq)))
 
-    def truncate(self, new_lengths) -> None:
+    def truncate(self, new_lengths: PerSequence) -> None:
         """Roll sequences back to shorter lengths (speculative-decoding rollback).
+
+        Graph-safe: yes, with a device array — it is clamped on the device at run time; host values
+        (an int included) are checked against the current lengths, a synchronising read that a
+        captured step refuses (CaptureError).
 
         Parameters
         ----------
@@ -401,6 +477,8 @@ class KVCache:
         ------
         TypeError, ValueError
             Bad ``new_lengths``, before anything is uploaded or launched.
+        CaptureError
+            ``new_lengths`` holds host values inside a captured step.
         """
         self._check_device()
         spec = self.spec
@@ -410,13 +488,17 @@ class KVCache:
             "truncate", "cupykv_truncate", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
             (self.lengths, targets, np.int32(spec.batch)))
 
-    def set_lengths(self, new_lengths) -> None:
+    def set_lengths(self, new_lengths: PerSequence) -> None:
         """Set the committed lengths, growing or shrinking them (GraphSafeKV's ``mark_written``).
 
         Unlike :meth:`truncate` it may grow a sequence: the rows up to the new
         length become live as they are stored (write them first, with
         :meth:`write` or :meth:`append`). A value past ``max_seq`` is clamped
         to ``max_seq`` and sets that sequence's overflow flag.
+
+        Graph-safe: yes, with an int or a device array — an int is a launch constant and a device
+        array is read at run time; a host sequence is uploaded, which a captured step refuses
+        (CaptureError).
 
         Parameters
         ----------
@@ -432,21 +514,25 @@ class KVCache:
         ------
         TypeError, ValueError
             Bad ``new_lengths``, before anything is uploaded or launched.
+        CaptureError
+            ``new_lengths`` is a host sequence inside a captured step.
         """
         self._check_device()
         spec = self.spec
         constant = _args.is_int(new_lengths)
-        if constant:
-            new_lengths = _args.check_int32("new_lengths", new_lengths, lo=0)
+        length = _args.check_int32("new_lengths", new_lengths, lo=0) if constant else 0
         values = self._per_seq if constant else \
             self._per_sequence_arg("new_lengths", new_lengths, lambda host: _args.check_set_lengths(host, spec))
         self._launch(
             "set_lengths", "cupykv_set_lengths", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
-            (self.lengths, self.overflow, values, np.int32(not constant), np.int32(new_lengths if constant else 0),
+            (self.lengths, self.overflow, values, np.int32(not constant), np.int32(length),
              np.int32(spec.batch), np.int32(spec.max_seq)))
 
-    def reset(self, slots=None) -> None:
+    def reset(self, slots: IntLike | Sequence[IntLike] | ArrayLike | None = None) -> None:
         """Empty sequence slots: ``lengths[slots] = 0`` and their overflow flags cleared.
+
+        Graph-safe: yes, with ``None`` or a device mask — the mask is read at run time; host slots are
+        uploaded, which a captured step refuses (CaptureError).
 
         Parameters
         ----------
@@ -463,11 +549,13 @@ class KVCache:
         ------
         TypeError, ValueError
             Bad ``slots``, before anything is uploaded or launched.
+        CaptureError
+            ``slots`` holds host values inside a captured step.
         """
         self._check_device()
         spec = self.spec
 
-        def host_mask(host):
+        def host_mask(host: object) -> npt.NDArray[np.int64]:
             mask = np.zeros(spec.batch, dtype=np.int64)
             mask[_args.check_slots(host, spec)] = 1
             return mask
@@ -477,7 +565,8 @@ class KVCache:
             "reset", "cupykv_reset", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
             (self.lengths, self.overflow, mask, np.int32(slots is not None), np.int32(spec.batch)))
 
-    def _per_sequence_arg(self, name: str, values, check_host):
+    def _per_sequence_arg(self, name: str, values: object,
+                          check_host: Callable[[object], npt.ArrayLike]) -> DeviceArray:
         """Device int32 ``[batch]`` for a per-sequence argument.
 
         A device array is checked for shape, dtype, layout and aliasing, and
@@ -496,12 +585,15 @@ class KVCache:
         return self._per_seq
 
     # -- reads ---------------------------------------------------------------
-    def additive_mask(self, q_len=1, out=None):
+    def additive_mask(self, q_len: IntLike = 1, out: ArrayLike | None = None) -> DeviceArray:
         """Float32 additive mask ``[batch, 1, q_len, max_seq]`` from the device lengths.
 
         ``out[b, 0, i, j]`` is 0 where query ``i`` of sequence ``b`` (position
         ``lengths[b] + i``) may attend to position ``j`` (``j <= lengths[b] + i``)
         and ``MASK_VALUE`` (-1e30) elsewhere.
+
+        Graph-safe: yes, with ``out=`` — one launch into ``out``, which reads the lengths on the
+        device; without ``out`` the mask is allocated, which a captured step refuses (CaptureError).
 
         Parameters
         ----------
@@ -515,6 +607,8 @@ class KVCache:
         ------
         TypeError, ValueError
             Bad arguments, before anything is launched.
+        CaptureError
+            No ``out`` inside a captured step.
         """
         self._check_device()
         spec = self.spec
@@ -537,6 +631,16 @@ class KVCache:
         """Raise :class:`CacheOverflowError` if any sequence overflowed (synchronises).
 
         The flags stay set until :meth:`reset` clears those slots.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it synchronises and reads the
+        flags. Check after ``replay()``, or read ``cache.overflow`` with a kernel.
+
+        Raises
+        ------
+        CacheOverflowError
+            A sequence overflowed; the message names them.
+        CaptureError
+            Inside a captured step.
         """
         flags = self._backend.to_host(self.overflow)
         overflowed = np.flatnonzero(flags).tolist()

@@ -10,18 +10,27 @@ the host synchronise and are refused inside a captured step; on the device,
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Sequence
+
 import numpy as np
+import numpy.typing as npt
 
 from cupykv import _args
+from cupykv._typing import DeviceArray, IntLike
 from cupykv.backends.capture import refuse_in_capture
+
+if TYPE_CHECKING:
+    from cupykv.cache import KVCache
 
 _AXES = {"NHD": "[n_layers, batch, max_seq, n_kv_heads, head_dim]",
          "HND": "[n_layers, batch, n_kv_heads, max_seq, head_dim]"}
 
 
 # -- views -----------------------------------------------------------------------------------------
-def layer(self, layer, layout=None):
+def layer(self: KVCache, layer: IntLike, layout: str | None = None) -> tuple[DeviceArray, DeviceArray]:
     """Full-capacity ``(k, v)`` views of one layer, sharing memory with the cache (GraphSafeKV's ``attn``).
+
+    Graph-safe: yes — views only: no launch, allocation or host read.
 
     Parameters
     ----------
@@ -39,20 +48,26 @@ def layer(self, layer, layout=None):
         there, live or not: mask by the device lengths, or use
         :func:`cupykv.attention`, which skips the tail. Writing through the
         views writes the cache. No host read: usable inside a captured step.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``layer`` is not an int in ``0..n_layers-1``, or ``layout`` not one of the choices.
     """
-    layer = _args.check_layer(layer, self.spec)
+    index = _args.check_layer(layer, self.spec)
     layout = _args.check_view_layout(layout, self.spec)
-    k, v = self.k[layer], self.v[layer]   # the cache's layout, [batch, ...]
+    k, v = self.k[index], self.v[index]   # the cache's layout, [batch, ...]
     if layout != self.spec.layout:
         k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
     return k, v
 
 
-def live(self, layer, seq=None, *, pending=0, layout=None):
+def live(self: KVCache, layer: IntLike, seq: IntLike | None = None, *, pending: IntLike = 0,
+         layout: str | None = None) -> tuple[DeviceArray, DeviceArray]:
     """Views of the live rows of one sequence of one layer (abaddon's ``get_kv``, GraphSafeKV's ``view``).
 
-    Reads the lengths on the host (a synchronisation), so it is refused
-    inside a captured step; inside a step use :meth:`layer`.
+    Graph-safe: no — refused inside a captured step (CaptureError): it reads
+    the lengths on the host (a synchronisation); inside a step use :meth:`layer`.
 
     Parameters
     ----------
@@ -82,32 +97,42 @@ def live(self, layer, seq=None, *, pending=0, layout=None):
     refuse_in_capture("cache.live() (it reads the lengths on the host)",
                       "use cache.layer() views inside the step and read live rows after replay()")
     spec = self.spec
-    layer = _args.check_layer(layer, spec)
-    seq = _args.check_seq(seq, spec)
-    pending = _args.check_pending(pending)
+    index = _args.check_layer(layer, spec)
+    b = _args.check_seq(seq, spec)
+    rows_pending = _args.check_pending(pending)
     layout = _args.check_view_layout(layout, spec)
-    n = min(int(self.lengths_host()[seq]) + pending, spec.max_seq)
-    k, v = self.layer(layer, layout)
-    rows = (seq, slice(0, n)) if layout == "NHD" else (seq, slice(None), slice(0, n))
+    n = min(int(self.lengths_host()[b]) + rows_pending, spec.max_seq)
+    k, v = self.layer(index, layout)
+    rows = (b, slice(0, n)) if layout == "NHD" else (b, slice(None), slice(0, n))
     return k[rows], v[rows]
 
 
 # -- capacity --------------------------------------------------------------------------------------
-def remaining_capacity(self) -> np.ndarray:
+def remaining_capacity(self: KVCache) -> npt.NDArray[np.int64]:
     """Positions left per sequence, ``max_seq - lengths``, as NumPy int64 ``[batch]`` (synchronises).
 
     Refused inside a captured step; there, ``cache.overflow`` (device int32
     ``[batch]``) is the answer, read after replay or by a kernel.
+
+    Graph-safe: no — refused inside a captured step (CaptureError): it synchronises and reads the lengths.
+
+    Raises
+    ------
+    CaptureError
+        Inside a captured step.
     """
     refuse_in_capture("cache.remaining_capacity() (it reads the lengths on the host)",
                       "check cache.overflow after replay(), or call it outside the step")
-    return self.spec.max_seq - self.lengths_host().astype(np.int64)
+    remaining: npt.NDArray[np.int64] = self.spec.max_seq - self.lengths_host().astype(np.int64)
+    return remaining
 
 
-def has_capacity(self, n=1) -> np.ndarray:
+def has_capacity(self: KVCache, n: IntLike | Sequence[IntLike] | npt.NDArray[np.integer[Any]] = 1
+                 ) -> npt.NDArray[np.bool_]:
     """Whether each sequence has room for ``n`` more rows: ``lengths + n <= max_seq``, NumPy bool ``[batch]``.
 
-    Refused inside a captured step (it synchronises); see :meth:`remaining_capacity`.
+    Graph-safe: no — refused inside a captured step (CaptureError): it synchronises and reads the lengths;
+    see :meth:`remaining_capacity`.
 
     Parameters
     ----------
@@ -118,21 +143,28 @@ def has_capacity(self, n=1) -> np.ndarray:
     Returns
     -------
     numpy.ndarray, bool, shape ``[batch]``
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad ``n``.
+    CaptureError
+        Inside a captured step.
     """
     refuse_in_capture("cache.has_capacity() (it reads the lengths on the host)",
                       "check cache.overflow after replay(), or call it outside the step")
-    n = _args.check_capacity_request(n, self.spec)
-    return self.remaining_capacity() >= n
+    fits: npt.NDArray[np.bool_] = self.remaining_capacity() >= _args.check_capacity_request(n, self.spec)
+    return fits
 
 
 # -- footprint -------------------------------------------------------------------------------------
-def nbytes(self) -> int:
+def nbytes(self: KVCache) -> int:
     """Device bytes this cache allocated: K, V, its overflow flags and staging, and its lengths unless shared."""
     owned = [self.k, self.v, self.overflow, self._per_seq] + ([] if self.shares_lengths else [self.lengths])
     return int(sum(a.nbytes for a in owned))
 
 
-def kv_cache_repr(self) -> str:
+def kv_cache_repr(self: KVCache) -> str:
     """``KVCache(shape=... [axes], dtype=..., layout=..., backend=..., <size> MiB)``."""
     spec = self.spec
     shared = ", shared lengths" if self.shares_lengths else ""

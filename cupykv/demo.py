@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -22,10 +23,10 @@ from cupykv.models import Llama, LlamaConfig
 from cupykv.models.llama_reference import LlamaReference
 from cupykv.tolerances import logits_tolerance
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=256)
-GPU = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-           intermediate_size=2816, vocab_size=32000)
+TINY: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128, vocab_size=256)
+GPU: dict[str, Any] = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                           intermediate_size=2816, vocab_size=32000)
 MAX_STEPS = 4096   # the demo is a short end-to-end check; long runs belong to `generate`
 
 

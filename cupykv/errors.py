@@ -1,4 +1,7 @@
 """Exceptions raised by cupykv."""
+from __future__ import annotations
+
+from typing import Iterable
 
 
 class CacheOverflowError(RuntimeError):
@@ -11,7 +14,7 @@ class CacheOverflowError(RuntimeError):
     """
 
     @classmethod
-    def for_sequences(cls, sequences, max_seq):
+    def for_sequences(cls, sequences: Iterable[int], max_seq: int) -> CacheOverflowError:
         """The error for overflow flags set on ``sequences`` (a list of ints)."""
         return cls(
             f"cache overflow in sequences {list(sequences)} (max_seq={max_seq}): rows past "

@@ -21,9 +21,12 @@ not at every replay); views of device arrays are allowed, as on CuPy.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, ParamSpec, Sequence
 
-from cupykv.backends.capture import CaptureError, Recorder, active_capture, capturing, refuse_in_capture
+from cupykv.backends.capture import (CaptureError, Launch, Recorder, active_capture, capturing,
+                                     refuse_in_capture)
+
+_P = ParamSpec("_P")
 
 __all__ = ["CaptureError", "Graph", "active_capture", "capture", "refuse_in_capture"]
 
@@ -35,7 +38,8 @@ class Graph:
     replay is (a CUDA graph launch, or the recorded emulator launches).
     """
 
-    def __init__(self, backend: str, launches: list[tuple], replay_once: Callable[[], None], keepalive: Any = None):
+    def __init__(self, backend: str, launches: Sequence[Launch], replay_once: Callable[[], None],
+                 keepalive: object = None) -> None:
         self.backend = backend
         self._launches = launches        # kept for their buffers (and counted)
         self._replay_once = replay_once
@@ -47,7 +51,23 @@ class Graph:
         return len(self._launches)
 
     def replay(self, n: int = 1) -> None:
-        """Run the captured step ``n`` times on the current stream (no host synchronisation)."""
+        """Run the captured step ``n`` times on the current stream (no host synchronisation).
+
+        Graph-safe: no — refused inside a captured step (CaptureError): graphs are replayed outside
+        capture.
+
+        Parameters
+        ----------
+        n : int, default 1
+            Replays, ``>= 0``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``n`` is not an int ``>= 0``.
+        CaptureError
+            Inside a captured step.
+        """
         from cupykv._args.scalars import check_int
         n = check_int("n", n, lo=0)
         refuse_in_capture("Graph.replay()", "replay graphs outside capture")
@@ -55,7 +75,7 @@ class Graph:
             self._replay_once()
 
 
-def capture(step: Callable, *args, **kwargs) -> Graph:
+def capture(step: Callable[_P, object], *args: _P.args, **kwargs: _P.kwargs) -> Graph:
     """Capture ``step(*args, **kwargs)`` as a replayable graph.
 
     The step is first run once eagerly, as a real step (this compiles and
@@ -63,6 +83,8 @@ def capture(step: Callable, *args, **kwargs) -> Graph:
     workspaces), then recorded by the backend it launched on. Each
     :meth:`Graph.replay` runs it again, so ``capture`` followed by
     ``replay(n)`` performs ``n + 1`` steps.
+
+    Graph-safe: no — refused inside a captured step (CaptureError): captures do not nest.
 
     Parameters
     ----------

@@ -197,7 +197,7 @@ def compile_program(nvrtc: Nvrtc, filename: str, source: str, instances, arch: s
         for instance in instances:
             name = ctypes.c_char_p()
             _call(lib, "nvrtcGetLoweredName", program, instance.encode(), ctypes.byref(name))
-            lowered[name.value.decode()] = instance
+            lowered[(name.value or b"").decode()] = instance
         size = ctypes.c_size_t()
         _call(lib, "nvrtcGetPTXSize", program, ctypes.byref(size))
         ptx = ctypes.create_string_buffer(size.value)
@@ -221,7 +221,8 @@ def parse_ptxas_log(log: str, lowered: dict[str, str], arch: str) -> list[Instan
         if m := _FUNCTION.search(line):
             current_function = m.group(1)
         elif (m := _STACK.search(line)) and current_function:
-            stack[current_function] = tuple(int(g) for g in m.groups())
+            frame, spill_stores, spill_loads = (int(g) for g in m.groups())
+            stack[current_function] = (frame, spill_stores, spill_loads)
         elif m := _USAGE.search(line):
             if m.group(1):
                 current_entry = m.group(1)

@@ -31,6 +31,8 @@ import math
 import numpy as np
 
 from cupykv import _args
+from cupykv._typing import ArrayLike, DeviceArray, FloatLike
+from cupykv.backends.base import Backend
 from cupykv.kernels import CUDA_TYPES, KERNELS, LINEAR_ROW_TILES
 
 __all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
@@ -45,18 +47,22 @@ ELEMENTWISE_MAX_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 1024  # grid-stride loops cover the rest
 
 
-def _row_threads(n, limit):
+def _row_threads(n: int, limit: int) -> int:
     """Threads for one block per row: ``n`` rounded up to a warp, at most ``limit``."""
     return min(limit, 32 * math.ceil(n / 32))
 
 
 # -- ops --------------------------------------------------------------------------
-def linear(x, weight, *, out=None, backend=None):
+def linear(x: ArrayLike, weight: ArrayLike, *, out: ArrayLike | None = None,
+           backend: str | Backend | None = None) -> DeviceArray:
     """``out = x @ weight.T``: the projection of a few rows (GEMV / skinny GEMM).
 
     Each weight element is read from global memory once per launch for up to
     16 rows (once per 16-row tile beyond), in 16-byte vectors when
     ``in_features`` allows; accumulation is fp32.
+
+    Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
+    which a captured step refuses (CaptureError).
 
     Parameters
     ----------
@@ -80,6 +86,8 @@ def linear(x, weight, *, out=None, backend=None):
     ValueError
         Mismatched ``in_features``, a wrong shape, a non-contiguous array, a
         read-only ``out``, or ``out`` overlapping an input.
+    CaptureError
+        No ``out`` inside a captured step.
     """
     backend = _args.backend_for("x", x, backend)
     x, dtype = _args.float_operand("x", x, backend)
@@ -95,11 +103,15 @@ def linear(x, weight, *, out=None, backend=None):
     return out
 
 
-def embedding(ids, table, *, out=None, error_flag=None, backend=None):
+def embedding(ids: ArrayLike, table: ArrayLike, *, out: ArrayLike | None = None, error_flag: ArrayLike | None = None,
+              backend: str | Backend | None = None) -> DeviceArray:
     """``out[r] = table[ids[r]]``: token embeddings gathered at device-resident ids.
 
     Rows are copied bit for bit. An id outside ``0..vocab-1`` gives a row of
     zeros and sets ``error_flag[0] = 1`` (never cleared here).
+
+    Graph-safe: yes, with ``out=`` and ``error_flag=`` — one launch into them; without either, it is
+    allocated, which a captured step refuses (CaptureError).
 
     Parameters
     ----------
@@ -123,6 +135,8 @@ def embedding(ids, table, *, out=None, error_flag=None, backend=None):
     ------
     TypeError, ValueError
         As for :func:`linear`.
+    CaptureError
+        No ``out`` or no ``error_flag`` inside a captured step.
     """
     backend = _args.backend_for("ids", ids, backend)
     ids = _args.int32_operand("ids", ids, backend)
@@ -144,8 +158,12 @@ def embedding(ids, table, *, out=None, error_flag=None, backend=None):
     return out
 
 
-def rmsnorm(x, weight, eps, *, out=None, backend=None):
+def rmsnorm(x: ArrayLike, weight: ArrayLike, eps: FloatLike, *, out: ArrayLike | None = None,
+            backend: str | Backend | None = None) -> DeviceArray:
     """``out = x * rsqrt(mean(x**2, axis=-1) + eps) * weight``, per row, in fp32.
+
+    Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
+    which a captured step refuses (CaptureError).
 
     Parameters
     ----------
@@ -167,6 +185,8 @@ def rmsnorm(x, weight, eps, *, out=None, backend=None):
     ------
     TypeError, ValueError
         As for :func:`linear`, and ``eps`` out of range.
+    CaptureError
+        No ``out`` inside a captured step.
     """
     backend = _args.backend_for("x", x, backend)
     x, dtype = _args.float_operand("x", x, backend)
@@ -183,7 +203,8 @@ def rmsnorm(x, weight, eps, *, out=None, backend=None):
     return out
 
 
-def _elementwise(op, name_a, a, name_b, b, out, backend):
+def _elementwise(op: str, name_a: str, a: ArrayLike, name_b: str, b: ArrayLike, out: ArrayLike | None,
+                 backend: str | Backend | None) -> DeviceArray:
     """Shared body of the two-input elementwise ops (same shape, any rank >= 1)."""
     backend = _args.backend_for(name_a, a, backend)
     a, dtype = _args.float_operand(name_a, a, backend)
@@ -202,8 +223,12 @@ def _elementwise(op, name_a, a, name_b, b, out, backend):
     return out
 
 
-def silu_mul(gate, up, *, out=None, backend=None):
+def silu_mul(gate: ArrayLike, up: ArrayLike, *, out: ArrayLike | None = None,
+             backend: str | Backend | None = None) -> DeviceArray:
     """``out = silu(gate) * up = gate / (1 + exp(-gate)) * up``, elementwise (SwiGLU), in fp32.
+
+    Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
+    which a captured step refuses (CaptureError).
 
     Parameters
     ----------
@@ -218,12 +243,23 @@ def silu_mul(gate, up, *, out=None, backend=None):
     Returns
     -------
     device array of the shape and dtype of ``gate``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`linear`; and ``gate``, ``up`` of different shapes or dtypes.
+    CaptureError
+        No ``out`` inside a captured step.
     """
     return _elementwise("silu_mul", "gate", gate, "up", up, out, backend)
 
 
-def add(a, b, *, out=None, backend=None):
+def add(a: ArrayLike, b: ArrayLike, *, out: ArrayLike | None = None,
+        backend: str | Backend | None = None) -> DeviceArray:
     """``out = a + b``, elementwise (the residual connection), in fp32.
+
+    Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
+    which a captured step refuses (CaptureError).
 
     Parameters
     ----------
@@ -237,15 +273,26 @@ def add(a, b, *, out=None, backend=None):
     Returns
     -------
     device array of the shape and dtype of ``a``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`linear`; and ``a``, ``b`` of different shapes or dtypes.
+    CaptureError
+        No ``out`` inside a captured step.
     """
     return _elementwise("add", "a", a, "b", b, out, backend)
 
 
-def argmax(logits, *, out=None, backend=None):
+def argmax(logits: ArrayLike, *, out: ArrayLike | None = None,
+           backend: str | Backend | None = None) -> DeviceArray:
     """``out[r] = argmax(logits[r])`` as int32 (greedy sampling), the lowest index on ties.
 
     Inputs are assumed NaN-free. The ids stay on the device, so the next
     replay of a captured decode step can feed them to :func:`embedding`.
+
+    Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
+    which a captured step refuses (CaptureError).
 
     Parameters
     ----------
@@ -258,6 +305,13 @@ def argmax(logits, *, out=None, backend=None):
     Returns
     -------
     device int32 array ``[rows]``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`linear`.
+    CaptureError
+        No ``out`` inside a captured step.
     """
     backend = _args.backend_for("logits", logits, backend)
     logits, dtype = _args.float_operand("logits", logits, backend)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 from cupykv._args.scalars import check_positive_float32
+from cupykv._typing import FloatLike, HostArray
 from cupykv.reference import round_to_storage
 
 __all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
@@ -19,7 +21,7 @@ __all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
-def _float(name, array, ndim=None, like=None):
+def _float(name: str, array: npt.ArrayLike, ndim: int | None = None, like: HostArray | None = None) -> HostArray:
     """``array`` as a NumPy float array of a storage dtype (that of ``like`` when given)."""
     array = np.asarray(array)
     if array.dtype not in _FLOAT_DTYPES or (like is not None and array.dtype != like.dtype):
@@ -30,7 +32,7 @@ def _float(name, array, ndim=None, like=None):
     return array
 
 
-def linear(x, weight):
+def linear(x: npt.ArrayLike, weight: npt.ArrayLike) -> HostArray:
     """``x @ weight.T``: x ``[rows, in_features]``, weight ``[out_features, in_features]``.
 
     Returns ``[rows, out_features]`` in the dtype of x.
@@ -43,7 +45,7 @@ def linear(x, weight):
     return round_to_storage(x.astype(np.float64) @ weight.astype(np.float64).T, x.dtype)
 
 
-def embedding(ids, table, *, error_flag=None):
+def embedding(ids: npt.ArrayLike, table: npt.ArrayLike, *, error_flag: HostArray | None = None) -> HostArray:
     """``table[ids]``; ids int32 ``[rows]``, table ``[vocab, hidden]`` -> ``[rows, hidden]``.
 
     Rows of ids outside ``0..vocab-1`` are zeros, and ``error_flag[0]`` (a
@@ -63,7 +65,7 @@ def embedding(ids, table, *, error_flag=None):
     return out
 
 
-def rmsnorm(x, weight, eps):
+def rmsnorm(x: npt.ArrayLike, weight: npt.ArrayLike, eps: FloatLike) -> HostArray:
     """``x / sqrt(mean(x**2) + eps) * weight`` per row; x ``[rows, hidden]``, weight ``[hidden]``.
 
     ``eps`` is a normal float32 > 0, as the kernel receives it.
@@ -78,7 +80,7 @@ def rmsnorm(x, weight, eps):
     return round_to_storage(x64 * inv_rms * weight.astype(np.float64), x.dtype)
 
 
-def _same_shape(name_a, a, name_b, b):
+def _same_shape(name_a: str, a: npt.ArrayLike, name_b: str, b: npt.ArrayLike) -> tuple[HostArray, HostArray]:
     a = _float(name_a, a)
     b = _float(name_b, b, like=a)
     if a.shape != b.shape:
@@ -86,7 +88,7 @@ def _same_shape(name_a, a, name_b, b):
     return a, b
 
 
-def silu_mul(gate, up):
+def silu_mul(gate: npt.ArrayLike, up: npt.ArrayLike) -> HostArray:
     """``gate / (1 + exp(-gate)) * up``, elementwise (same shape and dtype)."""
     gate, up = _same_shape("gate", gate, "up", up)
     g = gate.astype(np.float64)
@@ -94,13 +96,14 @@ def silu_mul(gate, up):
         return round_to_storage(g / (1.0 + np.exp(-g)) * up.astype(np.float64), gate.dtype)
 
 
-def add(a, b):
+def add(a: npt.ArrayLike, b: npt.ArrayLike) -> HostArray:
     """``a + b``, elementwise (same shape and dtype)."""
     a, b = _same_shape("a", a, "b", b)
     return round_to_storage(a.astype(np.float64) + b.astype(np.float64), a.dtype)
 
 
-def argmax(logits):
+def argmax(logits: npt.ArrayLike) -> npt.NDArray[np.int32]:
     """Index of each row's maximum of logits ``[rows, vocab]`` as int32 ``[rows]``, the lowest on ties."""
     logits = _float("logits", logits, 2)
-    return np.argmax(logits.astype(np.float64), axis=-1).astype(np.int32)
+    ids: npt.NDArray[np.int32] = np.argmax(logits.astype(np.float64), axis=-1).astype(np.int32)
+    return ids

@@ -5,9 +5,13 @@ rounded to the storage dtype exactly once (round to nearest even). The fast
 path never imports this module; tests, notebooks and the demo compare
 against it.
 """
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 from ._args.cache_args import (
     check_advance,
@@ -33,6 +37,7 @@ from ._args.cache_args import (
     check_window,
 )
 from ._args.scalars import check_bool, check_int, got
+from ._typing import FloatLike, HostArray, IntLike
 from .errors import CacheOverflowError
 from .rope import Rope, rope_angles
 from .spec import MASK_VALUE, CacheSpec
@@ -48,7 +53,7 @@ FLOAT_DTYPES = (
 )
 
 
-def _rotate(x, positions, theta):
+def _rotate(x: npt.NDArray[np.float64], positions: npt.ArrayLike, theta: float) -> npt.NDArray[np.float64]:
     """Half-split rotary embedding in float64.
 
     x: [..., hd] float64; positions broadcast against x's leading axes
@@ -61,7 +66,7 @@ def _rotate(x, positions, theta):
     return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
-def round_to_storage(x, dtype):
+def round_to_storage(x: npt.NDArray[np.float64], dtype: npt.DTypeLike) -> HostArray:
     """Round float64 ``x`` to ``dtype`` once, to nearest even.
 
     NumPy rounds float64 to float32/float16 correctly. ml_dtypes goes
@@ -71,13 +76,16 @@ def round_to_storage(x, dtype):
     correct rounding.
     """
     with np.errstate(over="ignore"):  # out of range rounds to inf, as it should
+        rounded: HostArray
         if dtype != np.dtype(ml_dtypes.bfloat16):
-            return x.astype(dtype)
+            rounded = x.astype(dtype)
+            return rounded
         x32 = x.astype(np.float32)
         away = np.abs(x32.astype(np.float64)) > np.abs(x)
         x32 = np.where(away, np.nextafter(x32, np.float32(0)), x32)  # truncated toward zero
         bits = x32.view(np.uint32) | (x32.astype(np.float64) != x).astype(np.uint32)
-        return bits.view(np.float32).astype(dtype)
+        rounded = bits.view(np.float32).astype(dtype)
+        return rounded
 
 
 class KVCache:
@@ -114,7 +122,7 @@ class KVCache:
         strided or read-only.
     """
 
-    def __init__(self, spec, *, lengths=None):
+    def __init__(self, spec: CacheSpec, *, lengths: npt.NDArray[np.int32] | None = None) -> None:
         if not isinstance(spec, CacheSpec):
             raise TypeError(f"spec: expected a cupykv.CacheSpec, got {spec!r} ({type(spec).__name__})")
         if lengths is not None:
@@ -128,15 +136,17 @@ class KVCache:
         self.lengths = np.zeros(spec.batch, dtype=np.int32) if lengths is None else lengths
         self.overflow = np.zeros(spec.batch, dtype=np.bool_)
 
-    def _sequence(self, array, layer, b):
+    def _sequence(self, array: HostArray, layer: int, b: int) -> HostArray:
         """View of one sequence of one layer of ``array`` (k or v): [max_seq, n_kv, hd].
 
         The only place that knows the layout; reads and writes go through it.
         """
-        seq = array[layer, b]  # NHD: [max_seq, n_kv, hd]; HND: [n_kv, max_seq, hd]
+        seq: HostArray = array[layer, b]  # NHD: [max_seq, n_kv, hd]; HND: [n_kv, max_seq, hd]
         return seq if self.spec.layout == "NHD" else seq.swapaxes(0, 1)
 
-    def append(self, layer, k, v, rope=None, *, return_positions=False, positions_out=None):
+    def append(self, layer: IntLike, k: HostArray, v: HostArray, rope: Rope | None = None, *,
+               return_positions: bool = False,
+               positions_out: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32] | None:
         """Write pending rows at ``lengths[b] + i``; ``lengths`` does not change.
 
         Parameters
@@ -175,7 +185,9 @@ class KVCache:
         self._store(layer, positions, k, v, rope, out)
         return out
 
-    def write(self, layer, positions, k, v, rope=None, *, return_positions=False, positions_out=None):
+    def write(self, layer: IntLike, positions: npt.ArrayLike, k: HostArray, v: HostArray,
+              rope: Rope | None = None, *, return_positions: bool = False,
+              positions_out: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32] | None:
         """Write rows at given positions: row ``i`` of sequence ``b`` at ``positions[b, i]``; ``lengths`` unchanged.
 
         Parameters
@@ -205,7 +217,7 @@ class KVCache:
         self._store(layer, values, k, v, rope, out)
         return out
 
-    def _rows_args(self, layer, k, v, rope):
+    def _rows_args(self, layer: object, k: object, v: object, rope: object) -> tuple[int, int, Rope | None]:
         """Checked ``(layer, n_new, rope)`` of append and write."""
         spec = self.spec
         layer = check_layer(layer, spec)
@@ -214,7 +226,8 @@ class KVCache:
         check_same_shape("k", k, "v", v)
         return layer, n_new, check_rope(rope, spec)
 
-    def _positions_out(self, return_positions, positions_out, n_new, shape):
+    def _positions_out(self, return_positions: object, positions_out: npt.NDArray[np.int32] | None, n_new: int,
+                       shape: tuple[int, ...]) -> npt.NDArray[np.int32] | None:
         """``positions_out`` checked, a new int32 array of ``shape`` when asked for, or None."""
         return_positions = check_bool("return_positions", return_positions)
         if positions_out is None:
@@ -223,7 +236,8 @@ class KVCache:
         check_positions_shape("positions_out", positions_out, self.spec, n_new)
         return positions_out
 
-    def _store(self, layer, positions, k, v, rope, out):
+    def _store(self, layer: int, positions: npt.NDArray[np.int64], k: npt.ArrayLike, v: npt.ArrayLike,
+               rope: Rope | None, out: npt.NDArray[np.int32] | None) -> None:
         """Round and store row ``i`` of sequence ``b`` at ``positions[b, i]`` (int64 ``[batch, n_new]``) if in range."""
         spec = self.spec
         k64 = np.asarray(k).astype(np.float64)  # [batch, n_new, n_kv, hd]
@@ -243,7 +257,7 @@ class KVCache:
         if out is not None:
             out.reshape(-1)[:] = written.reshape(-1)
 
-    def advance(self, n):
+    def advance(self, n: IntLike | Sequence[IntLike] | npt.NDArray[np.integer[Any]]) -> None:
         """Commit ``n`` pending rows: ``lengths += n``, clamped to ``max_seq``.
 
         Parameters
@@ -262,7 +276,7 @@ class KVCache:
         self.overflow |= total > self.spec.max_seq
         self.lengths[:] = np.minimum(total, self.spec.max_seq)
 
-    def truncate(self, new_lengths):
+    def truncate(self, new_lengths: IntLike | Sequence[IntLike] | npt.NDArray[np.integer[Any]]) -> None:
         """Shorten sequences (speculative-decoding rollback).
 
         Parameters
@@ -279,7 +293,7 @@ class KVCache:
         """
         self.lengths[:] = check_new_lengths(new_lengths, self.lengths, self.spec)
 
-    def set_lengths(self, new_lengths):
+    def set_lengths(self, new_lengths: IntLike | Sequence[IntLike] | npt.NDArray[np.integer[Any]]) -> None:
         """Set the lengths, growing or shrinking them; values past ``max_seq`` are clamped and flagged.
 
         Parameters
@@ -296,7 +310,7 @@ class KVCache:
         self.overflow |= values > self.spec.max_seq
         self.lengths[:] = np.minimum(values, self.spec.max_seq)
 
-    def reset(self, slots=None):
+    def reset(self, slots: IntLike | Sequence[IntLike] | npt.NDArray[np.integer[Any]] | None = None) -> None:
         """Set ``lengths[slots] = 0`` and clear their overflow flags.
 
         Parameters
@@ -314,7 +328,7 @@ class KVCache:
         self.lengths[slots] = 0
         self.overflow[slots] = False
 
-    def additive_mask(self, q_len=1):
+    def additive_mask(self, q_len: IntLike = 1) -> npt.NDArray[np.float32]:
         """Additive attention mask for ``q_len`` queries per sequence.
 
         Parameters
@@ -333,7 +347,7 @@ class KVCache:
         mask = np.where(visible, 0.0, MASK_VALUE).astype(np.float32)
         return mask[:, None]
 
-    def check(self):
+    def check(self) -> None:
         """Raise if any sequence overflowed; the flags are not cleared.
 
         Raises
@@ -345,7 +359,7 @@ class KVCache:
         if bad:
             raise CacheOverflowError.for_sequences(bad, self.spec.max_seq)
 
-    def layer(self, layer, layout=None):
+    def layer(self, layer: IntLike, layout: str | None = None) -> tuple[HostArray, HostArray]:
         """Full-capacity ``(k, v)`` views of one layer, in the cache's layout or the one asked for.
 
         Returns ``[batch, max_seq, n_kv_heads, head_dim]`` (NHD) or
@@ -356,7 +370,8 @@ class KVCache:
         k, v = self.k[layer], self.v[layer]
         return (k, v) if layout == self.spec.layout else (k.swapaxes(1, 2), v.swapaxes(1, 2))
 
-    def live(self, layer, seq=None, *, pending=0, layout=None):
+    def live(self, layer: IntLike, seq: IntLike | None = None, *, pending: IntLike = 0,
+             layout: str | None = None) -> tuple[HostArray, HostArray]:
         """Views of the first ``min(lengths[seq] + pending, max_seq)`` rows of one sequence of one layer.
 
         Returns ``[n, n_kv_heads, head_dim]`` (NHD) or ``[n_kv_heads, n, head_dim]``
@@ -372,34 +387,34 @@ class KVCache:
         rows = (seq, slice(0, n)) if layout == "NHD" else (seq, slice(None), slice(0, n))
         return k[rows], v[rows]
 
-    def remaining_capacity(self):
+    def remaining_capacity(self) -> npt.NDArray[np.int64]:
         """Positions left per sequence, ``max_seq - lengths``, int64 ``[batch]``."""
         return self.spec.max_seq - self.lengths.astype(np.int64)
 
-    def has_capacity(self, n=1):
+    def has_capacity(self, n: IntLike | Sequence[IntLike] | npt.NDArray[np.integer[Any]] = 1) -> npt.NDArray[np.bool_]:
         """Whether ``lengths + n <= max_seq``, bool ``[batch]``; ``n`` an int or ints ``[batch]`` in ``0..2**31-1``."""
         return self.remaining_capacity() >= check_capacity_request(n, self.spec)
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes of ``k``, ``v``, the overflow flags and, unless shared, the lengths."""
         own = [self.k, self.v, self.overflow] + ([] if self.shares_lengths else [self.lengths])
         return int(sum(a.nbytes for a in own))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         spec = self.spec
         shared = ", shared lengths" if self.shares_lengths else ""
         return (f"reference.KVCache(shape={spec.shape}, dtype={spec.dtype}, layout={spec.layout}, "
                 f"{self.nbytes / 2**20:.3g} MiB{shared})")
 
-    def copy(self):
+    def copy(self) -> KVCache:
         """Deep copy: a new KVCache with the same spec and copied arrays (the lengths are not shared)."""
         other = KVCache(self.spec)
         for name in ("k", "v", "lengths", "overflow"):
             getattr(other, name)[...] = getattr(self, name)
         return other
 
-    def rows(self, layer, b):
+    def rows(self, layer: IntLike, b: IntLike) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Live rows of sequence ``b`` of ``layer`` as float64.
 
         Parameters
@@ -413,13 +428,14 @@ class KVCache:
         -------
         (k, v) : tuple of numpy.ndarray, float64, shape ``[lengths[b], n_kv_heads, head_dim]``
         """
-        layer = check_layer(layer, self.spec)
+        index = check_layer(layer, self.spec)
         b = check_int("b", b, 0, self.spec.batch - 1)
         length = int(self.lengths[b])
-        return tuple(self._sequence(arr, layer, b)[:length].astype(np.float64) for arr in (self.k, self.v))
+        k, v = (self._sequence(arr, index, b)[:length].astype(np.float64) for arr in (self.k, self.v))
+        return k, v
 
 
-def _check_int32_array(name, array):
+def _check_int32_array(name: str, array: object) -> None:
     """TypeError unless ``array`` is a NumPy int32 array; ValueError unless it is C-contiguous and writeable."""
     if not isinstance(array, np.ndarray) or array.dtype != np.int32:
         what = f"{type(array).__name__} of dtype {array.dtype}" if isinstance(array, np.ndarray) else got(array)
@@ -429,7 +445,9 @@ def _check_int32_array(name, array):
                          f"(writeable={array.flags.writeable})")
 
 
-def attention(q, cache, layer, scale=None, window=None, softcap=None, rope=None):
+def attention(q: HostArray, cache: KVCache, layer: IntLike, scale: FloatLike | None = None,
+              window: IntLike | None = None, softcap: FloatLike | None = None,
+              rope: Rope | None = None) -> npt.NDArray[np.float64]:
     """Exact attention of ``q`` over one layer of ``cache``, in float64.
 
     Parameters
@@ -474,7 +492,9 @@ def attention(q, cache, layer, scale=None, window=None, softcap=None, rope=None)
     return out
 
 
-def attention_weights(q, cache, layer, scale=None, window=None, softcap=None, rope=None):
+def attention_weights(q: HostArray, cache: KVCache, layer: IntLike, scale: FloatLike | None = None,
+                      window: IntLike | None = None, softcap: FloatLike | None = None,
+                      rope: Rope | None = None) -> npt.NDArray[np.float64]:
     """The softmax weights of :func:`attention`, in float64: which positions each query reads, and how much.
 
     Same parameters as :func:`attention`.
@@ -493,7 +513,8 @@ def attention_weights(q, cache, layer, scale=None, window=None, softcap=None, ro
     return out
 
 
-def _attention_arguments(q, cache, layer, scale, window, softcap, rope):
+def _attention_arguments(q: object, cache: object, layer: object, scale: object, window: object, softcap: object,
+                         rope: object) -> tuple[int, float, int | None, float | None, Rope | None]:
     """The checked ``(layer, scale, window, softcap, rope)`` of an attention call (raises on bad ones)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a cupykv.reference.KVCache, got {type(cache).__name__}")
@@ -503,7 +524,8 @@ def _attention_arguments(q, cache, layer, scale, window, softcap, rope):
     return (layer, check_scale(scale, spec), check_window(window), check_softcap(softcap), check_rope(rope, spec))
 
 
-def _attended(q, cache, layer, scale, window, softcap, rope):
+def _attended(q: HostArray, cache: KVCache, layer: int, scale: float, window: int | None, softcap: float | None,
+              rope: Rope | None) -> Iterator[tuple[int, int, int, int, npt.NDArray[np.float64]]]:
     """For every query with something to attend to: ``(b, i, first, last, weights [n_heads, last - first + 1])``.
 
     Query ``i`` of sequence ``b`` sits at ``p = lengths[b] + i`` and attends to

@@ -10,12 +10,14 @@ For an even ``head_dim``, ``half = head_dim // 2`` and feature pair
 The fast path only passes ``theta`` to its kernels; ``rope_angles`` is the
 float64 form the reference uses.
 """
+from __future__ import annotations
 
 import math
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 # The argument layer (cupykv._args) imports this module to check that a rope is a Rope, so the
 # theta check lives here and this module imports nothing from cupykv: the dependency runs one way.
@@ -24,12 +26,12 @@ _THETA_EXPECTED = (f"a float in 1..{_THETA_MAX:.8g} (finite and >= 1, so that ev
                    "p * theta**(-2i/head_dim) is at most p)")
 
 
-def _shown(value) -> str:
+def _shown(value: object) -> str:
     text = repr(value)   # shortened as cupykv._args.scalars.shown shortens it
     return text if len(text) <= 60 else f"{text[:45]}...{text[-12:]}"
 
 
-def check_rope_theta(name, theta) -> float:
+def check_rope_theta(name: str, theta: object) -> float:
     """Return a rotary base as a float in ``1..FLOAT64_MAX`` (the kernels compute angles in double).
 
     ``theta >= 1`` keeps every inverse frequency ``theta ** (-2i / head_dim)``
@@ -43,7 +45,7 @@ def check_rope_theta(name, theta) -> float:
     try:
         number = float(theta)
     except OverflowError:   # an int beyond float64
-        number = math.inf if theta > 0 else -math.inf
+        number = -math.inf if theta < 0 else math.inf
     if not 1.0 <= number <= _THETA_MAX:
         raise ValueError(f"{name}: expected {_THETA_EXPECTED}, got {_shown(theta)}")
     return number
@@ -70,11 +72,11 @@ class Rope:
 
     theta: float = 10000.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "theta", check_rope_theta("Rope.theta", self.theta))
 
 
-def rope_angles(positions, head_dim, theta):
+def rope_angles(positions: npt.ArrayLike, head_dim: int, theta: float) -> npt.NDArray[np.float64]:
     """Rotation angles in float64.
 
     Parameters

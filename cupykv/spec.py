@@ -4,7 +4,10 @@ A spec fixes everything the kernels need to know at compile and allocation
 time; nothing about it changes while the cache is in use.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -80,7 +83,7 @@ class CacheSpec:
     dtype: str = "float32"
     layout: str = "NHD"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name, hi in _INT_FIELDS:
             value = check_int(f"CacheSpec.{name}", getattr(self, name), lo=1, hi=hi)
             object.__setattr__(self, name, value)
@@ -93,7 +96,7 @@ class CacheSpec:
         check_choice("CacheSpec.layout", self.layout, LAYOUTS)
 
     @property
-    def layer_shape(self):
+    def layer_shape(self) -> tuple[int, int, int, int]:
         """Shape of one layer's K (or V): ``[batch, max_seq, n_kv_heads, head_dim]``
         for NHD, ``[batch, n_kv_heads, max_seq, head_dim]`` for HND."""
         if self.layout == "NHD":
@@ -101,17 +104,17 @@ class CacheSpec:
         return (self.batch, self.n_kv_heads, self.max_seq, self.head_dim)
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, int, int, int, int]:
         """Shape of K (or V): ``(n_layers,) + layer_shape``."""
         return (self.n_layers,) + self.layer_shape
 
     @property
-    def seq_axis(self):
+    def seq_axis(self) -> int:
         """Index of the ``max_seq`` axis in ``shape``: 2 for NHD, 3 for HND."""
         return 2 if self.layout == "NHD" else 3
 
     @property
-    def strides(self):
+    def strides(self) -> tuple[int, ...]:
         """C-contiguous strides of ``shape``, in elements (not bytes)."""
         strides, step = [], 1
         for size in reversed(self.shape):
@@ -120,19 +123,18 @@ class CacheSpec:
         return tuple(reversed(strides))
 
     @property
-    def np_dtype(self):
+    def np_dtype(self) -> np.dtype[Any]:
         """Host NumPy dtype of storage (bfloat16 is ``ml_dtypes.bfloat16``)."""
-        if self.dtype == "bfloat16":
-            return np.dtype(ml_dtypes.bfloat16)
-        return np.dtype(self.dtype)
+        dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16 if self.dtype == "bfloat16" else self.dtype)
+        return dtype
 
     @property
-    def itemsize(self):
+    def itemsize(self) -> int:
         """Bytes per stored element."""
         return self.np_dtype.itemsize
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes of K plus V together."""
         n_elements = 1
         for size in self.shape:

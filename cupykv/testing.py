@@ -15,18 +15,35 @@ Needs the ``test`` extra (hypothesis). The pieces:
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Sequence, Tuple, Union, cast
+
 import numpy as np
+import numpy.typing as npt
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from cupykv import reference
+from cupykv._typing import ArrayLike, DeviceArray, HostArray
+from cupykv.rope import Rope
 from cupykv.spec import DTYPES, LAYOUTS, CacheSpec
-from cupykv.tolerances import assert_attention_close, ulp_distance  # noqa: F401 (re-exported)
+from cupykv.tolerances import assert_attention_close as assert_attention_close   # re-exported
+from cupykv.tolerances import ulp_distance as ulp_distance                       # re-exported
+
+if TYPE_CHECKING:   # the fast path is imported lazily: importing testing stays cheap
+    from cupykv.backends.base import Backend
+    from cupykv.backends.emulator.accounting import Traffic
+    from cupykv.cache import KVCache
+
+#: one cache operation from :func:`operations`: ``(name, argument)``
+Operation = Tuple[str, Union[Tuple[int, int], int, Sequence[int], Sequence[float], None]]
 
 
 @st.composite
-def specs(draw, *, max_layers=2, kv_heads=(1, 2, 4), head_dims=(2, 4, 8, 16, 64, 128), max_seqs=(1, 4, 16),
-          max_batch=3, dtypes=DTYPES, layouts=LAYOUTS):
+def specs(draw: st.DrawFn, *, max_layers: int = 2, kv_heads: Sequence[int] = (1, 2, 4),
+          head_dims: Sequence[int] = (2, 4, 8, 16, 64, 128),
+          max_seqs: tuple[int, ...] | st.SearchStrategy[int] = (1, 4, 16), max_batch: int = 3,
+          dtypes: Sequence[str] = DTYPES, layouts: Sequence[str] = LAYOUTS) -> CacheSpec:
     """Strategy for CacheSpec over the given choices (defaults keep examples small)."""
     return CacheSpec(
         n_layers=draw(st.integers(1, max_layers)),
@@ -39,25 +56,26 @@ def specs(draw, *, max_layers=2, kv_heads=(1, 2, 4), head_dims=(2, 4, 8, 16, 64,
     )
 
 
-def lengths(spec: CacheSpec):
+def lengths(spec: CacheSpec) -> st.SearchStrategy[list[int]]:
     """Strategy for committed lengths ``[batch]``, weighted to 0, 1, capacity-1 and capacity."""
     boundary = st.sampled_from(sorted({0, 1, max(spec.max_seq - 1, 0), spec.max_seq} - {spec.max_seq + 1}))
     one = boundary | st.integers(0, spec.max_seq)
     return st.lists(one, min_size=spec.batch, max_size=spec.batch)
 
 
-def row_shapes(spec: CacheSpec, max_new: int = 8):
+def row_shapes(spec: CacheSpec, max_new: int = 8) -> st.SearchStrategy[tuple[int, int, int, int]]:
     """Strategy for append's ``k``/``v`` shape ``[batch, n_new, n_kv_heads, head_dim]``."""
     return st.integers(1, max_new).map(lambda n: (spec.batch, n, spec.n_kv_heads, spec.head_dim))
 
 
-def query_shapes(spec: CacheSpec, groups=(1, 2, 4, 8), max_q_len: int = 8):
+def query_shapes(spec: CacheSpec, groups: Sequence[int] = (1, 2, 4, 8),
+                 max_q_len: int = 8) -> st.SearchStrategy[tuple[int, int, int, int]]:
     """Strategy for attention's ``q`` shape ``[batch, q_len, n_heads, head_dim]`` (n_heads = group * n_kv)."""
     return st.tuples(st.integers(1, max_q_len), st.sampled_from(groups)).map(
         lambda t: (spec.batch, t[0], t[1] * spec.n_kv_heads, spec.head_dim))
 
 
-def operations(spec: CacheSpec, max_size: int = 12):
+def operations(spec: CacheSpec, max_size: int = 12) -> st.SearchStrategy[list[Operation]]:
     """Strategy for sequences of cache operations, as ``(name, argument)`` pairs.
 
     ``("append", (layer, n_new))``, ``("advance", int or [batch])``,
@@ -75,65 +93,68 @@ def operations(spec: CacheSpec, max_size: int = 12):
     ), max_size=max_size)
 
 
-def apply_operation(cache, oracle: "reference.KVCache", operation, rng: np.random.Generator) -> None:
+def apply_operation(cache: KVCache, oracle: reference.KVCache, operation: Operation, rng: np.random.Generator) -> None:
     """Apply one ``(name, argument)`` from :func:`operations` to a backend cache and the reference."""
     name, argument = operation
     if name == "append":
-        layer, n_new = argument
+        layer, n_new = cast(Tuple[int, int], argument)
         shape = (cache.spec.batch, n_new, cache.spec.n_kv_heads, cache.spec.head_dim)
         k, v = random_rows(rng, cache.spec, shape), random_rows(rng, cache.spec, shape)
         cache.append(layer, cache.to_device(k), cache.to_device(v))
         oracle.append(layer, k, v)
         return
     if name == "truncate":
-        argument = [int(f * n) for f, n in zip(argument, oracle.lengths)]
+        argument = [int(f * n) for f, n in zip(cast(Sequence[float], argument), oracle.lengths)]
     getattr(cache, name)(argument)
     getattr(oracle, name)(argument)
 
 
-def to_numpy(array, spec: CacheSpec) -> np.ndarray:
+def to_numpy(array: ArrayLike, spec: CacheSpec) -> HostArray:
     """Host copy of a backend array that holds cache-dtype values, viewed as ``spec.np_dtype``."""
-    host = array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
+    host: HostArray = array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
     return np.array(host, copy=True).view(spec.np_dtype) if host.dtype.itemsize == spec.itemsize else host
 
 
-def bits(array) -> np.ndarray:
+def bits(array: npt.ArrayLike) -> npt.NDArray[np.unsignedinteger[Any]]:
     """The raw bit patterns of a float array (uint16 or uint32), for exact comparisons."""
     array = np.asarray(array)
-    return array.view(np.dtype(f"u{array.dtype.itemsize}"))
+    patterns: npt.NDArray[np.unsignedinteger[Any]] = array.view(np.dtype(f"u{array.dtype.itemsize}"))
+    return patterns
 
 
-def random_rows(rng: np.random.Generator, spec: CacheSpec, shape, scale: float = 1.0) -> np.ndarray:
+def random_rows(rng: np.random.Generator, spec: CacheSpec, shape: Sequence[int], scale: float = 1.0) -> HostArray:
     """Normal random values in the cache dtype, ``shape`` as given."""
-    return (rng.standard_normal(shape) * scale).astype(spec.np_dtype)
+    rows: HostArray = (rng.standard_normal(shape) * scale).astype(spec.np_dtype)
+    return rows
 
 
-def fill(cache, oracle: "reference.KVCache", lengths, rng: np.random.Generator, rope=None) -> None:
+def fill(cache: KVCache, oracle: reference.KVCache, lengths: npt.ArrayLike, rng: np.random.Generator,
+         rope: Rope | None = None) -> None:
     """Reset both caches and give them identical committed rows, ``lengths[b]`` per sequence.
 
     Goes through the public API only (reset, append at every layer, advance
     per sequence), so it works on any backend.
     """
     spec = cache.spec
-    lengths = np.asarray(lengths, dtype=np.int64)
+    committed = np.asarray(lengths, dtype=np.int64)
     cache.reset()
     oracle.reset()
-    rows = int(lengths.max(initial=0))
+    rows = int(committed.max(initial=0))
     if rows:
         shape = (spec.batch, rows, spec.n_kv_heads, spec.head_dim)
         for layer in range(spec.n_layers):
             k, v = random_rows(rng, spec, shape), random_rows(rng, spec, shape)
             cache.append(layer, cache.to_device(k), cache.to_device(v), rope=rope)
             oracle.append(layer, k, v, rope=rope)
-    cache.advance(lengths)
-    oracle.advance(lengths)
+    cache.advance(committed)
+    oracle.advance(committed)
 
 
-def poison_tail(cache, start) -> None:
+def poison_tail(cache: KVCache, start: npt.ArrayLike) -> None:
     """Write NaN into every layer of K and V at positions ``>= start[b]`` of sequence ``b``."""
     spec = cache.spec
     nan = np.array(np.nan, dtype=spec.np_dtype)
-    nan_value = nan.view(np.uint16)[()] if cache.k.dtype == np.uint16 else nan   # bfloat16 bits on CuPy
+    nan_value: object = nan.view(np.uint16)[()] if cache.k.dtype == np.uint16 else nan   # bfloat16 bits on CuPy
     for b, first in enumerate(np.asarray(start).tolist()):
         first = max(0, min(int(first), spec.max_seq))
         index = (slice(None), b, slice(first, None)) if spec.layout == "NHD" else \
@@ -142,7 +163,7 @@ def poison_tail(cache, start) -> None:
         cache.v[index] = nan_value
 
 
-def assert_matches_reference(cache, oracle: "reference.KVCache", *, rope_used: bool = False) -> None:
+def assert_matches_reference(cache: KVCache, oracle: reference.KVCache, *, rope_used: bool = False) -> None:
     """Assert that a backend cache holds exactly what the reference holds.
 
     Compares lengths and overflow flags exactly, the whole V cache bit for bit,
@@ -155,8 +176,8 @@ def assert_matches_reference(cache, oracle: "reference.KVCache", *, rope_used: b
     overflow = np.asarray(cache._backend.to_host(cache.overflow)).astype(bool)
     assert np.array_equal(overflow, oracle.overflow), \
         f"overflow {overflow.tolist()} != reference {oracle.overflow.tolist()}"
-    for name, got, want in (("v", cache.v, oracle.v), ("k", cache.k, oracle.k)):
-        got = to_numpy(got, spec)
+    for name, stored, want in (("v", cache.v, oracle.v), ("k", cache.k, oracle.k)):
+        got = to_numpy(stored, spec)
         if name == "k" and rope_used:
             distance = ulp_distance(got, want)
             if distance.max(initial=0) > 1:
@@ -188,40 +209,44 @@ class CacheMachine(RuleBasedStateMachine):
     """
 
     backend: str | None = "emulator"
-    spec_strategy = specs(max_seqs=(4, 9, 16), head_dims=(2, 8, 16, 64))
+    spec_strategy: st.SearchStrategy[CacheSpec] = specs(max_seqs=(4, 9, 16), head_dims=(2, 8, 16, 64))
+    # made by the initialize rule ``create``
+    spec: CacheSpec
+    rng: np.random.Generator
+    cache: KVCache
+    oracle: reference.KVCache
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
-        self.cache = self.oracle = None
         self.rope_used = False
 
     @initialize(data=st.data(), seed=st.integers(0, 2**32 - 1))
-    def create(self, data, seed):
-        from cupykv import KVCache  # the fast path is imported lazily: importing testing stays cheap
+    def create(self, data: st.DataObject, seed: int) -> None:
+        """Draw a spec and make the backend cache and the reference cache."""
+        from cupykv.cache import KVCache  # the fast path is imported lazily: importing testing stays cheap
 
         self.spec = spec = data.draw(self.spec_strategy, label="spec")
         self.rng = np.random.default_rng(seed)
         self.cache, self.oracle = KVCache(spec, backend=self.backend), reference.KVCache(spec)
 
     # -- helpers ---------------------------------------------------------------
-    def _rows(self, n_new, heads=None):
+    def _rows(self, n_new: int, heads: int | None = None) -> HostArray:
         spec = self.spec
         return random_rows(self.rng, spec, (spec.batch, n_new, heads or spec.n_kv_heads, spec.head_dim))
 
-    def _rope(self, use):
-        from cupykv import Rope
-
+    def _rope(self, use: bool) -> Rope | None:
         if use and self.spec.head_dim % 2 == 0:
             self.rope_used = True
             return Rope(theta=1000.0)
         return None
 
-    def _device(self, host):
+    def _device(self, host: HostArray) -> DeviceArray:
         return self.cache.to_device(host)
 
     # -- rules -----------------------------------------------------------------
     @rule(layer=st.integers(0, 7), n_new=st.integers(1, 5), use_rope=st.booleans())
-    def append(self, layer, n_new, use_rope):
+    def append(self, layer: int, n_new: int, use_rope: bool) -> None:
+        """Append random rows to one layer of both caches."""
         layer %= self.spec.n_layers
         rope = self._rope(use_rope)
         k, v = self._rows(n_new), self._rows(n_new)
@@ -230,26 +255,29 @@ class CacheMachine(RuleBasedStateMachine):
 
     # Per-sequence arguments are drawn once the spec is known, sized [batch], so that a
     # subclass may use any batch.
-    def _per_sequence(self, data, element, label):
+    def _per_sequence(self, data: st.DataObject, element: st.SearchStrategy[Any], label: str) -> list[Any]:
         batch = self.spec.batch
         return data.draw(st.lists(element, min_size=batch, max_size=batch), label=label)
 
     @rule(data=st.data(), per_sequence=st.booleans())
-    def advance(self, data, per_sequence):
+    def advance(self, data: st.DataObject, per_sequence: bool) -> None:
+        """Advance both caches by an int or per sequence."""
         steps = st.integers(0, 4)
-        n = self._per_sequence(data, steps, "n") if per_sequence else data.draw(steps, label="n")
+        n: int | list[int] = self._per_sequence(data, steps, "n") if per_sequence else data.draw(steps, label="n")
         self.cache.advance(n)
         self.oracle.advance(n)
 
     @rule(data=st.data())
-    def truncate(self, data):
+    def truncate(self, data: st.DataObject) -> None:
+        """Roll both caches back to a fraction of each length."""
         fractions = self._per_sequence(data, st.floats(0, 1), "fractions")
         targets = [int(f * n) for f, n in zip(fractions, self.oracle.lengths)]
         self.cache.truncate(targets)
         self.oracle.truncate(targets)
 
     @rule(data=st.data())
-    def reset(self, data):
+    def reset(self, data: st.DataObject) -> None:
+        """Reset all slots, or some, of both caches."""
         batch = self.spec.batch
         slots = data.draw(st.none() | st.lists(st.integers(0, batch - 1), unique=True, max_size=batch),
                           label="slots")
@@ -258,7 +286,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(layer=st.integers(0, 7), q_len=st.integers(1, 4), group=st.sampled_from((1, 2, 4)),
           window=st.none() | st.integers(1, 6), softcap=st.none() | st.just(5.0), use_rope=st.booleans())
-    def attention(self, layer, q_len, group, window, softcap, use_rope):
+    def attention(self, layer: int, q_len: int, group: int, window: int | None, softcap: float | None,
+                  use_rope: bool) -> None:
+        """Attention on the backend within the stated tolerance of the reference."""
         from cupykv import attention
 
         layer %= self.spec.n_layers
@@ -270,7 +300,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert_attention_close(to_numpy(got, self.spec), want, self.spec.dtype, scale)
 
     @rule(replays=st.integers(0, 3))
-    def capture_and_replay(self, replays):
+    def capture_and_replay(self, replays: int) -> None:
         """Capture a decode step (append to every layer, attention, advance(1)) and replay it."""
         from cupykv import attention, capture
 
@@ -281,7 +311,7 @@ class CacheMachine(RuleBasedStateMachine):
         k_dev, v_dev, q_dev = [self._device(x) for x in ks], [self._device(x) for x in vs], self._device(q)
         out = backend.zeros(q.shape, backend.storage_dtype(spec.dtype))
 
-        def step():
+        def step() -> None:
             for layer in range(spec.n_layers):
                 self.cache.append(layer, k_dev[layer], v_dev[layer])
                 attention(q_dev, self.cache, layer, out=out)
@@ -298,12 +328,13 @@ class CacheMachine(RuleBasedStateMachine):
         assert_attention_close(to_numpy(out, spec), want, spec.dtype, scale)
 
     @invariant()
-    def matches_reference(self):
-        if self.cache is not None:
+    def matches_reference(self) -> None:
+        """Lengths, overflow flags and the whole K/V cache equal the reference's."""
+        if getattr(self, "cache", None) is not None:
             assert_matches_reference(self.cache, self.oracle, rope_used=self.rope_used)
 
 
-def traffic(backend_or_cache=None):
+def traffic(backend_or_cache: KVCache | str | Backend | None = None) -> AbstractContextManager[Traffic]:
     """Count the memory traffic of the emulator launches of a ``with`` block.
 
     ``with testing.traffic(cache) as t:`` yields a collector whose ``launches`` holds one

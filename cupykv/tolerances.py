@@ -21,7 +21,10 @@ second term dominates; for float16 and bfloat16 the first does.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 FP32_ACCUMULATION = 256 * 2.0 ** -24
@@ -29,10 +32,10 @@ FP32_ACCUMULATION = 256 * 2.0 ** -24
 
 def attention_tolerance(dtype: str, value_scale: float) -> float:
     """Largest allowed absolute error of one attention output element."""
-    return max(float(value_scale), np.finfo(np.float32).tiny) * (2 * UNIT_ROUNDOFF[dtype] + FP32_ACCUMULATION)
+    return max(float(value_scale), float(np.finfo(np.float32).tiny)) * (2 * UNIT_ROUNDOFF[dtype] + FP32_ACCUMULATION)
 
 
-def attention_error(got, want, dtype: str, value_scale: float) -> float:
+def attention_error(got: npt.ArrayLike, want: npt.ArrayLike, dtype: str, value_scale: float) -> float:
     """Worst element error as a fraction of the tolerance (<= 1 passes; NaN counts as failing)."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
@@ -46,7 +49,8 @@ def attention_error(got, want, dtype: str, value_scale: float) -> float:
     return float(error.max() / attention_tolerance(dtype, value_scale))
 
 
-def assert_attention_close(got, want, dtype: str, value_scale: float, context: str = "") -> None:
+def assert_attention_close(got: npt.ArrayLike, want: npt.ArrayLike, dtype: str, value_scale: float,
+                           context: str = "") -> None:
     """Raise AssertionError with max and mean error when ``got`` is outside the tolerance."""
     ratio = attention_error(got, want, dtype, value_scale)
     if ratio <= 1.0:
@@ -60,7 +64,7 @@ def assert_attention_close(got, want, dtype: str, value_scale: float, context: s
         f"got {np.asarray(got, np.float64)[worst]!r}, want {np.asarray(want, np.float64)[worst]!r}")
 
 
-def ulp_distance(a, b) -> np.ndarray:
+def ulp_distance(a: npt.ArrayLike, b: npt.ArrayLike) -> npt.NDArray[np.int64]:
     """Elementwise distance in units in the last place between two arrays of one float dtype.
 
     Works on the bit patterns, so it applies to float16, bfloat16 and float32
@@ -73,7 +77,7 @@ def ulp_distance(a, b) -> np.ndarray:
     bits = 8 * a.dtype.itemsize
     signed = np.dtype(f"i{a.dtype.itemsize}")
 
-    def ordered(x):
+    def ordered(x: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
         raw = x.view(signed).astype(np.int64)
         return np.where(raw < 0, -(raw & ((1 << (bits - 1)) - 1)), raw)
 

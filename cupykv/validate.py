@@ -39,7 +39,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from cupykv.backends import CPU_BACKEND, GPU_BACKEND, cuda_available, get_backend, runs_on_gpu
 from cupykv.kernels import cuda_paths
@@ -139,7 +139,7 @@ def _pytest(*selection: str, junit_xml: str) -> tuple:
             "--ignore=tests/test_notebooks.py", f"--junitxml={junit_xml}")
 
 
-def build_plan(out, scratch, backend: str, gpu_reason: str, tools: dict, budgets: Budgets = None,
+def build_plan(out, scratch, backend: str, gpu_reason: str, tools: dict, budgets: Budgets | None = None,
                device: str = "") -> Plan:
     """The parts of a run on ``backend`` ("cupy" or "emulator").
 
@@ -238,7 +238,7 @@ def _last_line(text: str) -> str:
 
 def run_part(part: Part, out: Path, deadline: float) -> dict:
     """Run one part; its summary record (``status`` is "passed", "failed" or "skipped")."""
-    record = {"what": part.what, "status": "skipped", "duration_s": 0.0, "budget_s": part.budget_s}
+    record: dict[str, Any] = {"what": part.what, "status": "skipped", "duration_s": 0.0, "budget_s": part.budget_s}
     if part.skip_reason is not None:
         return dict(record, reason=part.skip_reason)
     log_path, started = out / part.log_file, time.monotonic()

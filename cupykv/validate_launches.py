@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import functools
 import sys
+from typing import Iterator
 
 import numpy as np
 
@@ -72,7 +73,7 @@ def check_coverage(launched, expected=None) -> None:
 
 
 @contextlib.contextmanager
-def recording_launches():
+def recording_launches() -> Iterator[list[tuple[str, str]]]:
     """Record ``(op, instance)`` of every :meth:`Backend.launch` (any backend) inside the block.
 
     Yields the list the launches are appended to; ``Backend.launch`` is
@@ -86,11 +87,11 @@ def recording_launches():
         launched.append((op, instance))
         return original(self, op, instance, grid, block, args, shared_mem)
 
-    Backend.launch = launch
+    Backend.launch = launch  # type: ignore[method-assign]   # wrapped for the block, restored below
     try:
         yield launched
     finally:
-        Backend.launch = original
+        Backend.launch = original  # type: ignore[method-assign]
 
 
 def _attention_round(backend: Backend, dtype: str, head_dim: int, seed: int) -> None:
@@ -150,10 +151,11 @@ def _decoding_round(backend: Backend) -> None:
     verify_ids = backend.zeros((batch, k + 1), np.int32)
     decoding.speculative_gather(verify_ids, chain, row_stride=1, col_stride=batch)
     target_ids = ids(4, 9, 9, 5, 8, 7, 6, 9, 9).reshape(batch, k + 1)             # [batch, k + 1]
-    outputs = [backend.zeros(shape, np.int32) for shape in ((batch, k + 1), (batch,), (batch,), (batch,), (batch,),
-                                                             (batch, 2))]
-    decoding.speculative_accept(*outputs, ids(1, 1, 0), ids(5, 5, 5), verify_ids, target_ids, ids(7, 8, 9),
-                                stop_ids, max_length=12)
+    shapes = ((batch, k + 1), (batch,), (batch,), (batch,), (batch,), (batch, 2))
+    tokens, accepted, target_lengths, draft_lengths, chain_out, draft_pair = (
+        backend.zeros(shape, np.int32) for shape in shapes)
+    decoding.speculative_accept(tokens, accepted, target_lengths, draft_lengths, chain_out, draft_pair, ids(1, 1, 0),
+                                ids(5, 5, 5), verify_ids, target_ids, ids(7, 8, 9), stop_ids, max_length=12)
 
 
 def launch_every_kernel(backend=None) -> list[tuple[str, str]]:

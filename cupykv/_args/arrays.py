@@ -9,11 +9,17 @@ reference live in :mod:`cupykv._args.cache_args`.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
 import ml_dtypes
 import numpy as np
 
 from cupykv._args.limits import INT32_MAX
 from cupykv._args.overlap import check_apart_from_caches, check_no_overlap
+from cupykv._typing import DeviceArray, Shape
+
+if TYPE_CHECKING:
+    from cupykv.backends.base import Backend
 
 # The two forms a bfloat16 operand may take on either backend; each is viewed as the storage dtype.
 _BFLOAT16_FORMS = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16))
@@ -22,7 +28,7 @@ FLOAT_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"
                 np.dtype(ml_dtypes.bfloat16): "bfloat16", np.dtype(np.uint16): "bfloat16"}
 
 
-def describe(array) -> str:
+def describe(array: object) -> str:
     """``module.Type (shape ..., dtype ...)``, for messages about a foreign object."""
     module = type(array).__module__.split(".")[0]
     shape = getattr(array, "shape", None)
@@ -30,7 +36,7 @@ def describe(array) -> str:
     return f"{module}.{type(array).__name__} (shape {shape}, dtype {dtype})"
 
 
-def backend_for(name, array, backend):
+def backend_for(name: str, array: object, backend: str | Backend | None) -> Backend:
     """The backend ``backend`` names, else the one ``array`` belongs to (see ``cupykv.backends.backend_of``)."""
     from cupykv.backends import backend_of, get_backend   # deferred: the backends import this package's neighbours
 
@@ -43,25 +49,26 @@ def backend_for(name, array, backend):
     return found
 
 
-def to_backend_array(name, array, backend):
+def to_backend_array(name: str, array: object, backend: Backend) -> DeviceArray:
     """``array`` as an array of ``backend`` (zero-copy), or TypeError naming ``name`` (see ``Backend.device_array``)."""
     return backend.device_array(name, array)
 
 
-def check_contiguous(name, array) -> None:
+def check_contiguous(name: str, array: DeviceArray) -> None:
     """ValueError unless ``array`` is C-contiguous (negative strides and gaps are not)."""
     if not array.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array, got strides {array.strides} "
                          f"for shape {tuple(array.shape)}; pass a contiguous copy")
 
 
-def check_writeable(name, array) -> None:
+def check_writeable(name: str, array: DeviceArray) -> None:
     """ValueError when ``array`` is read-only (``flags.writeable`` is False; CuPy arrays always write)."""
     if not getattr(array.flags, "writeable", True):
         raise ValueError(f"{name}: expected a writeable array, got a read-only one (flags.writeable is False)")
 
 
-def device_operand(name, array, backend, dtype, shape=None, *, written=False):
+def device_operand(name: str, array: object, backend: Backend, dtype: str, shape: Sequence[int] | None = None, *,
+                   written: bool = False) -> DeviceArray:
     """Validate ``array`` as a float kernel operand and return it as a backend array.
 
     Parameters
@@ -98,7 +105,7 @@ def device_operand(name, array, backend, dtype, shape=None, *, written=False):
     return array
 
 
-def _as_storage_dtype(name: str, array, storage: np.dtype, dtype: str):
+def _as_storage_dtype(name: str, array: DeviceArray, storage: np.dtype[Any], dtype: str) -> DeviceArray:
     """``array`` with dtype ``storage``: as it is, or a bfloat16 form viewed as ``storage`` (no copy)."""
     if array.dtype == storage:
         return array
@@ -110,7 +117,8 @@ def _as_storage_dtype(name: str, array, storage: np.dtype, dtype: str):
     return array.view(storage)
 
 
-def float_operand(name, array, backend, dtype=None, like=None, *, written=False):
+def float_operand(name: str, array: object, backend: Backend, dtype: str | None = None, like: str | None = None, *,
+                  written: bool = False) -> tuple[DeviceArray, str]:
     """``array`` as a contiguous float array of ``backend``; returns ``(array, dtype name)``.
 
     With ``dtype``, the array must have that dtype (the one of argument ``like``).
@@ -125,7 +133,7 @@ def float_operand(name, array, backend, dtype=None, like=None, *, written=False)
     return device_operand(name, array, backend, found, written=written), found
 
 
-def int32_operand(name, array, backend, *, written=False):
+def int32_operand(name: str, array: object, backend: Backend, *, written: bool = False) -> DeviceArray:
     """``array`` as a contiguous int32 array of ``backend``; one the kernel writes must be writeable and
     apart from every cache's buffers."""
     array = to_backend_array(name, array, backend)
@@ -139,7 +147,8 @@ def int32_operand(name, array, backend, *, written=False):
     return array
 
 
-def check_shape(name, array, expected, axes=None):
+def check_shape(name: str, array: DeviceArray, expected: Sequence[int | None],
+                axes: Sequence[str] | None = None) -> Shape:
     """Check ``array.shape`` against ``expected`` (ints, or None for any size >= 1).
 
     Every size must fit the kernels' int32 arithmetic. ``axes`` names the axes
@@ -158,7 +167,9 @@ def check_shape(name, array, expected, axes=None):
     return shape
 
 
-def float_output(out, backend, dtype, shape, like, *, inputs=(), in_place_inputs=()):
+def float_output(out: object, backend: Backend, dtype: str, shape: Shape, like: str, *,
+                 inputs: Iterable[tuple[str, DeviceArray | None]] = (),
+                 in_place_inputs: Iterable[tuple[str, DeviceArray | None]] = ()) -> DeviceArray:
     """The output buffer: ``out`` checked, or new zeros when it is ``None``.
 
     ``out`` must have ``dtype`` and ``shape``, be C-contiguous and writeable,

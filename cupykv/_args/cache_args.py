@@ -10,64 +10,87 @@ arrays); per-sequence values on the device are the fast path's business
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from cupykv._args.limits import INT32_MAX, MAX_NEW
-from cupykv.rope import Rope, check_rope_theta  # noqa: F401 (check_rope_theta re-exported: Rope owns it)
-
-SOFTCAP_MAX = 2.0**64
 from cupykv._args.scalars import (check_int, check_int32, check_positive_float32, got,
                                   int_range, is_int, shown)
+from cupykv.rope import Rope
+from cupykv.rope import check_rope_theta as check_rope_theta   # re-exported: Rope owns it
+
+if TYPE_CHECKING:
+    from cupykv.spec import CacheSpec
+
+SOFTCAP_MAX = 2.0**64
+Int64Array = npt.NDArray[np.int64]
 
 
-def _check_array(name, arr, what):
+class Shaped(Protocol):
+    """What the checks here read of an array, NumPy's or CuPy's: its shape, dtype and rank."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+
+def _check_array(name: str, arr: object, what: str) -> Shaped:
+    """``arr``, once it has the shape, dtype and rank of an array (TypeError otherwise)."""
     if not all(hasattr(arr, attr) for attr in ("shape", "dtype", "ndim")):
         raise TypeError(f"{name}: expected an array {what}, got {got(arr)}")
+    return cast(Shaped, arr)
 
 
-def _check_dtype(name, arr, dtypes):
+def _check_dtype(name: str, arr: Shaped, dtypes: Sequence[npt.DTypeLike] | None) -> None:
     if dtypes is not None and np.dtype(arr.dtype) not in dtypes:
         allowed = ", ".join(np.dtype(d).name for d in dtypes)
         raise TypeError(f"{name}: expected dtype one of ({allowed}), got {np.dtype(arr.dtype).name}")
 
 
-def check_layer(layer, spec):
+def check_layer(layer: object, spec: CacheSpec) -> int:
     """Return ``layer`` as an int in ``0..spec.n_layers - 1``."""
     return check_int("layer", layer, 0, spec.n_layers - 1)
 
 
-def check_rows(name, arr, spec, dtypes=None):
+def check_rows(name: str, arr: object, spec: CacheSpec, dtypes: Sequence[npt.DTypeLike] | None = None) -> int:
     """Check new K or V rows ``[batch, n_new, n_kv_heads, head_dim]``; return ``n_new`` (1..MAX_NEW).
 
     ``dtypes``, when given, is the tuple of accepted dtypes (the caller's policy).
     """
     axes = "[batch, n_new, n_kv_heads, head_dim]"
-    _check_array(name, arr, axes)
+    arr = _check_array(name, arr, axes)
     _check_dtype(name, arr, dtypes)
     shape = tuple(arr.shape)
-    n_new = shape[1] if arr.ndim == 4 and 1 <= shape[1] <= MAX_NEW else f"n_new in 1..{MAX_NEW}"
+    n_new: int | str = shape[1] if arr.ndim == 4 and 1 <= shape[1] <= MAX_NEW else f"n_new in 1..{MAX_NEW}"
     expected = (spec.batch, n_new, spec.n_kv_heads, spec.head_dim)
     if shape != expected:
         shown_shape = "(" + ", ".join(str(s) for s in expected) + ")"
         raise ValueError(f"{name}: expected shape {shown_shape} {axes}, got {shape}")
-    return n_new
+    return shape[1]
 
 
-def check_same_shape(name_a, a, name_b, b):
+def check_same_shape(name_a: str, a: object, name_b: str, b: object) -> None:
     """Check that array ``b`` has the shape of array ``a``."""
+    a, b = _check_array(name_a, a, "[...]"), _check_array(name_b, b, "[...]")
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"{name_b}: expected the shape of {name_a} {tuple(a.shape)}, got {tuple(b.shape)}")
 
 
-def check_q(q, spec, dtypes=None):
+def check_q(q: object, spec: CacheSpec, dtypes: Sequence[npt.DTypeLike] | None = None) -> tuple[int, int]:
     """Check queries ``[batch, q_len, n_heads, head_dim]``; return ``(q_len, n_heads)``.
 
     ``q_len`` in ``1..MAX_NEW``; ``n_heads`` a positive multiple of ``n_kv_heads``;
     ``batch * q_len * n_heads`` (the query rows, a kernel ``int``) at most ``INT32_MAX``.
     """
     axes = "[batch, q_len, n_heads, head_dim]"
-    _check_array("q", q, axes)
+    q = _check_array("q", q, axes)
     _check_dtype("q", q, dtypes)
     shape = tuple(q.shape)
     ok = (
@@ -79,7 +102,7 @@ def check_q(q, spec, dtypes=None):
         and shape[3] == spec.head_dim
     )
     if not ok:
-        q_len = shape[1] if q.ndim == 4 and 1 <= shape[1] <= MAX_NEW else f"q_len in 1..{MAX_NEW}"
+        q_len: int | str = shape[1] if q.ndim == 4 and 1 <= shape[1] <= MAX_NEW else f"q_len in 1..{MAX_NEW}"
         raise ValueError(
             f"q: expected shape ({spec.batch}, {q_len}, n_heads, {spec.head_dim}) {axes} "
             f"with n_heads a multiple of n_kv_heads={spec.n_kv_heads}, got {shape}"
@@ -90,19 +113,19 @@ def check_q(q, spec, dtypes=None):
     return shape[1], shape[2]
 
 
-def check_scale(scale, spec):
+def check_scale(scale: object, spec: CacheSpec) -> float:
     """Return the logit scale: ``1/sqrt(head_dim)`` for ``None``, else a normal float32 > 0."""
     if scale is None:
         return 1.0 / math.sqrt(spec.head_dim)
     return check_positive_float32("scale", scale)
 
 
-def check_window(window):
+def check_window(window: object) -> int | None:
     """Return ``None`` or the sliding-window size as an int in ``1..INT32_MAX``."""
     return None if window is None else check_int32("window", window, lo=1)
 
 
-def check_softcap(softcap):
+def check_softcap(softcap: object) -> float | None:
     """Return ``None`` or the logit soft cap: a normal float32 in ``(0, SOFTCAP_MAX]``.
 
     The kernel computes ``softcap * tanh(s / softcap)`` in float32; above
@@ -116,7 +139,7 @@ def check_softcap(softcap):
                                   "normal and > 0 in float32, the kernel's type; larger caps flush s / softcap to 0")
 
 
-def check_rope(rope, spec):
+def check_rope(rope: object, spec: CacheSpec) -> Rope | None:
     """Return ``None`` or a ``Rope``; rope needs an even ``head_dim``."""
     if rope is None:
         return None
@@ -127,12 +150,12 @@ def check_rope(rope, spec):
     return rope
 
 
-def check_q_len(q_len):
+def check_q_len(q_len: object) -> int:
     """Return ``q_len`` as an int in ``1..MAX_NEW``."""
     return check_int("q_len", q_len, 1, MAX_NEW)
 
 
-def _host_sequence(name, value, spec, expected):
+def _host_sequence(name: str, value: object, spec: CacheSpec, expected: str) -> list[int]:
     """Python ints ``[batch]`` from an int, a list or tuple of ints, or a NumPy int array ``[batch]``.
 
     Elements are read exactly (no wrap-around), for the caller to range-check.
@@ -157,7 +180,7 @@ def _host_sequence(name, value, spec, expected):
     return [int(v) for v in arr.tolist()]
 
 
-def _per_sequence(name, value, spec, lo, hi):
+def _per_sequence(name: str, value: object, spec: CacheSpec, lo: int, hi: int) -> Int64Array:
     """Check a per-sequence int argument; return int64 NumPy ``[batch]`` with every value in ``lo..hi``."""
     if is_int(value):
         return np.full(spec.batch, check_int(name, value, lo, hi), dtype=np.int64)
@@ -168,7 +191,7 @@ def _per_sequence(name, value, spec, lo, hi):
     return np.array(values, dtype=np.int64)
 
 
-def check_advance(n, spec):
+def check_advance(n: object, spec: CacheSpec) -> Int64Array:
     """Check ``advance``'s ``n``: an int or ints ``[batch]``, each in ``0..INT32_MAX`` (the kernel's ``int``).
 
     Returns int64 NumPy ``[batch]``.
@@ -176,7 +199,7 @@ def check_advance(n, spec):
     return _per_sequence("n", n, spec, 0, INT32_MAX)
 
 
-def check_new_lengths(new_lengths, current_lengths, spec):
+def check_new_lengths(new_lengths: object, current_lengths: npt.ArrayLike, spec: CacheSpec) -> Int64Array:
     """Check ``truncate``'s ``new_lengths`` against ``current_lengths`` (host ``[batch]``).
 
     Each ``0 <= new_lengths[b] <= current_lengths[b]``. Returns int64 NumPy ``[batch]``.
@@ -193,7 +216,7 @@ def check_new_lengths(new_lengths, current_lengths, spec):
     return np.array(values, dtype=np.int64)
 
 
-def check_slots(slots, spec):
+def check_slots(slots: object, spec: CacheSpec) -> Int64Array:
     """Check ``reset``'s ``slots``: ``None`` (all), an int, or distinct ints in ``0..batch-1``.
 
     Returns the sorted slot indices as int64 NumPy ``[n_slots]``.
@@ -227,7 +250,7 @@ def check_slots(slots, spec):
 
 
 # -- shared lengths, write, set_lengths, views, capacity (issue 19) ---------------------------------------
-def check_lengths_values(name, values, spec):
+def check_lengths_values(name: str, values: npt.ArrayLike, spec: CacheSpec) -> Int64Array:
     """Check the values of a lengths array handed to a cache (host ``[batch]``): each in ``0..max_seq``.
 
     Returns them as int64 NumPy ``[batch]``.
@@ -239,19 +262,19 @@ def check_lengths_values(name, values, spec):
     return values.astype(np.int64)
 
 
-def check_lengths_shape(name, arr, spec):
+def check_lengths_shape(name: str, arr: object, spec: CacheSpec) -> None:
     """Check the shape of a lengths array ``[batch]`` handed to a cache (its dtype is the caller's business)."""
-    _check_array(name, arr, "[batch]")
+    arr = _check_array(name, arr, "[batch]")
     if tuple(arr.shape) != (spec.batch,):
         raise ValueError(f"{name}: expected shape ({spec.batch},) [batch], got {tuple(arr.shape)}")
 
 
-def positions_shapes(spec, n_new):
+def positions_shapes(spec: CacheSpec, n_new: int) -> tuple[tuple[int, ...], ...]:
     """The shapes ``write`` accepts for ``positions``: ``[batch, n_new]``, and ``[batch]`` when ``n_new`` is 1."""
     return ((spec.batch, n_new), (spec.batch,)) if n_new == 1 else ((spec.batch, n_new),)
 
 
-def check_positions_shape(name, arr, spec, n_new):
+def check_positions_shape(name: str, arr: Shaped, spec: CacheSpec, n_new: int) -> None:
     """Check the shape of ``write``'s ``positions`` (or of a ``positions_out``) against ``n_new`` rows."""
     shapes = positions_shapes(spec, n_new)
     if tuple(arr.shape) not in shapes:
@@ -261,7 +284,7 @@ def check_positions_shape(name, arr, spec, n_new):
         raise ValueError(f"{name}: expected shape {wanted}, got {tuple(arr.shape)}")
 
 
-def check_positions(positions, spec, n_new):
+def check_positions(positions: object, spec: CacheSpec, n_new: int) -> Int64Array:
     """Check host ``positions`` of ``write``; return them as int64 NumPy ``[batch, n_new]``.
 
     ``positions`` is a NumPy int array or nested lists of ints ``[batch, n_new]``
@@ -284,7 +307,7 @@ def check_positions(positions, spec, n_new):
         bad = next(v for v in flat if not is_int(v))
         raise TypeError(f"positions: expected ints, got {got(bad)}")
     for b, row in enumerate(values):
-        seen = {}
+        seen: dict[int, int] = {}
         for i, p in enumerate(row):
             p = int(p)
             if not -INT32_MAX - 1 <= p <= INT32_MAX:
@@ -297,7 +320,7 @@ def check_positions(positions, spec, n_new):
     return np.array(values, dtype=np.int64).reshape(spec.batch, n_new)
 
 
-def check_set_lengths(new_lengths, spec):
+def check_set_lengths(new_lengths: object, spec: CacheSpec) -> Int64Array:
     """Check ``set_lengths``'s host values: an int or ints ``[batch]``, each in ``0..INT32_MAX``.
 
     Values past ``max_seq`` are allowed (clamped and flagged). Returns int64 NumPy ``[batch]``.
@@ -305,12 +328,12 @@ def check_set_lengths(new_lengths, spec):
     return _per_sequence("new_lengths", new_lengths, spec, 0, INT32_MAX)
 
 
-def check_capacity_request(n, spec):
+def check_capacity_request(n: object, spec: CacheSpec) -> Int64Array:
     """Check ``has_capacity``'s ``n``: an int or ints ``[batch]``, each in ``0..INT32_MAX``. Returns int64 ``[batch]``."""
     return _per_sequence("n", n, spec, 0, INT32_MAX)
 
 
-def check_view_layout(layout, spec):
+def check_view_layout(layout: object, spec: CacheSpec) -> str:
     """Return the layout a view is asked for: the cache's for ``None``, else ``"NHD"`` or ``"HND"``."""
     if layout is None:
         return spec.layout
@@ -321,7 +344,7 @@ def check_view_layout(layout, spec):
     return layout
 
 
-def check_seq(seq, spec):
+def check_seq(seq: object, spec: CacheSpec) -> int:
     """Return the sequence index of a one-sequence view: ``seq`` in ``0..batch-1``; ``None`` only when batch is 1."""
     if seq is None:
         if spec.batch != 1:
@@ -331,6 +354,6 @@ def check_seq(seq, spec):
     return check_int("seq", seq, 0, spec.batch - 1)
 
 
-def check_pending(pending):
+def check_pending(pending: object) -> int:
     """Return the pending rows a view includes: an int in ``0..MAX_NEW``."""
     return check_int("pending", pending, 0, MAX_NEW)

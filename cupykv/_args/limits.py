@@ -17,6 +17,7 @@ naming the argument whose shape set it.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 INT32_MAX = 2**31 - 1
 MAX_SEQ = 2**30
@@ -27,7 +28,7 @@ MAX_BLOCK_THREADS = 1024
 MAX_DYNAMIC_SHARED_MEMORY = 48 * 1024
 
 
-def check_launch(name: str, shape: str, grid, block, shared_mem: int = 0) -> None:
+def check_launch(name: str, shape: str, grid: Sequence[int], block: Sequence[int], shared_mem: int = 0) -> None:
     """Raise ValueError, naming ``name``, when a launch breaks one of CUDA's limits.
 
     Parameters
@@ -57,7 +58,7 @@ def check_launch(name: str, shape: str, grid, block, shared_mem: int = 0) -> Non
                          f"{shared_mem} bytes")
 
 
-def check_memory(name: str, needed: int, available, backend: str, source: str) -> None:
+def check_memory(name: str, needed: int, available: int | None, backend: str, source: str) -> None:
     """Raise MemoryError, naming ``name``, when ``needed`` bytes exceed ``available`` (``None``: unknown).
 
     Parameters

@@ -13,38 +13,57 @@ whatever call it comes from, can write into a cache or a plan's workspace
 from __future__ import annotations
 
 import weakref
+from typing import Any, Iterable, Protocol
 
 import numpy as np
+
+from cupykv._typing import DeviceArray
 
 try:
     from numpy.lib.array_utils import byte_bounds   # NumPy >= 2.0
 except ImportError:                                  # pragma: no cover (NumPy 1.x)
-    from numpy import byte_bounds
+    from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]
+
+
+class BufferOwner(Protocol):
+    """A KVCache or an AttentionPlan: something whose buffers no op's output may write into."""
+
+    def owned_ranges(self) -> tuple[tuple[str, int, int], ...]:
+        """``(what, first, last)`` byte addresses of each buffer it owns."""
+        ...
 
 
 class _DeviceInterface:
     """A CuPy array's memory described as NumPy's ``__array_interface__`` describes host memory."""
 
-    def __init__(self, array):
-        self.__array_interface__ = {"data": (array.data.ptr, False), "shape": tuple(array.shape),
+    def __init__(self, array: DeviceArray) -> None:
+        self.__array_interface__ = {"data": (_pointer(array), False), "shape": tuple(array.shape),
                                     "strides": tuple(array.strides), "typestr": array.dtype.str, "version": 3}
 
 
-def byte_range(array) -> tuple[int, int]:
+def byte_range(array: DeviceArray) -> tuple[int, int]:
     """``[first, last)`` byte addresses ``array`` can touch (any strides, negative ones included)."""
     if array.size == 0:
-        start = array.__array_interface__["data"][0] if isinstance(array, np.ndarray) else array.data.ptr
+        start: int = array.__array_interface__["data"][0] if isinstance(array, np.ndarray) else _pointer(array)
         return start, start
-    return byte_bounds(array if isinstance(array, np.ndarray) else _DeviceInterface(array))
+    if isinstance(array, np.ndarray):
+        return byte_bounds(array)
+    return byte_bounds(_DeviceInterface(array))  # type: ignore[arg-type]  # it reads only __array_interface__
 
 
-def shared_bytes(a, b) -> int:
+def _pointer(array: Any) -> int:
+    """The device address of a CuPy array's first element."""
+    return int(array.data.ptr)
+
+
+def shared_bytes(a: DeviceArray, b: DeviceArray) -> int:
     """How many bytes the address ranges of ``a`` and ``b`` have in common."""
     (a0, a1), (b0, b1) = byte_range(a), byte_range(b)
     return max(0, min(a1, b1) - max(a0, b0))
 
 
-def check_no_overlap(name, array, others, *, in_place_ok=False) -> None:
+def check_no_overlap(name: str, array: DeviceArray, others: Iterable[tuple[str, DeviceArray | None]], *,
+                     in_place_ok: bool = False) -> None:
     """ValueError, naming ``name``, when ``array`` overlaps one of ``others``.
 
     Parameters
@@ -75,16 +94,17 @@ def check_no_overlap(name, array, others, *, in_place_ok=False) -> None:
                          f"got one that shares {common} bytes with it")
 
 
-_live_owners = weakref.WeakSet()
+_live_owners: weakref.WeakSet[BufferOwner] = weakref.WeakSet()
 
 
-def register_buffers(owner) -> None:
+def register_buffers(owner: BufferOwner) -> None:
     """Remember ``owner`` while it lives: a KVCache or AttentionPlan, whose ``owned_ranges()`` gives
     ``(what, first, last)`` tuples."""
     _live_owners.add(owner)
 
 
-def check_apart_from_caches(name, array, own=None, *, others=True, shareable=()) -> None:
+def check_apart_from_caches(name: str, array: DeviceArray, own: BufferOwner | None = None, *, others: bool = True,
+                            shareable: tuple[str, ...] = ()) -> None:
     """ValueError, naming ``name``, when ``array`` shares memory with a cache's or a plan's buffers.
 
     ``own`` (the call's cache) is named "the cache's ..."; with ``others``,

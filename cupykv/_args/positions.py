@@ -9,31 +9,42 @@ before anything else happens.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterable
+
 import numpy as np
 
 from cupykv._args.arrays import int32_operand
 from cupykv._args.cache_args import check_positions, check_positions_shape
 from cupykv._args.overlap import check_no_overlap
 from cupykv._args.scalars import check_bool
+from cupykv._typing import DeviceArray
 from cupykv.backends.capture import refuse_in_capture
 
+if TYPE_CHECKING:
+    from cupykv._args.cache_args import Int64Array
+    from cupykv.backends.base import Backend
+    from cupykv.spec import CacheSpec
 
-def positions_operand(positions, spec, n_new, backend, written):
-    """``(device positions, None)`` for a device array, ``(positions, int64 [batch, n_new])`` for host values.
+
+def positions_operand(positions: object, spec: CacheSpec, n_new: int, backend: Backend,
+                      written: Iterable[tuple[str, DeviceArray | None]]
+                      ) -> tuple[DeviceArray, None] | tuple[None, Int64Array]:
+    """``(device positions, None)`` for a device array, ``(None, int64 [batch, n_new])`` for host values.
 
     A device array must be int32 of shape ``[batch, n_new]`` (or ``[batch]``
     when ``n_new`` is 1), C-contiguous, and share no byte with ``written``
     (``(description, array)`` pairs: what the launch writes).
     """
     if not backend.is_device_array(positions) and isinstance(positions, (list, tuple, np.ndarray)):
-        return positions, check_positions(positions, spec, n_new)
-    positions = int32_operand("positions", positions, backend)
-    check_positions_shape("positions", positions, spec, n_new)
-    check_no_overlap("positions", positions, written)
-    return positions, None
+        return None, check_positions(positions, spec, n_new)
+    device = int32_operand("positions", positions, backend)
+    check_positions_shape("positions", device, spec, n_new)
+    check_no_overlap("positions", device, written)
+    return device, None
 
 
-def positions_output(return_positions, positions_out, spec, n_new, backend, inputs):
+def positions_output(return_positions: object, positions_out: object, spec: CacheSpec, n_new: int, backend: Backend,
+                     inputs: Iterable[tuple[str, DeviceArray | None]]) -> DeviceArray | None:
     """The checked ``positions_out``, or ``None`` (the caller allocates one when ``return_positions``).
 
     ``positions_out`` must be a writeable, C-contiguous device int32 array of

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any, Sequence, TypeGuard
 
 import numpy as np
 
@@ -22,30 +23,30 @@ FLOAT64_MAX = float(np.finfo(np.float64).max)
 _SHOWN = 60   # characters of a rejected value's repr kept in a message
 
 
-def shown(value) -> str:
+def shown(value: object) -> str:
     """``repr(value)``, shortened when long (a 400-digit int)."""
     text = repr(value)
     return text if len(text) <= _SHOWN else f"{text[:_SHOWN - 15]}...{text[-12:]}"
 
 
-def got(value) -> str:
+def got(value: object) -> str:
     """``repr`` of a rejected value plus its type, for TypeError messages."""
     return f"{shown(value)} ({type(value).__name__})"
 
 
-def is_int(value) -> bool:
+def is_int(value: object) -> TypeGuard[int | np.integer[Any]]:
     """Whether ``value`` is a Python or NumPy integer (``bool`` is not)."""
     return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def int_range(lo=None, hi=None) -> str:
+def int_range(lo: int | None = None, hi: int | None = None) -> str:
     """``"an int in lo..hi"``, ``"an int >= lo"`` or ``"an int"``."""
     if lo is not None and hi is not None:
         return f"an int in {lo}..{hi}"
     return f"an int >= {lo}" if lo is not None else "an int"
 
 
-def check_int(name, value, lo=None, hi=None) -> int:
+def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
     """Return ``value`` as a Python int, checking ``lo <= value <= hi``.
 
     ``bool`` is refused; NumPy integer scalars are read exactly (``np.uint64(2**64 - 1)``
@@ -54,28 +55,28 @@ def check_int(name, value, lo=None, hi=None) -> int:
     expected = int_range(lo, hi)
     if not is_int(value):
         raise TypeError(f"{name}: expected {expected}, got {got(value)}")
-    value = int(value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name}: expected {expected}, got {shown(value)}")
-    return value
+    number = int(value)
+    if (lo is not None and number < lo) or (hi is not None and number > hi):
+        raise ValueError(f"{name}: expected {expected}, got {shown(number)}")
+    return number
 
 
-def check_int32(name, value, lo=0) -> int:
+def check_int32(name: str, value: object, lo: int = 0) -> int:
     """Return ``value`` as a Python int in ``lo..INT32_MAX`` (a kernel ``int``)."""
     return check_int(name, value, lo, INT32_MAX)
 
 
-def _real(name, value, expected) -> float:
+def _real(name: str, value: object, expected: str) -> float:
     """``value`` as a Python float (``inf`` for an int too large for one); TypeError if not a real number."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"{name}: expected {expected}, got {got(value)}")
     try:
         return float(value)
     except OverflowError:   # an int beyond float64
-        return math.inf if value > 0 else -math.inf
+        return -math.inf if value < 0 else math.inf
 
 
-def check_float(name, value, lo, hi, why) -> float:
+def check_float(name: str, value: object, lo: float, hi: float, why: str) -> float:
     """Return ``value`` as a Python float, checking ``lo <= value <= hi`` (so it is finite).
 
     ``why`` says what the range protects, for the message.
@@ -87,7 +88,8 @@ def check_float(name, value, lo, hi, why) -> float:
     return number
 
 
-def check_positive_float32(name, value, hi=FLOAT32_MAX, why="normal and > 0 in float32, the kernel's type"):
+def check_positive_float32(name: str, value: object, hi: float = FLOAT32_MAX,
+                           why: str = "normal and > 0 in float32, the kernel's type") -> float:
     """Return ``value`` as a Python float that a kernel's ``float`` holds as a normal number in ``(0, hi]``.
 
     The value is checked as the kernel receives it, rounded to float32: 1e39
@@ -103,7 +105,7 @@ def check_positive_float32(name, value, hi=FLOAT32_MAX, why="normal and > 0 in f
     return number
 
 
-def check_choice(name, value, choices):
+def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     """Return ``value``, checking that it is one of the strings ``choices``."""
     expected = "one of " + ", ".join(repr(c) for c in choices)
     if not isinstance(value, str):
@@ -113,7 +115,7 @@ def check_choice(name, value, choices):
     return value
 
 
-def check_bool(name, value) -> bool:
+def check_bool(name: str, value: object) -> bool:
     """Return ``value`` as a Python bool (``bool`` or ``numpy.bool_`` only)."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {got(value)}")

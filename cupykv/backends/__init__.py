@@ -54,7 +54,7 @@ def default_backend_name() -> str:
     return "cupy" if cuda_available()[0] else "emulator"
 
 
-def backend_of(array) -> Backend | None:
+def backend_of(array: object) -> Backend | None:
     """The backend whose kernels would take ``array``, or ``None`` for an object no backend knows.
 
     A ``numpy.ndarray`` belongs to the emulator (which accepts only its own

@@ -8,13 +8,20 @@ and never asks which backend it holds.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeGuard
 
 import numpy as np
+import numpy.typing as npt
 
-from cupykv.backends.capture import CaptureError, Recorder, active_capture, capturing, refuse_in_capture
+from cupykv._typing import DeviceArray, DTypeLike, HostArray
+from cupykv.backends.capture import (CaptureError, Kernel, Launch, Recorder, active_capture, capturing,
+                                     refuse_in_capture)
 from cupykv.kernels import KERNELS
+
+if TYPE_CHECKING:
+    from cupykv.backends.emulator.accounting import Traffic
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,7 @@ class DeviceInfo:
     emulated: bool
     multiprocessor_count: int
     l2_bytes: int = 0
-    details: dict = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 class Backend:
@@ -52,17 +59,22 @@ class Backend:
     """
 
     name: str = ""
-    xp: Any = None
+    xp: Any = None   # the array module, numpy or cupy (which has no type information)
     #: what a host array is called in messages, and how to move one to the device
     host_array_hint: str = ""
 
     def __init__(self) -> None:
         self._modules: dict[str, Any] = {}
-        self._kernels: dict[tuple[str, str], Callable] = {}
+        self._kernels: dict[tuple[str, str], Kernel] = {}
 
     # -- kernels -------------------------------------------------------------
-    def launch(self, op: str, instance: str, grid, block, args, shared_mem: int = 0) -> None:
-        """Launch ``instance`` of ``kernels/<op>.cu``, or hand it to the capture in progress."""
+    def launch(self, op: str, instance: str, grid: Sequence[int], block: Sequence[int], args: Sequence[object],
+               shared_mem: int = 0) -> None:
+        """Launch ``instance`` of ``kernels/<op>.cu``, or hand it to the capture in progress.
+
+        Graph-safe: yes — inside a captured step the launch is recorded (on CuPy, by CUDA stream
+        capture).
+        """
         fn = self.kernel(op, instance)
         recorder = active_capture()
         if recorder is None:
@@ -70,7 +82,7 @@ class Backend:
         else:
             recorder.launch(self, fn, grid, block, args, shared_mem)
 
-    def kernel(self, op: str, instance: str) -> Callable:
+    def kernel(self, op: str, instance: str) -> Kernel:
         """The launchable kernel ``instance`` of ``kernels/<op>.cu``.
 
         The result is called as ``fn(grid, block, args, shared_mem=0)``. It is
@@ -98,7 +110,7 @@ class Backend:
         raise NotImplementedError
 
     # -- capture -------------------------------------------------------------
-    def capture(self, run: Callable[[], None]) -> tuple[list, Callable[[], None], Any]:
+    def capture(self, run: Callable[[], object]) -> tuple[list[Launch], Callable[[], None], object]:
         """Record the launches of ``run()`` as one replayable step.
 
         Called by :func:`cupykv.capture` after the warm-up run. Returns
@@ -107,7 +119,7 @@ class Backend:
         """
         raise NotImplementedError
 
-    def _record(self, run: Callable[[], None], execute: bool) -> Recorder:
+    def _record(self, run: Callable[[], object], execute: bool) -> Recorder:
         """Run ``run()`` as a capture (refusing what a graph cannot replay) and return its recorder."""
         with capturing(Recorder(execute=execute, capturing=True)) as recorder:
             run()
@@ -124,60 +136,78 @@ class Backend:
 
     # -- arrays --------------------------------------------------------------
     # Public array methods refuse to run inside a captured step; subclasses implement _zeros etc.
-    def zeros(self, shape, dtype) -> Any:
-        """A zero-filled device array."""
+    def zeros(self, shape: Sequence[int], dtype: DTypeLike) -> DeviceArray:
+        """A zero-filled device array.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it allocates. Preallocate, and
+        pass ``out=``.
+        """
         refuse_in_capture(f"allocating a {tuple(shape)} {np.dtype(dtype)} array",
                                 "preallocate it outside the step and pass it in (out=...)")
         return self._zeros(shape, dtype)
 
-    def asarray(self, host_array) -> Any:
-        """A device copy of a NumPy array (bfloat16 as this backend stores it)."""
+    def asarray(self, host_array: npt.ArrayLike) -> DeviceArray:
+        """A device copy of a NumPy array (bfloat16 as this backend stores it).
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it allocates and uploads.
+        """
         refuse_in_capture("copying a host array to the device", "upload it before capture")
         return self._asarray(host_array)
 
-    def to_host(self, array) -> np.ndarray:
-        """A NumPy copy of a device array (synchronising)."""
+    def to_host(self, array: DeviceArray) -> HostArray:
+        """A NumPy copy of a device array (synchronising).
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it synchronises and reads the
+        device.
+        """
         refuse_in_capture("reading a device array on the host (a synchronisation)",
                                 "read it after replay()")
         return self._to_host(array)
 
-    def upload(self, device_array, host_values) -> None:
-        """Copy host values into an existing device array."""
+    def upload(self, device_array: DeviceArray, host_values: npt.ArrayLike) -> None:
+        """Copy host values into an existing device array.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): a host-to-device upload.
+        """
         refuse_in_capture("copying host values to the device",
                                 "pass a device int32 array, filled before capture, instead of host values")
         self._upload(device_array, host_values)
 
-    def copy(self, dst, src) -> None:
+    def copy(self, dst: DeviceArray, src: DeviceArray) -> None:
         """Copy ``src`` into ``dst`` on the device: contiguous arrays of equal size and dtype
-        (``src`` may also be an array of ``xp`` that is not a device array, such as NumPy values on the emulator)."""
+        (``src`` may also be an array of ``xp`` that is not a device array, such as NumPy values on the emulator).
+
+        Graph-safe: no — refused inside a captured step (CaptureError): copies are made outside the
+        step.
+        """
         refuse_in_capture("backend.copy()", "copy outside the captured step")
         if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
             raise ValueError(f"src: expected shape {tuple(dst.shape)} and dtype {dst.dtype} (dst's), got "
                              f"shape {tuple(src.shape)} and dtype {src.dtype}")
         self._copy(dst, src)
 
-    def _copy(self, dst, src) -> None:
+    def _copy(self, dst: DeviceArray, src: DeviceArray) -> None:
         raise NotImplementedError
 
-    def storage_dtype(self, dtype: str) -> np.dtype:
+    def storage_dtype(self, dtype: str) -> np.dtype[Any]:
         """The array dtype that holds cache dtype ``dtype`` on this backend."""
         raise NotImplementedError
 
-    def check_device(self, name: str, array) -> None:
+    def check_device(self, name: str, array: DeviceArray) -> None:
         """Raise TypeError unless ``array`` lives on the device kernels launch on now (one device here)."""
 
     def available_memory(self) -> tuple[int | None, str]:
         """Bytes this backend can allocate now, and where that figure comes from (``None``: unknown)."""
         return None, "unknown"
 
-    def _zeros(self, shape, dtype) -> Any:
+    def _zeros(self, shape: Sequence[int], dtype: DTypeLike) -> DeviceArray:
         raise NotImplementedError
 
-    def is_device_array(self, array) -> bool:
+    def is_device_array(self, array: object) -> TypeGuard[DeviceArray]:
         """Whether ``array`` lives where this backend's kernels can read it."""
         raise NotImplementedError
 
-    def device_array(self, name: str, array) -> Any:
+    def device_array(self, name: str, array: object) -> DeviceArray:
         """``array`` as this backend's device array, zero-copy, or TypeError naming ``name``.
 
         Host arrays are refused on every backend (the emulator's device arrays
@@ -196,11 +226,11 @@ class Backend:
         raise TypeError(f"{name}: expected a device array of the {self.name} backend "
                         f"({self.host_array_hint}), got {describe(array)}")
 
-    def _foreign_device_array(self, array) -> Any:
+    def _foreign_device_array(self, array: object) -> DeviceArray | None:
         """A zero-copy view of another library's device array (DLPack), or ``None``."""
         return None
 
-    def traffic(self):
+    def traffic(self) -> AbstractContextManager[Traffic]:
         """A context manager that counts the global-memory traffic of the launches in its block.
 
         Only the emulator sees every access (see :func:`cupykv.testing.traffic`); on a GPU,
@@ -217,18 +247,22 @@ class Backend:
     def use_exact_allocations(self) -> None:
         """Give every later allocation its own device block (no pooling), so memory checkers see real bounds."""
 
-    def _asarray(self, host_array) -> Any:
+    def _asarray(self, host_array: npt.ArrayLike) -> DeviceArray:
         raise NotImplementedError
 
-    def _to_host(self, array) -> np.ndarray:
+    def _to_host(self, array: DeviceArray) -> HostArray:
         raise NotImplementedError
 
-    def _upload(self, device_array, host_values) -> None:
+    def _upload(self, device_array: DeviceArray, host_values: npt.ArrayLike) -> None:
         raise NotImplementedError
 
     # -- synchronisation -----------------------------------------------------
     def synchronize(self) -> None:
-        """Wait on the host until the work launched so far has finished."""
+        """Wait on the host until the work launched so far has finished.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): a host synchronisation
+        invalidates a CUDA stream capture.
+        """
         refuse_in_capture("backend.synchronize() (a host synchronisation, which invalidates a CUDA "
                                 "stream capture)", "synchronise after replay(), outside the step")
         self._synchronize()

@@ -10,8 +10,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from cupykv.backends.base import Backend
 
 _state = threading.local()
+
+
+class Kernel(Protocol):
+    """A launchable kernel, as ``Backend.kernel`` returns it (CuPy's ``RawKernel`` call form)."""
+
+    def __call__(self, grid: Sequence[int], block: Sequence[int], args: Sequence[object], *,
+                 shared_mem: int = 0) -> None: ...
+
+
+#: one recorded launch: ``(kernel, grid, block, args, shared_mem)``
+Launch = Tuple[Kernel, Sequence[int], Sequence[int], Tuple[object, ...], int]
 
 
 class CaptureError(RuntimeError):
@@ -42,13 +57,15 @@ class Recorder:
         False for the eager warm-up run, where allocations are still allowed.
     """
 
-    def __init__(self, execute: bool, capturing: bool):
+    def __init__(self, execute: bool, capturing: bool) -> None:
         self.execute = execute
         self.capturing = capturing
-        self.backends: list = []          # Backend objects that launched, in order of first launch
-        self.launches: list[tuple] = []   # (fn, grid, block, args, shared_mem)
+        self.backends: list[Backend] = []   # Backend objects that launched, in order of first launch
+        self.launches: list[Launch] = []    # (fn, grid, block, args, shared_mem)
 
-    def launch(self, backend, fn, grid, block, args, shared_mem) -> None:
+    def launch(self, backend: Backend, fn: Kernel, grid: Sequence[int], block: Sequence[int], args: Sequence[object],
+               shared_mem: int) -> None:
+        """Keep one launch (and run it, when this recorder executes)."""
         if not any(known is backend for known in self.backends):
             self.backends.append(backend)
         self.launches.append((fn, grid, block, tuple(args), shared_mem))
@@ -57,7 +74,7 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def capturing(recorder: Recorder):
+def capturing(recorder: Recorder) -> Iterator[Recorder]:
     """Make ``recorder`` this thread's capture for the duration of the block; captures do not nest."""
     if active_capture() is not None:
         raise CaptureError("capture() inside a captured step: captures do not nest")

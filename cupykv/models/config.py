@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import numpy as np
+import numpy.typing as npt
 
 from cupykv import _args
 from cupykv.spec import MAX_HEAD_DIM
@@ -38,14 +40,16 @@ class LlamaConfig:
     num_attention_heads: int
     intermediate_size: int
     vocab_size: int
-    num_key_value_heads: int | None = None
+    # None (the default) means num_attention_heads, head_dim hidden_size // num_attention_heads: __post_init__
+    # replaces None with that int, so a made config's fields are ints
+    num_key_value_heads: int = None  # type: ignore[assignment]
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    head_dim: int | None = None
+    head_dim: int = None  # type: ignore[assignment]
     tie_word_embeddings: bool = False
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
             object.__setattr__(self, name, _args.check_int32(f"LlamaConfig.{name}", getattr(self, name), lo=1))
         heads = self.num_attention_heads
@@ -71,7 +75,7 @@ class LlamaConfig:
             raise TypeError(f"LlamaConfig.tie_word_embeddings: expected a bool, got {self.tie_word_embeddings!r}")
 
     @classmethod
-    def from_hf(cls, config: dict) -> "LlamaConfig":
+    def from_hf(cls, config: dict[str, Any]) -> LlamaConfig:
         """Read a Hugging Face LLaMA ``config.json`` dict.
 
         Accepts the older form (top-level ``rope_theta``, optional
@@ -101,12 +105,13 @@ class LlamaConfig:
             rope_type = config["rope_scaling"].get("rope_type", config["rope_scaling"].get("type", "default"))
         if rope_type not in _SUPPORTED_ROPE:
             raise ValueError(f"{where}.rope_type: expected one of {_SUPPORTED_ROPE} (plain rotary), got {rope_type!r}")
+        # absent or null: the defaults (num_attention_heads kv heads, hidden_size // num_attention_heads)
+        derived = {key: config[key] for key in ("num_key_value_heads", "head_dim") if config.get(key) is not None}
         return cls(
             hidden_size=config["hidden_size"], num_hidden_layers=config["num_hidden_layers"],
             num_attention_heads=config["num_attention_heads"], intermediate_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"], num_key_value_heads=config.get("num_key_value_heads"),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=theta, head_dim=config.get("head_dim"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            vocab_size=config["vocab_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=theta,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), **derived,
         )
 
     # -- weights --------------------------------------------------------------
@@ -131,12 +136,12 @@ class LlamaConfig:
             shapes["lm_head.weight"] = (self.vocab_size, hidden)
         return shapes
 
-    def check_weights(self, weights) -> dict[str, np.ndarray]:
+    def check_weights(self, weights: Mapping[str, npt.ArrayLike]) -> dict[str, npt.NDArray[Any]]:
         """Host float arrays for every parameter, shapes checked; unrelated names are ignored."""
         if not hasattr(weights, "__getitem__") or not hasattr(weights, "keys"):
             raise TypeError(f"weights: expected a mapping of Hugging Face names to arrays, "
                             f"got {type(weights).__name__}")
-        checked = {}
+        checked: dict[str, npt.NDArray[Any]] = {}
         for name, shape in self.weight_shapes().items():
             if name not in weights:
                 raise ValueError(f"weights: expected a parameter named {name!r} of shape {shape}, missing")
@@ -148,13 +153,13 @@ class LlamaConfig:
             checked[name] = array
         return checked
 
-    def random_weights(self, seed: int = 0) -> dict[str, np.ndarray]:
+    def random_weights(self, seed: int = 0) -> dict[str, npt.NDArray[np.float32]]:
         """Seeded float32 weights with well-scaled activations (projections ~ 1/sqrt(fan_in)).
 
         ``seed`` is a 64-bit unsigned integer, ``0..2**64 - 1``.
         """
         rng = np.random.default_rng(_args.check_int("seed", seed, lo=0, hi=2**64 - 1))
-        weights = {}
+        weights: dict[str, npt.NDArray[np.float32]] = {}
         for name, shape in self.weight_shapes().items():
             if len(shape) == 1:    # norm gains near 1
                 weights[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)

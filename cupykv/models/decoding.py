@@ -391,7 +391,8 @@ def run_pass(model, loop, use_graph: bool) -> None:
 
 
 def decode(model, loop, padded, n_prompts: int, max_new_tokens: int, stops, *, use_graph: bool,
-           return_logits: bool, progress=None, on_token=None):
+           return_logits: bool, progress=None, on_token=None
+           ) -> tuple[list[list[int]], np.ndarray | None, DecodeStats]:
     """Run ``loop`` after both prefills until every prompt has stopped; returns ``(tokens, logits, stats)``.
 
     ``padded`` are the prompts (one per slot, dummies included); the model's decode ids hold each
@@ -410,8 +411,8 @@ def decode(model, loop, padded, n_prompts: int, max_new_tokens: int, stops, *, u
     if speculative:
         loop.start(first, [p[-1] for p in padded])
         loop.draft.cache.truncate([n - 1 for n in lengths])   # the draft holds one row less (see SpeculativeLoop)
-    tokens = [[] for _ in range(n_prompts)]
-    logits = [[] for _ in range(n_prompts)]
+    tokens: list[list[int]] = [[] for _ in range(n_prompts)]
+    logits: list[list[np.ndarray]] = [[] for _ in range(n_prompts)]
     stats = dict(replays=0, steps=0, cycles=0, proposed=0, accepted=0, cycle_tokens=0)
 
     def emit(new, new_logits):
@@ -428,8 +429,8 @@ def decode(model, loop, padded, n_prompts: int, max_new_tokens: int, stops, *, u
             if progress is not None:
                 progress(max(map(len, tokens)), max_new_tokens)
 
-    first_logits = _host_float(model, model._logits) if return_logits else None
-    emit([[int(first[b])] for b in range(n_prompts)], first_logits[:n_prompts, None] if return_logits else None)
+    first_logits = _host_float(model, model._logits)[:n_prompts, None] if return_logits else None
+    emit([[int(first[b])] for b in range(n_prompts)], first_logits)
     while np.any(active):
         run_pass(model, loop, use_graph)
         stats["replays"] += 1
@@ -444,12 +445,13 @@ def decode(model, loop, padded, n_prompts: int, max_new_tokens: int, stops, *, u
             stats["accepted"] += int(accepted[:n_prompts][live].sum())
             new = [[int(t) for t in host[b] if t >= 0] for b in range(n_prompts)]
             stats["cycle_tokens"] += sum(map(len, new))
-            new_logits = [list(host_logits[b, : len(new[b])]) for b in range(n_prompts)] if return_logits else None
+            new_logits = None if host_logits is None else [
+                list(host_logits[b, : len(new[b])]) for b in range(n_prompts)]
         else:                                             # tokens [n_steps, batch]
             stats["steps"] += loop.n_steps
             new = [[int(t) for t in host[:, b] if t >= 0] for b in range(n_prompts)]
-            new_logits = [[host_logits[j, b] for j in range(loop.n_steps) if host[j, b] >= 0]
-                          for b in range(n_prompts)] if return_logits else None
+            new_logits = None if host_logits is None else [
+                [host_logits[j, b] for j in range(loop.n_steps) if host[j, b] >= 0] for b in range(n_prompts)]
         emit(new, new_logits)
         active = loop.state.active_host()
     if speculative:

@@ -41,7 +41,7 @@ def find_model_file(name: str) -> str:
 class _Stream:
     """Prints the text of a growing token list as it grows (whole characters only)."""
 
-    def __init__(self, tokenizer, out):
+    def __init__(self, tokenizer, out) -> None:
         self.tokenizer, self.out = tokenizer, out
         self.ids: list[int] = []
         self.printed = ""

@@ -228,8 +228,8 @@ def read_gguf(path) -> GGUFCheckpoint:
         stored = gguf_names.get(template, first).format(i=layer)
         raise GGUFError(f"{path}: expected a tensor {stored!r} ({first}), missing"
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    for layer in range(n_layers):
-        q, k = (f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in "qk")
+    for index in range(n_layers):
+        q, k = (f"model.layers.{index}.self_attn.{p}_proj.weight" for p in "qk")
         weights[q] = unpermute_rotary_rows(weights[q], config.num_attention_heads)
         weights[k] = unpermute_rotary_rows(weights[k], config.num_key_value_heads)
     return GGUFCheckpoint(config, config.check_weights(weights), metadata, tensor_types)

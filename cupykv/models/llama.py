@@ -17,25 +17,52 @@ steps per replay and speculative decoding all give identical tokens.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import OrderedDict
+from typing import (TYPE_CHECKING, Any, Callable, Hashable, Literal, Mapping, Sequence, TypeGuard, TypedDict,
+                    Union, overload)
 
 import numpy as np
+import numpy.typing as npt
 
 from cupykv import _args, ops
+from cupykv._typing import DeviceArray, IntLike
 from cupykv.attention import attention
+from cupykv.backends.base import Backend
 from cupykv.cache import KVCache
 from cupykv.models.config import LlamaConfig
 from cupykv.models.weights import load_config, load_weights
 from cupykv.rope import Rope
 from cupykv.spec import DTYPES, MAX_SEQ, CacheSpec
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from cupykv.graph import Graph
+    from cupykv.models.decoding import DecodeStats, GreedyLoop, SpeculativeLoop, StopState
+    from cupykv.models.gguf import GGUFCheckpoint
+
 __all__ = ["LlamaConfig", "Llama", "load_weights"]
+
+#: a prompt: token ids, as a list, a tuple or a NumPy int array
+Prompt = Union[Sequence[IntLike], npt.NDArray[np.integer[Any]]]
+#: ``generate``'s streaming callback: one new token per prompt (None where a prompt has none this time)
+OnToken = Callable[[list[Union[int, None]]], object]
+
+
+class ModelOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`Llama` that its constructors pass on."""
+
+    dtype: str
+    max_seq: IntLike
+    batch: IntLike
+    backend: str | Backend | None
 
 
 class _Activations:
     """Preallocated activations for ``rows`` tokens (rows = batch * tokens per sequence)."""
 
-    def __init__(self, backend, config: LlamaConfig, storage, batch: int, tokens: int):
+    def __init__(self, backend: Backend, config: LlamaConfig, storage: np.dtype[Any], batch: int, tokens: int) -> None:
         rows = batch * tokens
         hd = config.head_dim
         zeros = backend.zeros
@@ -59,6 +86,9 @@ class _Activations:
 
 class Llama:
     """Greedy LLaMA decoding on a cupykv cache.
+
+    Graph-safe: no — refused inside a captured step (CaptureError): a model allocates its cache, weights
+    and buffers. A step captures :meth:`decode_step` of a model made before.
 
     Parameters
     ----------
@@ -89,7 +119,8 @@ class Llama:
         hold (see :class:`cupykv.KVCache`).
     """
 
-    def __init__(self, config: LlamaConfig, weights, *, dtype="float32", max_seq=256, batch=1, backend=None):
+    def __init__(self, config: LlamaConfig, weights: Mapping[str, npt.ArrayLike], *, dtype: str = "float32",
+                 max_seq: IntLike = 256, batch: IntLike = 1, backend: str | Backend | None = None) -> None:
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
         dtype = _args.check_choice("dtype", dtype, DTYPES)
@@ -103,7 +134,7 @@ class Llama:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         self._setup(config, cache, weights)
 
-    def _setup(self, config: LlamaConfig, cache: KVCache, weights: dict) -> None:
+    def _setup(self, config: LlamaConfig, cache: KVCache, weights: dict[str, DeviceArray]) -> None:
         """Attach the cache and the device weights; allocate the decode buffers."""
         self.config, self.cache, self.weights = config, cache, weights
         backend = self.backend = cache._backend
@@ -113,25 +144,39 @@ class Llama:
         self._decode = _Activations(backend, config, storage, batch, 1)
         self._logits = backend.zeros((batch, config.vocab_size), storage)
         self._embedding_error = backend.zeros((1,), np.int32)
-        self._loops = OrderedDict()      # decoding loops (with their graphs) by shape, least recently used first
-        self._last_loop = None
-        self._stop = None                # the device-side stopping state, made on first use
-        self.stats = None
+        # decoding loops (with their graphs) by shape, least recently used first
+        self._loops: OrderedDict[Hashable, GreedyLoop | SpeculativeLoop] = OrderedDict()
+        self._last_loop: GreedyLoop | SpeculativeLoop | None = None
+        self._stop: StopState | None = None   # the device-side stopping state, made on first use
+        self.stats: DecodeStats | None = None
 
     # -- constructors ----------------------------------------------------------
     @classmethod
-    def random(cls, config: LlamaConfig, *, seed: int = 0, **kwargs) -> "Llama":
-        """A model with seeded random weights (see :meth:`LlamaConfig.random_weights`)."""
+    def random(cls, config: LlamaConfig, *, seed: int = 0, **kwargs: Unpack[ModelOptions]) -> Llama:
+        """A model with seeded random weights (see :meth:`LlamaConfig.random_weights`).
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it makes a model (allocates
+        and uploads).
+        """
         return cls(config, config.random_weights(seed), **kwargs)
 
     @classmethod
-    def from_safetensors(cls, config_path_or_dict, path, **kwargs) -> "Llama":
-        """Load HF-named weights from a ``.safetensors`` (or ``.npz``) file and a config.json path or dict."""
+    def from_safetensors(cls, config_path_or_dict: str | os.PathLike[str] | dict[str, Any] | LlamaConfig,
+                         path: str | os.PathLike[str], **kwargs: Unpack[ModelOptions]) -> Llama:
+        """Load HF-named weights from a ``.safetensors`` (or ``.npz``) file and a config.json path or dict.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it makes a model (allocates
+        and uploads).
+        """
         return cls(load_config(config_path_or_dict), load_weights(path), **kwargs)
 
     @classmethod
-    def from_gguf(cls, path_or_checkpoint, **kwargs) -> "Llama":
+    def from_gguf(cls, path_or_checkpoint: str | os.PathLike[str] | GGUFCheckpoint,
+                  **kwargs: Unpack[ModelOptions]) -> Llama:
         """Load a LLaMA-architecture GGUF file (llama.cpp's format), dequantized to ``dtype``.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it makes a model (allocates
+        and uploads).
 
         Parameters
         ----------
@@ -151,13 +196,16 @@ class Llama:
             else read_gguf(path_or_checkpoint)
         return cls(checkpoint.config, checkpoint.weights, **kwargs)
 
-    def first_layers(self, n_layers, *, max_seq=None) -> "Llama":
+    def first_layers(self, n_layers: IntLike, *, max_seq: IntLike | None = None) -> Llama:
         """A draft for self-speculative decoding: this model cut after ``n_layers`` layers.
 
         The draft runs the embedding, layers ``0..n_layers-1``, the final norm
         and the LM head of this model, reading its device weights (nothing is
         copied), with a cache of its own: pass it as ``generate(...,
         draft=model.first_layers(n))``.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): the draft's cache and buffers
+        are allocated.
 
         Parameters
         ----------
@@ -171,24 +219,24 @@ class Llama:
         ValueError
             ``n_layers`` or ``max_seq`` out of range; MemoryError for a cache the backend cannot hold.
         """
-        n_layers = _args.check_int("n_layers", n_layers, 1, self.config.num_hidden_layers)
+        layers = _args.check_int("n_layers", n_layers, 1, self.config.num_hidden_layers)
         spec = self.cache.spec
-        max_seq = spec.max_seq if max_seq is None else _args.check_int("max_seq", max_seq, 1, MAX_SEQ)
-        config = dataclasses.replace(self.config, num_hidden_layers=n_layers)
-        cache = KVCache(_cache_spec(config, spec.dtype, max_seq, spec.batch), backend=self.backend)
+        capacity = spec.max_seq if max_seq is None else _args.check_int("max_seq", max_seq, 1, MAX_SEQ)
+        config = dataclasses.replace(self.config, num_hidden_layers=layers)
+        cache = KVCache(_cache_spec(config, spec.dtype, capacity, spec.batch), backend=self.backend)
         draft = Llama.__new__(Llama)
         draft._setup(config, cache, {name: self.weights[name] for name in (*config.weight_shapes(), "lm_head.weight")})
         return draft
 
     # -- the forward pass ------------------------------------------------------
-    def _w(self, layer: int, name: str):
+    def _w(self, layer: int, name: str) -> DeviceArray:
         return self.weights[f"model.layers.{layer}.{name}.weight"]
 
     def _activations(self, tokens: int) -> _Activations:
         """Buffers for a forward pass of ``tokens`` tokens per sequence (allocates: not inside capture)."""
         return _Activations(self.backend, self.config, self._storage, self.cache.spec.batch, tokens)
 
-    def _forward(self, act: _Activations, ids=None) -> None:
+    def _forward(self, act: _Activations, ids: DeviceArray | None = None) -> None:
         """Embed ``ids`` (default ``act.ids``), run every layer (appending K/V at the pending positions),
         leave ``act.hidden``.
 
@@ -213,7 +261,7 @@ class Llama:
             ops.linear(act.act, self._w(layer, "mlp.down_proj"), out=act.proj)
             ops.add(act.hidden, act.proj, out=act.hidden)
 
-    def _head(self, hidden, normed, logits, ids) -> None:
+    def _head(self, hidden: DeviceArray, normed: DeviceArray, logits: DeviceArray, ids: DeviceArray) -> None:
         """Final norm (into ``normed``), LM head (into ``logits``) and greedy argmax (into ``ids``), per row."""
         ops.rmsnorm(hidden, self.weights["model.norm.weight"], self.config.rms_norm_eps, out=normed)
         ops.linear(normed, self.weights["lm_head.weight"], out=logits)
@@ -228,19 +276,31 @@ class Llama:
         sequence (``generate``'s loops add a stop check per step, see
         :mod:`cupykv.models.decoding`). Launches only, so it can be captured;
         call it directly (after a ``generate``) for custom loops or timing.
+
+        Graph-safe: yes — launches only, into the model's preallocated buffers; positions come from
+        the cache's device lengths and token ids from the device, so each replay decodes the next
+        token.
         """
         act = self._decode
         self._forward(act)
         self._head(act.hidden, act.normed, self._logits, act.ids)
         self.cache.advance(1)
 
-    def feed(self, token_ids) -> None:
+    def feed(self, token_ids: Prompt) -> None:
         """Set the token each sequence embeds at the next :meth:`decode_step` (host ids, one per sequence).
 
         With :meth:`KVCache.truncate <cupykv.KVCache.truncate>` this rolls a
         sequence back and sends it down another path: truncate to the shared
-        prefix, ``feed`` the new token, then ``decode_step()``. Not inside a
-        captured step (it uploads host values).
+        prefix, ``feed`` the new token, then ``decode_step()``.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it uploads host values.
+
+        Raises
+        ------
+        ValueError
+            Not ``batch`` token ids in ``0..vocab_size-1``.
+        CaptureError
+            Inside a captured step.
         """
         batch = self.cache.spec.batch
         if not self._is_token_list(token_ids) or len(token_ids) != batch:
@@ -249,8 +309,18 @@ class Llama:
         self.backend.upload(self._decode.ids, np.array([int(t) for t in token_ids], np.int32))
 
     def next_tokens(self) -> list[int]:
-        """The greedy token of each sequence from the last step: what the next :meth:`decode_step` embeds."""
-        return self.backend.to_host(self._decode.ids).tolist()
+        """The greedy token of each sequence from the last step: what the next :meth:`decode_step` embeds.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it synchronises and reads the
+        device.
+
+        Raises
+        ------
+        CaptureError
+            Inside a captured step.
+        """
+        ids: list[int] = self.backend.to_host(self._decode.ids).tolist()
+        return ids
 
     def _prefill(self, prompts: list[list[int]]) -> None:
         """Run every prompt (padded to the longest) through the model; leaves the first new token in ids."""
@@ -268,14 +338,15 @@ class Llama:
         self.cache.advance(lengths)
 
     # -- generation --------------------------------------------------------------
-    def _check_prompts(self, prompts, max_new_tokens, margin: int = 0, draft=None) -> list[list[int]]:
+    def _check_prompts(self, prompts: object, max_new_tokens: object, margin: int = 0,
+                       draft: Llama | None = None) -> list[list[int]]:
         """The prompts as int lists, padded with one-token dummies to ``batch``.
 
         ``margin`` (the draft's ``num_speculative``) is the verify pass's rows past the last token:
         ``len(prompt) + max_new_tokens + margin`` must fit the target, and one row more the draft.
         """
         spec = self.cache.spec
-        max_new_tokens = _args.check_int("max_new_tokens", max_new_tokens, 1, max(1, spec.max_seq - 1))
+        new_tokens = _args.check_int("max_new_tokens", max_new_tokens, 1, max(1, spec.max_seq - 1))
         if not isinstance(prompts, (list, tuple)) or not 1 <= len(prompts) <= spec.batch:
             raise ValueError(f"prompts: expected a list of 1..{spec.batch} token lists, got {prompts!r:.80}")
         plus = " + num_speculative" if margin else ""
@@ -289,16 +360,34 @@ class Llama:
                 raise ValueError(f"prompts[{b}]: expected a non-empty list of token ids in "
                                  f"0..{self.config.vocab_size - 1}, got {prompt!r:.80}")
             for limit, what in limits:
-                if len(tokens) + max_new_tokens + margin > limit:
+                if len(tokens) + new_tokens + margin > limit:
                     raise ValueError(f"prompts[{b}]: expected len(prompt) + max_new_tokens{plus} <= {what}, "
-                                     f"got {len(tokens)} + {max_new_tokens}{f' + {margin}' if margin else ''}")
+                                     f"got {len(tokens)} + {new_tokens}{f' + {margin}' if margin else ''}")
             checked.append([int(t) for t in tokens])
         # unused slots decode a one-token dummy prompt; their tokens are dropped
         return checked + [[0]] * (spec.batch - len(checked))
 
-    def generate(self, prompts, max_new_tokens: int, *, use_graph: bool = True, return_logits: bool = False,
-                 progress=None, stop_ids=(), on_token=None, eos_token_id=None, tokens_per_replay: int = 1,
-                 draft: "Llama | None" = None, num_speculative: int | None = None):
+    @overload
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: IntLike, *, use_graph: bool = ...,
+                 return_logits: Literal[False] = ..., progress: Callable[[int, int], object] | None = ...,
+                 stop_ids: IntLike | Sequence[IntLike] = ..., on_token: OnToken | None = ...,
+                 eos_token_id: IntLike | Sequence[IntLike] | None = ..., tokens_per_replay: IntLike = ...,
+                 draft: Llama | None = ..., num_speculative: IntLike | None = ...) -> list[list[int]]: ...
+
+    @overload
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: IntLike, *, use_graph: bool = ...,
+                 return_logits: Literal[True], progress: Callable[[int, int], object] | None = ...,
+                 stop_ids: IntLike | Sequence[IntLike] = ..., on_token: OnToken | None = ...,
+                 eos_token_id: IntLike | Sequence[IntLike] | None = ..., tokens_per_replay: IntLike = ...,
+                 draft: Llama | None = ..., num_speculative: IntLike | None = ...
+                 ) -> tuple[list[list[int]], npt.NDArray[np.float32]]: ...
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: IntLike, *, use_graph: bool = True,
+                 return_logits: bool = False, progress: Callable[[int, int], object] | None = None,
+                 stop_ids: IntLike | Sequence[IntLike] = (), on_token: OnToken | None = None,
+                 eos_token_id: IntLike | Sequence[IntLike] | None = None, tokens_per_replay: IntLike = 1,
+                 draft: Llama | None = None, num_speculative: IntLike | None = None
+                 ) -> list[list[int]] | tuple[list[list[int]], npt.NDArray[np.float32]]:
         """Greedy decoding of a batch of prompts, in a loop that runs on the device.
 
         After a batched prefill, either ``tokens_per_replay`` decode steps run
@@ -308,6 +397,9 @@ class Llama:
         new tokens once per pass. Every setting gives the same tokens: those of
         plain greedy decoding of this model (see :mod:`cupykv.models.decoding`).
         ``self.stats`` (a :class:`~cupykv.models.DecodeStats`) describes the last call.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it allocates its buffers,
+        captures and replays its own graphs and reads the new tokens on the host.
 
         Parameters
         ----------
@@ -356,6 +448,8 @@ class Llama:
         ------
         TypeError, ValueError
             A bad argument, named, before anything runs.
+        CaptureError
+            Inside a captured step.
         """
         from cupykv.models import decoding
 
@@ -380,15 +474,18 @@ class Llama:
         self._prefill(padded)
         if draft is not None:
             draft._prefill(padded)
-        tokens, logits, self.stats = decoding.decode(self, loop, padded, n_prompts, max_new_tokens, stops,
+        tokens, logits, self.stats = decoding.decode(self, loop, padded, n_prompts, int(max_new_tokens), stops,
                                                      use_graph=use_graph, return_logits=return_logits,
                                                      progress=progress, on_token=on_token)
         for model in (self, draft) if draft is not None else (self,):
             if model.backend.to_host(model._embedding_error)[0]:   # cannot happen for validated prompts and argmax ids
                 raise RuntimeError("embedding: a token id outside 0..vocab_size-1 reached the model")
-        return (tokens, logits) if return_logits else tokens
+        if return_logits and logits is not None:
+            return tokens, logits
+        return tokens
 
-    def _loop(self, key, make):
+    def _loop(self, key: Hashable,
+              make: Callable[[], GreedyLoop | SpeculativeLoop]) -> GreedyLoop | SpeculativeLoop:
         """The decoding loop of shape ``key`` (a few kept, with their graphs), made on first use.
 
         A speculative loop holds its draft, so the draft's ``id`` in its key names a live model.
@@ -399,7 +496,7 @@ class Llama:
             self._loops.popitem(last=False)
         return loop
 
-    def _stop_state(self):
+    def _stop_state(self) -> StopState:
         """The device-side stopping state every loop of this model shares (made once)."""
         from cupykv.models.decoding import StopState
 
@@ -408,23 +505,23 @@ class Llama:
         return self._stop
 
     @property
-    def _graph(self):
+    def _graph(self) -> Graph | None:
         """The graph of the loop the last ``generate`` ran (None after an eager one)."""
         return getattr(self._last_loop, "graph", None)
 
-    def _is_token_list(self, values) -> bool:
+    def _is_token_list(self, values: object) -> TypeGuard[list[Any] | tuple[Any, ...] | npt.NDArray[Any]]:
         """Whether ``values`` is a list, tuple or array of token ids in ``0..vocab_size - 1``."""
         return isinstance(values, (list, tuple, np.ndarray)) and all(
             _args.is_int(t) and 0 <= t < self.config.vocab_size for t in values)
 
-    def _check_stop_ids(self, name, stop_ids) -> list[int]:
+    def _check_stop_ids(self, name: str, stop_ids: object) -> list[int]:
         """``stop_ids`` (an id or a sequence of ids) as a list of ints."""
         ids = [stop_ids] if _args.is_int(stop_ids) else stop_ids
         if not self._is_token_list(ids):
             raise ValueError(f"{name}: expected token ids in 0..{self.config.vocab_size - 1}, got {stop_ids!r:.80}")
         return [int(i) for i in ids]
 
-    def _host_logits(self) -> np.ndarray:
+    def _host_logits(self) -> npt.NDArray[np.float32]:
         host = self.backend.to_host(self._logits)
         return host.view(self.cache.spec.np_dtype).astype(np.float32)
 

@@ -65,7 +65,7 @@ class LlamaReference:
         ``maps[l, h, i, j]`` is how much token ``i`` of ``prompt`` reads token
         ``j`` in head ``h`` of layer ``l`` (0 for ``j > i``).
         """
-        maps = []
+        maps: list[np.ndarray] = []
         self._step(reference.KVCache(self.spec), list(prompt), maps)
         n = len(prompt)
         return np.stack(maps)[..., :n]

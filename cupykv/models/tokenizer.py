@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from cupykv.models.gguf import GGUFError, read_metadata
+
+if TYPE_CHECKING:
+    import tokenizers
+    from tokenizers.pre_tokenizers import PreTokenizer
 
 #: GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -31,7 +37,7 @@ def _pre_tokenizer(pre: str):
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre in ("default", "gpt2"):
-        steps = [pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")]
+        steps: list[PreTokenizer] = [pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")]
     elif pre == "smollm":   # digits one at a time, then the GPT-2 split
         steps = [pre_tokenizers.Digits(individual_digits=True),
                  pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated")]
@@ -51,7 +57,7 @@ class Tokenizer:
     the eos and end-of-turn ids, and the control tokens of :data:`END_MARKERS`.
     """
 
-    backend: object = field(repr=False)       # tokenizers.Tokenizer
+    backend: tokenizers.Tokenizer = field(repr=False)
     bos_id: int | None
     eos_id: int | None
     stop_ids: tuple

@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import numpy.typing as npt
 
 from cupykv.models.config import LlamaConfig
 
@@ -21,8 +22,8 @@ def load_config(config_path_or_dict) -> LlamaConfig:
     return LlamaConfig.from_hf(config_path_or_dict)
 
 
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bfloat16",
-                       "I64": np.int64, "I32": np.int32}
+_SAFETENSORS_DTYPES: dict[str, npt.DTypeLike] = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "I64": np.int64, "I32": np.int32}
 
 
 def load_weights(path) -> dict[str, np.ndarray]:
@@ -47,11 +48,11 @@ def load_weights(path) -> dict[str, np.ndarray]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
+        stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if stored is None:
             raise ValueError(f"{path}: tensor {name!r}: expected one of {sorted(_SAFETENSORS_DTYPES)}, "
                              f"got dtype {entry['dtype']}")
-        dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).newbyteorder("<")
+        dtype = np.dtype(ml_dtypes.bfloat16 if stored == "bfloat16" else stored).newbyteorder("<")
         begin, end = entry["data_offsets"]
         weights[name] = data[begin:end].view(dtype).reshape(entry["shape"])
     return weights
