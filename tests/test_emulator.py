@@ -487,8 +487,9 @@ def test_rewrite_keeps_line_numbers():
 
 
 def test_static_shared_rewrite_keeps_line_numbers():
-    """A function's static __shared__ variables are reached through a reference (so that
-    every access is instrumented); other declarations stay as they are."""
+    """A function's static __shared__ variables are reached through a reference, file-scope
+    ones keep their name; both are value-initialised (no initialisation guard, whose accesses
+    the instrumentation would see as races); other declarations stay as they are."""
     from cupykv.backends.emulator import source
     src = ("__shared__ float at_file_scope[4];\n__global__ void k(float* y) {\n"
            "  __shared__ __align__(16) float tile[2][32];\n  __shared__ int count;\n"
@@ -497,10 +498,10 @@ def test_static_shared_rewrite_keeps_line_numbers():
     out = source.rewrite_shared(src)
     assert out.count("\n") == src.count("\n")
     lines = out.splitlines()
-    assert lines[0] == "__shared__ float at_file_scope[4];"
-    assert lines[2] == ("  thread_local __align__(16) float cuemu_shared_tile[2][32]; "
+    assert lines[0] == "thread_local float at_file_scope[4]{};"
+    assert lines[2] == ("  thread_local __align__(16) float cuemu_shared_tile[2][32]{}; "
                         "auto& tile = *::cuemu::opaque(&cuemu_shared_tile);")
-    assert lines[3] == "  thread_local int cuemu_shared_count; auto& count = *::cuemu::opaque(&cuemu_shared_count);"
+    assert lines[3] == "  thread_local int cuemu_shared_count{}; auto& count = *::cuemu::opaque(&cuemu_shared_count);"
     assert lines[4] == "  __shared__ float a[2], b[2];"
     assert lines[5].startswith("  float* const dyn = ")
     assert lines[6] == "  // __shared__ float in_comment[3];"

@@ -1,16 +1,19 @@
 // access.cpp: the instrumentation hooks of kernel modules, and the dispatch of their accesses.
 //
-// build.py compiles kernels with GCC's -fsanitize=kernel-address, inline form: before every
-// load and store that GCC cannot prove harmless (locals kept in registers and direct accesses
-// to globals such as cuemu_ctx are not instrumented) it reads one shadow byte,
-// *((addr >> 3) + kShadowOffset), and only when that byte is not zero calls
-// __asan_report_{load,store}{1,2,4,8,16}_noabort(addr) or ..._n_noabort(addr, size), which
-// return here. This file maps the shadow (16 TiB reserved, backed only where written) when the
-// runtime loads, and sets the shadow bytes of the regions observers watch, so accesses to
-// everything else (local memory, read-only arguments) cost a few inline instructions and no
-// call. memcpy, memmove and memset calls come here through -Wl,--wrap, the atomics of cuemu.h
-// through cuemu_atomic_access, and the emulated cp.async and ldmatrix (async_copy.cpp,
-// fragments.cpp) through trace_access. For each access that reaches it, record():
+// build.py compiles kernels with GCC's -fsanitize=thread and links them without its runtime
+// library: every read and write of memory that GCC cannot prove private (locals kept in
+// registers, or whose address never escapes, are not instrumented) calls a hook defined here,
+// __tsan_{read,write}{1,2,4,8,16}(addr) or __tsan_{read,write}_range(addr, size) (sizes that
+// are not a power of two, or accesses less aligned than their size). Each access has its own
+// call, both halves of a read-modify-write (`x[i] += v`) included. The hooks first poll for
+// Ctrl-C, then read one shadow byte, *((addr >> 3) + kShadowOffset), and return at once when it
+// is zero: this file maps the shadow (16 TiB reserved, backed only where written) when the
+// runtime loads and sets the shadow bytes of the regions observers watch, so accesses to
+// everything else (local memory, read-only arguments, cuemu_ctx) cost a call and two loads.
+// memcpy, memmove and memset calls come here through -Wl,--wrap, the atomics of cuemu.h
+// (not instrumented themselves) through cuemu_atomic_access, and the emulated cp.async and
+// ldmatrix (async_copy.cpp, fragments.cpp) through trace_access. For each access that reaches
+// it, record():
 //   1. returns at once unless a launch with observers (or with asynchronous copies) runs, or
 //      for a fiber stack (local memory);
 //   2. finds the watched region: dynamic shared memory, the module's static __shared__
@@ -36,12 +39,12 @@ namespace cuemu {
 namespace {
 
 constexpr uint32_t kMaxObservers = 4;
-// Shadow byte of address a: kShadowOffset + (a >> 3). Must match build.py's -fasan-shadow-offset.
+// Shadow byte of address a: kShadowOffset + (a >> 3), read by the hooks below.
 // [16 TiB, 32 TiB) lies between the low mappings (program, heap) and the high ones (libraries,
 // mmap) of an x86-64 Linux process with 47-bit addresses.
 constexpr uintptr_t kShadowOffset = 0x100000000000ull;
 constexpr size_t kShadowSize = 1ull << 44;
-constexpr uint8_t kWatchedGranule = 0xFF;  // negative: every access to the granule is reported
+constexpr uint8_t kWatchedGranule = 0xFF;  // not zero: accesses that start in the granule go on
 
 // A watched region, laid out for the lookup every access makes.
 struct Watch {
@@ -142,7 +145,9 @@ inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   poll_interrupt();  // Ctrl-C while a kernel busy-waits on watched memory
   if (!T.active || size == 0) return;
   if (addr - T.stack_lo < T.stack_len) return;  // local memory
-  if (T.settle) settle_observers();
+  // A store completes before the thread's next store or atomic (or sync point), but g++
+  // instruments an aggregate copy (`out[i] = in[j]`, a uint4) store first: reads wait.
+  if (T.settle && (kind & (ACCESS_WRITE | ACCESS_ATOMIC))) settle_observers();
   const Region* r = find_region(addr);
   if (!r) return;
   const size_t room = r->hi - addr;
@@ -352,8 +357,8 @@ bool trace_watch_shared() {
 
 }  // namespace cuemu
 
-// Whether the shadow is mapped: build.py instruments modules only then (an instrumented
-// module reads the shadow on every access).
+// Whether the shadow is mapped: build.py instruments modules only then (the hooks of an
+// instrumented module read the shadow on every access).
 CUEMU_EXPORT int cuemu_shadow_ready(void) { return cuemu::g_shadow_ready ? 1 : 0; }
 
 // ---- the hooks kernel modules call ---------------------------------------------------------
@@ -361,20 +366,34 @@ using cuemu::ACCESS_ATOMIC;
 using cuemu::ACCESS_READ;
 using cuemu::ACCESS_WRITE;
 
-// The inline checks call the report functions for watched granules only; a function with
-// more accesses than asan-instrumentation-with-call-threshold would call the others always.
+namespace cuemu {
+namespace {
+
+// Whether the granule of addr's first byte is watched: record() looks up the region of the
+// first byte only, which lies in a marked granule when there is one. Addresses past the 47 bits
+// the shadow covers are nobody's (the access itself faults, in the kernel's code).
+inline bool watched(uintptr_t addr) {
+  poll_interrupt();  // Ctrl-C while a kernel loops on any memory
+  return (addr >> 47) == 0 && *reinterpret_cast<const uint8_t*>(kShadowOffset + (addr >> 3)) != 0;
+}
+
+inline void hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
+  if (__builtin_expect(watched((uintptr_t)addr), 0)) record((uintptr_t)addr, size, kind, ra);
+}
+
+}  // namespace
+}  // namespace cuemu
+
+// What g++ 12's ThreadSanitizer pass emits for cupykv's kernels and the tests' (`nm -u` of a
+// module): sized and range accesses, and a constructor calling __tsan_init. Plain __atomic
+// builtins would call __tsan_atomic*, which are not defined here (CUDA atomics come from
+// cuemu.h, and __threadfence() is a compiler barrier), so such a module fails to load.
 #define CUEMU_SIZED_HOOKS(N)                                                              \
-  CUEMU_EXPORT void __asan_report_load##N##_noabort(uintptr_t addr) {                     \
-    cuemu::record(addr, N, ACCESS_READ, __builtin_return_address(0));                     \
+  CUEMU_EXPORT void __tsan_read##N(const void* addr) {                                    \
+    cuemu::hook(addr, N, ACCESS_READ, __builtin_return_address(0));                       \
   }                                                                                       \
-  CUEMU_EXPORT void __asan_report_store##N##_noabort(uintptr_t addr) {                    \
-    cuemu::record(addr, N, ACCESS_WRITE, __builtin_return_address(0));                    \
-  }                                                                                       \
-  CUEMU_EXPORT void __asan_load##N##_noabort(uintptr_t addr) {                            \
-    cuemu::record(addr, N, ACCESS_READ, __builtin_return_address(0));                     \
-  }                                                                                       \
-  CUEMU_EXPORT void __asan_store##N##_noabort(uintptr_t addr) {                           \
-    cuemu::record(addr, N, ACCESS_WRITE, __builtin_return_address(0));                    \
+  CUEMU_EXPORT void __tsan_write##N(const void* addr) {                                   \
+    cuemu::hook(addr, N, ACCESS_WRITE, __builtin_return_address(0));                      \
   }
 CUEMU_SIZED_HOOKS(1)
 CUEMU_SIZED_HOOKS(2)
@@ -383,22 +402,18 @@ CUEMU_SIZED_HOOKS(8)
 CUEMU_SIZED_HOOKS(16)
 #undef CUEMU_SIZED_HOOKS
 
-CUEMU_EXPORT void __asan_report_load_n_noabort(uintptr_t addr, size_t size) {
-  cuemu::record(addr, size, ACCESS_READ, __builtin_return_address(0));
+CUEMU_EXPORT void __tsan_read_range(const void* addr, size_t size) {
+  cuemu::hook(addr, size, ACCESS_READ, __builtin_return_address(0));
 }
-CUEMU_EXPORT void __asan_report_store_n_noabort(uintptr_t addr, size_t size) {
-  cuemu::record(addr, size, ACCESS_WRITE, __builtin_return_address(0));
+CUEMU_EXPORT void __tsan_write_range(const void* addr, size_t size) {
+  cuemu::hook(addr, size, ACCESS_WRITE, __builtin_return_address(0));
 }
-CUEMU_EXPORT void __asan_loadN_noabort(uintptr_t addr, size_t size) {
-  cuemu::record(addr, size, ACCESS_READ, __builtin_return_address(0));
-}
-CUEMU_EXPORT void __asan_storeN_noabort(uintptr_t addr, size_t size) {
-  cuemu::record(addr, size, ACCESS_WRITE, __builtin_return_address(0));
-}
-// Emitted around dynamic initialisers and before noreturn calls; nothing to do here.
-CUEMU_EXPORT void __asan_handle_no_return(void) {}
-CUEMU_EXPORT void __asan_before_dynamic_init(const char*) {}
-CUEMU_EXPORT void __asan_after_dynamic_init(void) {}
+// Called by a constructor of each module; there is no runtime library to start.
+CUEMU_EXPORT void __tsan_init(void) {}
+// Emitted at every function's entry and exit by g++ 9 and 10, which cannot leave them out
+// (build.py passes --param tsan-instrument-func-entry-exit=0 to newer ones); nothing to do.
+CUEMU_EXPORT void __tsan_func_entry(void*) {}
+CUEMU_EXPORT void __tsan_func_exit(void) {}
 
 CUEMU_EXPORT void* __wrap_memcpy(void* dst, const void* src, size_t n) {
   cuemu::record((uintptr_t)src, n, ACCESS_READ, __builtin_return_address(0));

@@ -4,9 +4,10 @@ The runtime (runtime.cpp, access.cpp, racecheck.cpp, traffic.cpp, schedule.cpp, 
 fragments.cpp) is one library
 loaded once with RTLD_GLOBAL; each module is the kernel source (rewritten) plus a registry, linked
 against nothing and resolving the runtime's symbols at load time. Modules are compiled with
-GCC's address-sanitizer instrumentation in call mode (every load and store calls a hook of
-the runtime, see access.cpp), memcpy/memmove/memset wrapped the same way, and line tables
-(-g1) so that race reports can name source lines. Libraries are cached under
+GCC's ThreadSanitizer instrumentation (every load and store of memory calls a hook, which the
+runtime defines, see access.cpp) and linked in a second g++ run without its runtime library,
+memcpy/memmove/memset wrapped, with line tables (-g1) so that race reports can name source
+lines. Libraries are cached under
 ``$CUPYKV_CACHE_DIR/emulator`` (default ``~/.cache/cupykv/emulator``), keyed by the
 sha256 of everything that can change the binary; diskcache.py lets concurrent processes
 share the cache (one build per library, under a lock; temporaries of killed builds swept).
@@ -18,6 +19,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -36,17 +38,20 @@ RUNTIME_SOURCES = (RUNTIME_SOURCE, HERE / "access.cpp", HERE / "racecheck.cpp", 
 CXX = os.environ.get("CUPYKV_EMULATOR_CXX", "g++")
 COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
                 "-fno-strict-aliasing", "-fno-math-errno", "-ffp-contract=off")
-# Every load and store of a kernel first reads its shadow byte (the runtime maps the shadow at
-# SHADOW_OFFSET, access.cpp) and calls __asan_report_*_noabort, defined by the runtime, only
-# when it is set; no runtime library, no redzones around locals or globals.
-SHADOW_OFFSET = 0x100000000000
-INSTRUMENT_FLAGS = ("-fsanitize=kernel-address", f"-fasan-shadow-offset={SHADOW_OFFSET:#x}",
-                    "--param", "asan-instrumentation-with-call-threshold=1000000000",
-                    "--param", "asan-stack=0", "--param", "asan-globals=0",
-                    "-Wl,--wrap=memcpy", "-Wl,--wrap=memmove", "-Wl,--wrap=memset")
-BASE_MODULE_FLAGS = COMMON_FLAGS + ("-fstack-clash-protection", "-Wno-attributes", "-include", "cuemu.h",
-                                    "-Wl,--wrap=__assert_fail", "-g1")
-MODULE_FLAGS = BASE_MODULE_FLAGS + INSTRUMENT_FLAGS
+# Every read and write of memory in a kernel calls __tsan_read4(addr), __tsan_write_range(addr,
+# size), ... (GCC's ThreadSanitizer pass; the load and the store of a read-modify-write each get
+# a call), which access.cpp defines: no runtime library. Only the compile step gets
+# -fsanitize=thread, since g++ would link libtsan otherwise; memcpy, memmove and memset stay
+# library calls, wrapped at the link. g++ 11 and newer can leave out the calls at every
+# function's entry and exit (g++ 9 and 10 make them; access.cpp defines them as no-ops).
+# -fno-crossjumping: identical tails of two branches stay two copies, so that two call sites of
+# the source keep two return addresses (warp-wide mma and ldmatrix tell their sites apart so).
+INSTRUMENT_FLAGS = ("-fsanitize=thread",)
+NO_FUNC_ENTRY_EXIT = ("--param", "tsan-instrument-func-entry-exit=0")
+BASE_MODULE_FLAGS = tuple(f for f in COMMON_FLAGS if f != "-shared") + (
+    "-fstack-clash-protection", "-fno-crossjumping", "-Wno-attributes", "-include", "cuemu.h", "-g1")
+MODULE_LINK_FLAGS = ("-shared", "-Wl,--wrap=__assert_fail")
+INSTRUMENT_LINK_FLAGS = ("-Wl,--wrap=memcpy", "-Wl,--wrap=memmove", "-Wl,--wrap=memset")
 _HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".cuh", ".inc", ".inl", ".cu")
 
 #: Counters for tests and curiosity: g++ runs, disk-cache hits, in-process hits.
@@ -99,25 +104,31 @@ def _dir_parts(directory):
     return parts
 
 
-def _compile(sources, flags, out_path, what, cwd=None):
+def _compile(sources, flags, out_path, what, cwd=None, link_flags=None):
     """Runs g++ on ``sources`` into ``out_path`` atomically (in ``cwd``, which debug info
-    then names ``.``); call it through diskcache.build_once."""
+    then names ``.``); with ``link_flags``, compiles to an object in ``cwd`` first and links
+    that in a second g++ run. Call it through diskcache.build_once."""
     out_path = Path(out_path).resolve()
     fd, tmp = tempfile.mkstemp(prefix=diskcache.temporary_prefix(out_path), suffix=".tmp.so",
                                dir=out_path.parent)
     os.close(fd)
     if cwd is not None:
         flags = [*flags, f"-fdebug-prefix-map={cwd}=."]
-    cmd = [CXX, *flags, *map(str, sources), "-o", tmp]
+    if link_flags is None:
+        steps = [("compile", [CXX, *flags, *map(str, sources), "-o", tmp])]
+    else:
+        obj = str(Path(cwd) / "module.o")
+        steps = [("compile", [CXX, *flags, "-c", *map(str, sources), "-o", obj]),
+                 ("link", [CXX, *link_flags, obj, "-o", tmp])]
     stats["compiles"] += 1
     try:
-        returncode, output = host.run_compiler(cmd, what, cwd=cwd)
+        for verb, cmd in steps:
+            returncode, output = host.run_compiler(cmd, what, cwd=cwd)
+            if returncode != 0:
+                raise CompileError(f"emulator: g++ failed to {verb} {what}", output)
     except BaseException:
         os.unlink(tmp)
         raise
-    if returncode != 0:
-        os.unlink(tmp)
-        raise CompileError(f"emulator: g++ failed to compile {what}", output)
     os.replace(tmp, out_path)
 
 
@@ -178,7 +189,7 @@ def runtime():
 @functools.lru_cache(maxsize=None)
 def instrumented():
     """Whether modules are built with the race checker's instrumentation: only when the
-    runtime could map its shadow (an instrumented module reads it on every access)."""
+    runtime could map its shadow (the hooks of an instrumented module read it on every access)."""
     ready = bool(runtime().cuemu_shadow_ready())
     if not ready:
         warnings.warn("cupykv emulator: cannot reserve the race checker's shadow memory (16 TiB of "
@@ -188,7 +199,16 @@ def instrumented():
 
 
 def module_flags():
-    return MODULE_FLAGS if instrumented() else BASE_MODULE_FLAGS
+    """The compile flags of a module (its link flags: :func:`module_link_flags`)."""
+    if not instrumented():
+        return BASE_MODULE_FLAGS
+    if host.gcc_major(CXX) >= 11:
+        return BASE_MODULE_FLAGS + INSTRUMENT_FLAGS + NO_FUNC_ENTRY_EXIT
+    return BASE_MODULE_FLAGS + INSTRUMENT_FLAGS
+
+
+def module_link_flags():
+    return MODULE_LINK_FLAGS + (INSTRUMENT_LINK_FLAGS if instrumented() else ())
 
 
 def _runtime_parts():
@@ -244,8 +264,8 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
     text = (f'#line 1 "{quoted}"\n' + source.rewrite_shared(code)
             + source.registry_source(list(name_expressions)))
     host_opts = _host_options(options)
-    key_parts = [text, *host_opts, *module_flags(), compiler_version(), *_runtime_parts(),
-                 *_dir_parts(INCLUDE_DIR)]
+    key_parts = [text, *host_opts, *module_flags(), *module_link_flags(), compiler_version(),
+                 *_runtime_parts(), *_dir_parts(INCLUDE_DIR)]
     for d in include_dirs:
         key_parts += _dir_parts(d)
     key = _digest(key_parts)
@@ -265,13 +285,14 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
                 flags = [*module_flags(), "-I", str(INCLUDE_DIR)]
                 for d in incs:
                     flags += ["-I", d]
-                _compile([src], [*flags, *host_opts], path, filename, cwd=work)
+                _compile([src], [*flags, *host_opts], path, filename, cwd=work,
+                         link_flags=module_link_flags())
             finally:
                 shutil.rmtree(work, ignore_errors=True)
 
         if not diskcache.build_once(path, build):
             stats["disk_hits"] += 1
-        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+        lib = _load(path, filename)
         lib.cuemu_module_entries.argtypes = [ctypes.POINTER(ctypes.c_uint)]
         lib.cuemu_module_entries.restype = ctypes.POINTER(_Entry)
         count = ctypes.c_uint()
@@ -281,6 +302,21 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
             entries[name] = table[i]
         _modules[key] = (lib, entries)
         return _modules[key]
+
+
+def _load(path, filename):
+    """dlopen a module; a hook the runtime lacks (GCC's ThreadSanitizer pass calls
+    __tsan_atomic32_fetch_add for an __atomic builtin, for example) is a CompileError."""
+    try:
+        return ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    except OSError as error:
+        hook = re.search(r"undefined symbol: (__tsan_\w+)", str(error))
+        if not hook:
+            raise
+        raise CompileError(f"emulator: {filename} needs the instrumentation hook {hook.group(1)}, which the "
+                           f"emulator does not define: kernels cannot use GCC's __atomic builtins or std::atomic, "
+                           f"nor construct objects with virtual functions; use CUDA's atomicAdd() and "
+                           f"friends (cuemu.h)") from None
 
 
 def clear_memory_cache():

@@ -2,7 +2,7 @@
 
 The runtime switches fibers with x86-64 assembly, reads Linux's signal context and maps its
 shadow memory with Linux-only flags, and every module is compiled on first use with GCC-only
-options (``-fsanitize=kernel-address`` in its inline form, ``--param asan-*``,
+options (``-fsanitize=thread`` without its runtime library, ``--param tsan-*``,
 ``-fstack-clash-protection``). :func:`check_platform` says so in one clear error before
 anything is compiled; :func:`run_compiler` runs g++ with a time limit.
 """
@@ -42,24 +42,37 @@ def check_platform(cxx):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiler_problem(path):
-    """What makes the compiler at ``path`` unusable, or ``""``."""
-    try:
-        proc = subprocess.run([path, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True,
-                              timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"{path} does not run ({error})"
+def _predefined_macros(path):
+    """``(returncode, {name: value})`` of the compiler at ``path``'s predefined macros; raises
+    OSError or TimeoutExpired when it does not run."""
+    proc = subprocess.run([path, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True,
+                          timeout=60)
     macros = {}
     for line in proc.stdout.splitlines():
         parts = line.split(maxsplit=2)
         if len(parts) == 3 and parts[0] == "#define":
             macros[parts[1]] = parts[2]
-    if proc.returncode != 0 or "__GNUC__" not in macros or "__clang__" in macros:
+    return proc.returncode, macros
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_problem(path):
+    """What makes the compiler at ``path`` unusable, or ``""``."""
+    try:
+        returncode, macros = _predefined_macros(path)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{path} does not run ({error})"
+    if returncode != 0 or "__GNUC__" not in macros or "__clang__" in macros:
         return f"{path} is not GCC (its predefined macros lack __GNUC__ or have __clang__)"
     version = f"{macros['__GNUC__']}.{macros.get('__GNUC_MINOR__', '0')}"
     if int(macros["__GNUC__"]) < MIN_GCC:
         return f"{path} is GCC {version}, older than {MIN_GCC}"
     return ""
+
+
+def gcc_major(cxx):
+    """The major version of the g++ ``cxx`` (after :func:`check_platform` accepted it)."""
+    return int(_predefined_macros(shutil.which(cxx))[1]["__GNUC__"])
 
 
 def compile_timeout():

@@ -105,13 +105,17 @@ STATIC_SHARED_PREFIX = "cuemu_shared_"
 
 
 def rewrite_static_shared(text):
-    """Turns a function's ``__shared__ [align] T name[dims];`` into thread-local storage
-    reached through a reference the compiler cannot see through, on the same line(s).
+    """Turns ``__shared__ [align] T name[dims];`` into value-initialised thread-local storage,
+    on the same line(s); inside a function, reached through a reference the compiler cannot
+    see through.
 
-    Static ``__shared__`` variables are ``thread_local``, and GCC does not instrument direct
-    accesses to thread-local variables at constant offsets; through the reference, every
-    access reaches the race checker. Declarations outside functions, with several
-    declarators or a comma in the type stay plain ``thread_local`` (``cuemu.h``).
+    Static ``__shared__`` variables are ``thread_local``; the ``cuemu_shared_`` prefix of a
+    function's variable lets race reports name it (sites.py). The ``{}`` value-initialises the
+    storage, which for the trivial constructors CUDA allows in shared memory is
+    zero-initialisation at load time: without it g++ guards the default-initialisation of a
+    class type (``__half``) with a thread-local flag that every fiber reads and the first one
+    sets, which the instrumentation sees as a race. Declarations with several declarators or a
+    comma in the type stay plain ``thread_local`` (``cuemu.h``).
     """
     blanked = blank(text)
     pieces, last = [], 0
@@ -119,14 +123,18 @@ def rewrite_static_shared(text):
         before = blanked[max(0, m.start() - 16):m.start()]
         line_start = blanked.rfind("\n", 0, m.start()) + 1
         if (re.search(r"\bextern\s*$", before) or not m.group("decl").strip()
-                or blanked[line_start:m.start()].lstrip().startswith("#")
-                or not _in_function(blanked, m.start())):
+                or blanked[line_start:m.start()].lstrip().startswith("#")):
             continue
         decl = " ".join(text[m.start("decl"):m.end("decl")].split())
         dims = " ".join(text[m.start("dims"):m.end("dims")].split())
-        name, storage = m.group("name"), STATIC_SHARED_PREFIX + m.group("name")
-        repl = (f"thread_local {decl} {storage}{dims}; "
-                f"auto& {name} = *::cuemu::opaque(&{storage});")
+        name = m.group("name")
+        if _in_function(blanked, m.start()):
+            storage = STATIC_SHARED_PREFIX + name
+            repl = (f"thread_local {decl} {storage}{dims}{{}}; "
+                    f"auto& {name} = *::cuemu::opaque(&{storage});")
+        else:
+            static = "static " if blanked.startswith("static", m.start()) else ""
+            repl = f"{static}thread_local {decl} {name}{dims}{{}};"
         repl += "\n" * text.count("\n", m.start(), m.end())
         pieces += [text[last:m.start()], repl]
         last = m.end()

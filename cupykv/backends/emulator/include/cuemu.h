@@ -9,13 +9,14 @@
 //    allowed); the Python builder rewrites that line into a pointer to the launch's
 //    dynamic shared memory, keeping line numbers.
 //  * Static `__shared__` variables are thread_local storage shared by the fibers of
-//    the running block, reached through a reference (the builder rewrites a function's
-//    declarations; see cuemu::opaque). They are not bounds-checked and keep the previous
-//    block's values (they are not poisoned).
+//    the running block, value-initialised, and inside a function reached through a reference
+//    (the builder rewrites the declarations; see cuemu::opaque). They are not bounds-checked
+//    and keep the previous block's values (they are not poisoned).
 //  * Barriers and warp operations are identified by call site (__FILE__:__LINE__).
-//  * The builder compiles kernels with GCC's address-sanitizer instrumentation in call mode:
-//    every load and store calls a hook of the runtime (access.cpp), which feeds the race
-//    checker. Accesses to locals that stay in registers cost nothing.
+//  * The builder compiles kernels with GCC's ThreadSanitizer instrumentation (without its
+//    runtime library): every read and write of memory calls a hook of the runtime
+//    (access.cpp), which feeds the race checker and the traffic counter. Accesses to locals
+//    that stay in registers cost nothing.
 //  * __CUDA_ARCH__ and __CUDACC__ are NOT defined; CUPYKV_EMULATOR is.
 #pragma once
 #define CUPYKV_EMULATOR 1
@@ -112,9 +113,10 @@ namespace cuemu {
 inline char* dynamic_shared() { return ::cuemu_ctx.dyn_smem; }
 
 // The builder declares each static __shared__ variable of a function as
-// `thread_local T cuemu_shared_x[N]; auto& x = *::cuemu::opaque(&cuemu_shared_x);`: GCC does
-// not instrument direct accesses to thread-local variables, but does those through a pointer
-// whose value it cannot know.
+// `thread_local T cuemu_shared_x[N]; auto& x = *::cuemu::opaque(&cuemu_shared_x);` (the prefix
+// lets sites.py name it). The instrumentation sees accesses through the reference and direct
+// ones to thread-local variables alike; opaque() hides the address's value from GCC, which a
+// sanitizer that skipped direct thread-local accesses needed.
 template <class T>
 __attribute__((always_inline)) inline T* opaque(T* p) {
   asm("" : "+r"(p));
@@ -225,17 +227,19 @@ struct Site {
 #define __brkpt() ::cuemu_trap("__brkpt()", __FILE__, __LINE__)
 
 // Fibers of a block run one at a time on one OS thread, so fences only need to stop
-// the compiler from caching memory across them.
-static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-static inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-static inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// the compiler from caching memory across them (an empty asm: __atomic_thread_fence would
+// become a __tsan_atomic_thread_fence call under the instrumentation).
+static inline void __threadfence() { __asm__ __volatile__("" ::: "memory"); }
+static inline void __threadfence_block() { __asm__ __volatile__("" ::: "memory"); }
+static inline void __threadfence_system() { __asm__ __volatile__("" ::: "memory"); }
 static inline long long clock64() { return cuemu_clock64(); }
 static inline void __nanosleep(unsigned) {}
 
 // ---- atomics (plain read-modify-write: fibers never interleave inside one) ---------
 // Not instrumented and never inlined: each reports one atomic access at its caller's site to
-// the race checker, which does not count two atomics as a race.
-#define CUEMU_ATOMIC_FN static inline __attribute__((noinline, no_sanitize_address))
+// the observers (the race checker does not count two atomics as a race; the traffic counter
+// counts it as an atomic, neither load nor store), and its own read and write are not seen.
+#define CUEMU_ATOMIC_FN static inline __attribute__((noinline, no_sanitize_thread))
 #define CUEMU_ATOMIC(NAME, T, EXPR)                                         \
   CUEMU_ATOMIC_FN T NAME(T* address, T val) {                               \
     cuemu_atomic_access(address, sizeof(T), __builtin_return_address(0));   \

@@ -166,5 +166,16 @@ inline uint16_t f64_to_bf16(double d) { return f32_to_bf16(f64_to_f32_odd(d)); }
   static inline T2 operator+(const T2& a, const T2& b) { return __hadd2(a, b); }         \
   static inline T2 operator-(const T2& a, const T2& b) { return __hsub2(a, b); }         \
   static inline T2 operator*(const T2& a, const T2& b) { return __hmul2(a, b); }         \
-  static inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }         \
-  static inline T2 atomicAdd(T2* p, T2 v) { T2 old = *p; *p = old + v; return old; }
+  /* one atomic access each, not instrumented themselves (as cuemu.h's atomics) */        \
+  static inline __attribute__((noinline, no_sanitize_thread)) T atomicAdd(T* p, T v) {    \
+    cuemu_atomic_access(p, sizeof(T), __builtin_return_address(0));                      \
+    T old = *p;                                                                          \
+    *p = old + v;                                                                        \
+    return old;                                                                          \
+  }                                                                                      \
+  static inline __attribute__((noinline, no_sanitize_thread)) T2 atomicAdd(T2* p, T2 v) { \
+    cuemu_atomic_access(p, sizeof(T2), __builtin_return_address(0));                     \
+    T2 old = *p;                                                                         \
+    *p = old + v;                                                                        \
+    return old;                                                                          \
+  }

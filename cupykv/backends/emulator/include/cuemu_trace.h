@@ -1,8 +1,8 @@
 // cuemu_trace.h: the runtime's access-event layer, between the scheduler and the checkers.
 //
 // Runtime-internal (kernels never include it). Kernel modules are compiled with GCC's
-// address-sanitizer instrumentation in call mode, so every load and store of a kernel calls a
-// hook (__asan_load4_noabort(addr), __asan_storeN_noabort(addr, size), ...), and memcpy,
+// ThreadSanitizer instrumentation, without its runtime library, so every read and write of a
+// kernel calls a hook (__tsan_read4(addr), __tsan_write_range(addr, size), ...), and memcpy,
 // memmove and memset calls are redirected to wrappers (-Wl,--wrap). access.cpp implements those
 // hooks: it drops accesses to fiber stacks (local memory), sorts the rest into the launch's
 // memory regions (dynamic shared memory, static __shared__ variables, array arguments) and
@@ -69,8 +69,11 @@ class Observer {
   virtual void warp_sync(uint32_t warp, uint32_t lanes) {   // a warp collective completed
     (void)warp; (void)lanes;
   }
-  // Called before the next event after request_settle(): the store the observer saw last has
-  // completed by then, so its value can be read (racecheck's same-value writes).
+  // Called after request_settle(), before the running thread's next write or atomic access,
+  // before it blocks or exits, and at the end of the block: the store the observer saw last has
+  // completed by then, so its value can be read (racecheck's same-value writes). Not before a
+  // read: the hooks of one statement may come before its store (g++ instruments the store of
+  // an aggregate copy before its load).
   virtual void settle() {}
   virtual void block_end() {}
   virtual void launch_end() {}
