@@ -21,7 +21,7 @@ TINY = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_
             vocab_size=40)
 MAX_SEQ = 16
 #: each example runs a tiny model a few times on the emulator
-EXAMPLES = max(10, settings.default.max_examples // 5)
+EXAMPLES = max(10, settings.default.max_examples // 10)   # each example decodes whole prompts on the emulator
 
 
 @functools.lru_cache(maxsize=None)

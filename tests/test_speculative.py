@@ -21,7 +21,7 @@ TARGET = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_ke
 SMALL = dict(TARGET, num_hidden_layers=1, intermediate_size=16)
 MAX_SEQ = 24          # longest prompt 5 + max_new_tokens 8 + k 8 fits, with room to spare
 #: each example runs two tiny models a few times on the emulator
-EXAMPLES = max(10, settings.default.max_examples // 5)
+EXAMPLES = max(10, settings.default.max_examples // 10)   # each example decodes whole prompts on the emulator
 NOISES = (0.0, 0.03, 0.1, None)   # draft weights: the target's plus this much noise, or (None) unrelated
 
 

@@ -194,10 +194,11 @@ def _gpu_plan(tmp_path, tools=TOOLS):
     return plan, {part.name: part for part in plan.parts}
 
 
-def test_gpu_plan_fits_eight_minutes():
+def test_gpu_plan_fits_ten_minutes():
+    # A GPU session has 15 minutes of device time, the machine's start included: 10 minutes leave room.
     parts = (GPU_BUDGETS.launches_s + GPU_BUDGETS.gpu_suite_s + GPU_BUDGETS.stateful_s + GPU_BUDGETS.bench_s
              + GPU_BUDGETS.ncu_s + sum(seconds for _, seconds in GPU_BUDGETS.sanitizer_s))
-    assert parts <= GPU_BUDGETS.total_s <= 8 * 60
+    assert parts <= GPU_BUDGETS.total_s <= 10 * 60
     assert {tool for tool, _ in GPU_BUDGETS.sanitizer_s} == set(validate.SANITIZER_TOOLS)
 
 
@@ -233,7 +234,7 @@ def test_gpu_plan_profiles_attention_and_linear_once_each(tmp_path):
     assert re.search(attention, "void cupykv_attention<__nv_bfloat16, 128>(__nv_bfloat16 *, float *)")
     assert not re.search(attention, "void cupykv_attention_combine<__nv_bfloat16>(__nv_bfloat16 *, float *)")
     assert re.search(linear, "void cupykv_linear<__nv_bfloat16, 1>(__nv_bfloat16 *)")
-    assert parts["bench"].commands[0][-4:] == ("--backend", "cupy", "--out", str(tmp_path / "out"))
+    assert parts["bench"].commands[0][-5:] == ("--backend", "cupy", "--out", str(tmp_path / "out"), "--quick")
 
 
 def test_gpu_plan_without_tools_skips_them_with_the_reason(tmp_path):

@@ -19,6 +19,11 @@ side by side:
 - ``decode_loops``: greedy generation of the SmolLM2-shaped model, wall
   clock per call: tokens/s with N decode steps per graph replay, and one
   speculative cycle (self-speculative draft) as a multiple of one decode step.
+- ``peers`` (where torch can be imported; :mod:`cupykv.bench.peers`): decode
+  attention against each of torch's SDPA backends on the same device buffers
+  (DLPack), and end-to-end greedy decoding against transformers' static-cache
+  ``generate``, eager and under ``torch.compile``; skipped, with the failed
+  import, without torch. On the emulator: correctness only, no times.
 - ``traffic`` (emulator only): sectors per warp request and distinct sectors
   over the ideal for decode attention's K/V loads and linear's weight loads,
   counted by the emulator; properties of the access patterns, not GPU figures.
@@ -40,7 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cupykv.backends import get_backend
-from cupykv.bench import model, report, sections
+from cupykv.bench import model, peers, report, sections
+from cupykv.bench.peers import PeersPlan
 from cupykv.bench.timing import make_timer
 
 SCHEMA = "cupykv-bench/1"
@@ -79,6 +85,7 @@ class Plan:
     n_kv_heads: int = 8
     head_dim: int = 128
     full_axis_check_divisor: int = 8
+    peers: PeersPlan = PeersPlan()   # the peers section: torch SDPA and transformers on the same data
 
     def __post_init__(self):
         steps = self.warmup + self.repeat + 1   # per model phase: warm-up, timed calls, capture's own step
@@ -112,7 +119,12 @@ PLANS = {
         full_axis_max_seq=32768, full_axis_batch=8, full_axis_divisors=(64, 8, 1),
         linear_rows=(1, 16), linear_shapes=((4096, 4096), (14336, 4096)),
         model_config=tuple((k, 4) if k == "num_hidden_layers" else (k, v) for k, v in _LLAMA_1B),
-        model_batch=1, model_max_seq=2048, model_context=1024, smollm2_config=_SMOLLM2),
+        model_batch=1, model_max_seq=2048, model_context=1024, smollm2_config=_SMOLLM2,
+        loop_tokens=32, loop_replay_steps=(1, 16), loop_batches=(1,), loop_repeat=3,
+        # validate runs this plan within its bench budget: peers gets 60 s, so torch.compile is left out
+        # unless the attention cases finish with 60 s to spare
+        peers=PeersPlan(batches=(1, 32), lives=(1024, 32768), groups=(1, 8), e2e_batches=(1,), e2e_repeat=2,
+                        budget_s=60.0, compile_reserve_s=60.0)),
     # The emulator's smoke run: the real head configuration, tiny lengths and weights.
     "smoke": Plan(
         mode="smoke", warmup=1, repeat=3, copy_bytes=32 * MiB,
@@ -124,13 +136,18 @@ PLANS = {
         model_batch=1, model_max_seq=64, model_context=16,
         smollm2_config=tuple((k, {"num_hidden_layers": 2, "vocab_size": 2048}.get(k, v)) for k, v in _SMOLLM2),
         smollm2_batches=(1, 2), loop_tokens=6, loop_replay_steps=(1, 4), loop_draft_layers=1,
-        loop_batches=(1,), loop_repeat=3),
+        loop_batches=(1,), loop_repeat=3,
+        # torch's CPU SDPA against the emulator: correctness only, three dtypes, both layouts, uneven lengths
+        peers=PeersPlan(timed=False, batches=(2,), lives=(40,), groups=(1, 4), q_lens=(1, 8),
+                        dtypes=("bfloat16", "float16", "float32"), layouts=("NHD", "HND"), n_kv_heads=2,
+                        head_dim=64, uneven_lengths=True, model_dtype="float32", e2e_batches=(1, 2), prompt_len=8,
+                        new_tokens=8, e2e_repeat=0, compile=False)),
 }
 
 #: section name -> function of a Context, in run order (copy first: the others divide by it).
 SECTIONS = (("copy", sections.copy_bandwidth), ("attention_decode", sections.attention_decode),
             ("full_axis", sections.full_axis), ("linear", sections.linear), ("model_decode", model.model_decode),
-            ("smollm2_decode", model.smollm2_decode), ("decode_loops", model.decode_loops),
+            ("smollm2_decode", model.smollm2_decode), ("decode_loops", model.decode_loops), ("peers", peers.peers),
             ("traffic", sections.traffic))
 
 

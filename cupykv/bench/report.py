@@ -63,6 +63,7 @@ def table(data: dict) -> str:
     block("smollm2_decode", ("batch", "eager_tokens_per_s", "graph_tokens_per_s"))
     block("decode_loops", ("batch", "mode", "time_per_token_ms", "tokens_per_s", "speedup_over_1"))
     block("traffic", ("what", "sectors_per_request", "sectors_over_ideal", "requested_over_ideal"))
+    lines += peers_lines(sections.get("peers", {}))
     failed = [check["what"] for check in all_checks(data) if not check["passed"]]
     lines.append(f"checks: {'all passed' if not failed else 'FAILED: ' + '; '.join(failed)}")
     return "\n".join(lines)
@@ -96,15 +97,16 @@ def figure(data: dict, fig=None):
     data : dict
         A parsed ``bench.json``.
     fig : matplotlib.figure.Figure, optional
-        Drawn into (e.g. ``plt.figure(figsize=(16, 9), layout="constrained")`` in
+        Drawn into (e.g. ``plt.figure(figsize=(16, 13), layout="constrained")`` in
         a notebook); by default a new bare ``Figure`` that no pyplot backend sees.
     """
     if fig is None:
         from matplotlib.figure import Figure
-        fig = Figure(figsize=(16, 9), layout="constrained")
+        fig = Figure(figsize=(16, 13), layout="constrained")
     sections = data["sections"]
-    (ax_att, ax_full, ax_smollm2), (ax_lin, ax_model, ax_unused) = fig.subplots(2, 3)
-    ax_unused.set_axis_off()
+    axes = fig.subplot_mosaic([["att", "full", "smollm2"], ["lin", "model", "e2e"], ["peers", "peers", "peers"]],
+                              height_ratios=(1, 1, 1.2))
+    ax_att, ax_full, ax_smollm2, ax_lin, ax_model = (axes[k] for k in ("att", "full", "smollm2", "lin", "model"))
     title = f"cupykv bench: {data['backend']} on {data['environment']['device']}"
     if not data.get("is_gpu_figures"):
         title += f"\n{EMULATOR_TITLE}"
@@ -174,9 +176,97 @@ def figure(data: dict, fig=None):
         ax_smollm2.legend(fontsize=8)
     else:
         _skipped(ax_smollm2, "SmolLM2-135M shape", smollm2)
+    _peers_attention(axes["peers"], sections.get("peers", {}))
+    _peers_end_to_end(axes["e2e"], sections.get("peers", {}))
     return fig
 
 
 def write_png(data: dict, path) -> None:
     """Draw :func:`figure` into a PNG file."""
     figure(data).savefig(path, dpi=100)
+
+
+# -- the peers section ---------------------------------------------------------------
+PEER_IMPLS = ("cupykv", "flash", "efficient", "cudnn", "math")
+
+
+def peers_lines(section: dict) -> list[str]:
+    """The table's lines for the peers section: per case cupykv against the fastest torch backend."""
+    if section.get("status") != "ok":
+        return [f"peers: {section.get('status', 'missing')}: {section.get('reason', '')}"]
+    lines = [f"peers ({section['label']}):"]
+    rows = section["results"]
+    if section["timed"]:
+        lines.append("  " + "  ".join(f"{c:>12}" for c in ("batch", "live_len", "group", "q_len", "cupykv_ms",
+                                                             "torch_best", "torch_ms", "speedup")))
+        for row in rows:
+            figures = (row["batch"], row["live_len"], row["group"], row["q_len"], row.get("cupykv_time_ms", "-"),
+                       row.get("fastest_torch", "-"), row.get("fastest_torch_time_ms", "-"),
+                       row.get("speedup_over_fastest_torch", "-"))
+            lines.append("  " + "  ".join(f"{_fmt(value):>12}" for value in figures))
+    else:
+        worst = max((error for row in rows for error in row["error_over_tolerance"].values()), default=0.0)
+        lines.append(f"  {len(rows)} attention cases, largest error / tolerance {worst:.3g} (no times)")
+    e2e = section.get("end_to_end", {})
+    if e2e.get("status") != "ok":
+        lines.append(f"  end to end: {e2e.get('status', 'missing')}: {e2e.get('reason', '')}")
+    elif section["timed"]:
+        for row in e2e["results"]:
+            rates = ", ".join(f"{impl} {row[f'{impl}_tokens_per_s']:.4g}"
+                              for impl in ("cupykv", "hf_eager", "hf_compiled") if f"{impl}_tokens_per_s" in row)
+            lines.append(f"  end to end, batch {row['batch']}: tokens/s {rates}")
+    else:
+        lines.append(f"  end to end: batches {e2e['params']['batches']}, tokens compared (no times)")
+    return lines
+
+
+def _peers_attention(ax, section: dict) -> None:
+    """Per case, cupykv's bar beside each torch backend's: % of copy bandwidth (timed) or error / tolerance."""
+    title = "decode attention: cupykv and torch SDPA backends, same buffers"
+    if section.get("status") != "ok" or not section.get("results"):
+        _skipped(ax, title, section)
+        return
+    rows = section["results"]
+    timed = section["timed"]
+    impls = [impl for impl in PEER_IMPLS if any(impl in row["error_over_tolerance"] for row in rows)]
+    width = 0.8 / len(impls)
+    for n, impl in enumerate(impls):
+        values = [(row.get(f"{impl}_pct_of_copy") if timed else row["error_over_tolerance"].get(impl)) or 0.0
+                  for row in rows]
+        ax.bar([i + (n - (len(impls) - 1) / 2) * width for i in range(len(rows))], values, width, label=impl)
+    if timed:
+        for i, row in enumerate(rows):
+            if "speedup_over_fastest_torch" in row:
+                ax.annotate(f"{row['speedup_over_fastest_torch']:.2g}x",
+                            (i - (len(impls) - 1) / 2 * width, row.get("cupykv_pct_of_copy") or 0.0),
+                            textcoords="offset points", xytext=(0, 4), ha="center", fontsize=6)
+        ax.set(ylabel="% of copy bandwidth (live K+V / time)", title=title + " (label: cupykv over fastest torch)")
+    else:
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set(ylabel="error / stated tolerance (<= 1 passes)", title=f"{title}: {section['label']}")
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    labels = [f"{short.get(row['dtype'], row['dtype'])} {row['layout']} b{row['batch']} L{row['live_len']} "
+              f"g{row['group']} q{row['q_len']}" for row in rows]
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
+    ax.legend(fontsize=7, ncol=len(impls))
+
+
+def _peers_end_to_end(ax, section: dict) -> None:
+    """Tokens/s per batch of cupykv graph decode, transformers eager and compiled."""
+    title = "end to end: cupykv vs transformers"
+    e2e = section.get("end_to_end", {}) if section.get("status") == "ok" else section
+    if e2e.get("status") != "ok" or not section.get("timed"):
+        reason = e2e.get("reason") if e2e.get("status") != "ok" else \
+            f"{section['label']}: tokens " + ("identical" if all(c["passed"] for c in e2e["checks"]) else "DIFFER")
+        _skipped(ax, title, {"reason": reason})
+        return
+    rows = e2e["results"]
+    impls = [impl for impl in ("cupykv", "hf_eager", "hf_compiled") if any(f"{impl}_tokens_per_s" in r for r in rows)]
+    width = 0.8 / max(1, len(impls))
+    for n, impl in enumerate(impls):
+        ax.bar([i + (n - (len(impls) - 1) / 2) * width for i in range(len(rows))],
+               [row.get(f"{impl}_tokens_per_s", 0.0) for row in rows], width, label=impl)
+    ax.set_xticks(range(len(rows)), [str(row["batch"]) for row in rows])
+    ax.set(xlabel="batch", ylabel="new tokens per second", title=title + " (SmolLM2 shape)")
+    ax.legend(fontsize=8)
+
