@@ -33,7 +33,7 @@
 // Strides are in elements, so one kernel serves the NHD and the HND layout. Without rope
 // the row is copied bit for bit. With rope the key is rotated in double precision and
 // rounded once to fp32, then to the storage type (exactly as append.cu does).
-#include "common.cuh"
+#include "cache_row.cuh"
 
 template <typename T>
 __global__ void __launch_bounds__(1024) cupykv_write(
@@ -66,25 +66,6 @@ __global__ void __launch_bounds__(1024) cupykv_write(
     if (!in_range || superseded) return;   // uniform: no barrier below
     const long long src_row = ((long long)b * n_new + i) * n_kv * head_dim;
     const long long dst_row = layer_offset + b * stride_batch + (long long)pos * stride_seq;
-    const int row_elems = n_kv * head_dim;
-    for (int e = threadIdx.x; e < row_elems; e += blockDim.x) {
-        const int h = e / head_dim, d = e - h * head_dim;
-        v_cache[dst_row + h * stride_head + d] = v_new[src_row + e];
-    }
-    if (!use_rope) {
-        for (int e = threadIdx.x; e < row_elems; e += blockDim.x) {
-            const int h = e / head_dim, d = e - h * head_dim;
-            k_cache[dst_row + h * stride_head + d] = k_new[src_row + e];
-        }
-        return;
-    }
-    const int half_dim = head_dim / 2;
-    for (int e = threadIdx.x; e < n_kv * half_dim; e += blockDim.x) {
-        const int h = e / half_dim, d = e - h * half_dim;
-        float lo = cupykv::to_float(k_new[src_row + h * head_dim + d]);
-        float hi = cupykv::to_float(k_new[src_row + h * head_dim + d + half_dim]);
-        cupykv::rope_rotate_pair(&lo, &hi, pos, d, head_dim, rope_theta);
-        k_cache[dst_row + h * stride_head + d] = cupykv::from_float<T>(lo);
-        k_cache[dst_row + h * stride_head + d + half_dim] = cupykv::from_float<T>(hi);
-    }
+    cupykv::store_cache_row(k_cache, v_cache, k_new, v_new, src_row, dst_row, stride_head, n_kv, head_dim, pos,
+                            use_rope, rope_theta);
 }
