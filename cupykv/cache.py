@@ -448,14 +448,7 @@ class KVCache:
         """
         self._check_device()
         spec = self.spec
-        constant = _args.is_int(n)
-        step = _args.check_int32("n", n, lo=0) if constant else 0
-        steps = self._per_seq if constant else \
-            self._per_sequence_arg("n", n, lambda host: _args.check_advance(host, spec))
-        self._launch(
-            "advance", "cupykv_advance", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
-            (self.lengths, self.overflow, steps, np.int32(not constant), np.int32(step),
-             np.int32(spec.batch), np.int32(spec.max_seq)))
+        self._lengths_op("advance", "n", n, lambda host: _args.check_advance(host, spec))
 
     def truncate(self, new_lengths: PerSequence) -> None:
         """Roll sequences back to shorter lengths (speculative-decoding rollback).
@@ -519,13 +512,21 @@ class KVCache:
         """
         self._check_device()
         spec = self.spec
-        constant = _args.is_int(new_lengths)
-        length = _args.check_int32("new_lengths", new_lengths, lo=0) if constant else 0
-        values = self._per_seq if constant else \
-            self._per_sequence_arg("new_lengths", new_lengths, lambda host: _args.check_set_lengths(host, spec))
+        self._lengths_op("set_lengths", "new_lengths", new_lengths, lambda host: _args.check_set_lengths(host, spec))
+
+    def _lengths_op(self, op: str, name: str, value: object, check_host: Callable[[object], npt.ArrayLike]) -> None:
+        """Launch ``kernels/<op>.cu`` (advance or set_lengths) with one value for all sequences or one each.
+
+        An int is a launch constant; anything else becomes a device int32 ``[batch]`` (see
+        :meth:`_per_sequence_arg`). Both kernels clamp to ``max_seq`` and flag overflow.
+        """
+        spec = self.spec
+        constant = _args.is_int(value)
+        scalar = _args.check_int32(name, value, lo=0) if constant else 0
+        values = self._per_seq if constant else self._per_sequence_arg(name, value, check_host)
         self._launch(
-            "set_lengths", "cupykv_set_lengths", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
-            (self.lengths, self.overflow, values, np.int32(not constant), np.int32(length),
+            op, f"cupykv_{op}", (_blocks(spec.batch, _SMALL_THREADS),), (_SMALL_THREADS,),
+            (self.lengths, self.overflow, values, np.int32(not constant), np.int32(scalar),
              np.int32(spec.batch), np.int32(spec.max_seq)))
 
     def reset(self, slots: IntLike | Sequence[IntLike] | ArrayLike | None = None) -> None:
