@@ -28,6 +28,10 @@ class CupyBackend(Backend):
     host_array_hint = "cupy.ndarray, or an object with __cuda_array_interface__ or DLPack; move a host " \
                       "array with cupy.asarray first"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._device_infos: dict[int, DeviceInfo] = {}
+
     def _compile(self, filename, source, instances):
         includes = tuple(f"-I{d}" for d in (KERNEL_DIR, *cuda_include_dirs()[:1]))
         return cupy.RawModule(code=source, options=("-std=c++17", *includes), name_expressions=list(instances))
@@ -54,9 +58,16 @@ class CupyBackend(Backend):
         return recorder.launches, replay_once, (cuda_graph, stream)
 
     def device_info(self):
+        """The current device's properties, read once per device (every plan asks for them)."""
+        device = cupy.cuda.Device().id
+        known = self._device_infos.get(device)
+        if known is None:
+            known = self._device_infos[device] = self._read_device_info(device)
+        return known
+
+    def _read_device_info(self, device: int) -> DeviceInfo:
         from cupy.cuda import runtime
 
-        device = cupy.cuda.Device().id
         props = runtime.getDeviceProperties(device)
         name = props["name"]
         driver, runtime_version = runtime.driverGetVersion(), runtime.runtimeGetVersion()
