@@ -25,14 +25,15 @@ _plans: weakref.WeakKeyDictionary[KVCache, OrderedDict[Hashable, AttentionPlan]]
 
 
 def plan_for(cache: KVCache, q_len: int, n_heads: int, *, scale: float | None = None, window: int | None = None,
-             softcap: float | None = None, rope: Rope | None = None, num_splits: int | None = None) -> AttentionPlan:
+             softcap: float | None = None, rope: Rope | None = None, num_splits: int | None = None,
+             split_keys: int | None = None) -> AttentionPlan:
     """The cached plan of ``cache`` for these static arguments, made (outside capture) on first use."""
-    key = (q_len, n_heads, scale, window, softcap, rope, num_splits)
+    key = (q_len, n_heads, scale, window, softcap, rope, num_splits, split_keys)
     plans = _plans.setdefault(cache, OrderedDict())
     plan = plans.get(key)
     if plan is None:
         plan = plans[key] = AttentionPlan(cache, q_len, n_heads, scale=scale, window=window, softcap=softcap,
-                                          rope=rope, num_splits=num_splits)
+                                          rope=rope, num_splits=num_splits, split_keys=split_keys)
         while len(plans) > PLANS_PER_CACHE:
             plans.popitem(last=False)
     plans.move_to_end(key)
@@ -41,7 +42,8 @@ def plan_for(cache: KVCache, q_len: int, n_heads: int, *, scale: float | None = 
 
 def attention(q: ArrayLike, cache: KVCache, layer: IntLike, *, scale: FloatLike | None = None,
               window: IntLike | None = None, softcap: FloatLike | None = None, rope: Rope | None = None,
-              out: ArrayLike | None = None, num_splits: IntLike | None = None) -> DeviceArray:
+              out: ArrayLike | None = None, num_splits: IntLike | None = None,
+              split_keys: IntLike | None = None) -> DeviceArray:
     """Causal GQA attention of ``q`` over the live rows of one cache layer.
 
     Query ``i`` of sequence ``b`` sits at position ``lengths[b] + i`` (rows
@@ -78,6 +80,11 @@ def attention(q: ArrayLike, cache: KVCache, layer: IntLike, *, scale: FloatLike 
     num_splits : int, optional
         Split-KV factor in ``1..min(ceil(max_seq / 128), 65535)``; by default
         the plan picks it (:func:`cupykv.attention_plan.plan_splits`).
+    split_keys : int, optional
+        Instead of ``num_splits``: splits at the fixed positions
+        ``[s * split_keys, (s + 1) * split_keys)`` (a multiple of 128), so a
+        query row's result does not depend on ``q_len`` (see
+        :class:`~cupykv.AttentionPlan`).
 
     Returns
     -------
@@ -100,7 +107,9 @@ def attention(q: ArrayLike, cache: KVCache, layer: IntLike, *, scale: FloatLike 
     rope = _args.check_rope(rope, spec)
     if num_splits is not None:
         num_splits = _args.check_int("num_splits", num_splits, 1, max_splits(spec.max_seq))
+    if split_keys is not None:
+        split_keys = _args.check_int("split_keys", split_keys, 1)   # the plan checks the rest
     operands = check_operands(cache, q_len, n_heads, q, layer, out)   # before a new plan allocates
     plan = plan_for(cache, q_len, n_heads, scale=scale, window=window, softcap=softcap, rope=rope,
-                    num_splits=num_splits)
+                    num_splits=num_splits, split_keys=split_keys)
     return plan._launch(*operands)

@@ -72,6 +72,16 @@ def plan_splits(spec: CacheSpec, q_len: int, n_heads: int, resident_blocks: int)
     return max(1, min(math.ceil(resident_blocks / blocks), spec.max_seq // MIN_KEYS_PER_SPLIT))
 
 
+def _check_split_keys(split_keys: object, spec: CacheSpec) -> int:
+    """``split_keys`` as an int: a multiple of CHUNK, at most ``max_seq`` rounded up, in at most MAX_SPLITS splits."""
+    lo = max(CHUNK, math.ceil(spec.max_seq / MAX_SPLITS / CHUNK) * CHUNK)
+    hi = max(lo, math.ceil(spec.max_seq / CHUNK) * CHUNK)
+    split_keys = _args.check_int("split_keys", split_keys, lo, hi)
+    if split_keys % CHUNK:
+        raise ValueError(f"split_keys: expected a multiple of {CHUNK} (the kernel's key chunk), got {split_keys}")
+    return split_keys
+
+
 def _check_n_heads(n_heads: object, spec: CacheSpec) -> int:
     """``n_heads`` as an int: a positive multiple of ``n_kv_heads``."""
     n_heads = _args.check_int32("n_heads", n_heads, lo=1)
@@ -145,10 +155,21 @@ class AttentionPlan:
     num_splits : int, optional
         Split-KV factor in ``1..min(ceil(max_seq / 128), 65535)``; by default
         enough splits to fill the device once (:func:`cupykv.attention_plan.plan_splits`).
+        The splits cut each tile's own key range into equal pieces, so where
+        they fall depends on the query shape.
+    split_keys : int, optional
+        Instead of ``num_splits``: split ``s`` holds the fixed positions
+        ``[s * split_keys, (s + 1) * split_keys)``, a multiple of 128 with at
+        most 65535 splits of ``max_seq``. A query row's keys are then summed in
+        the same order whatever ``q_len`` (without a window), so a row of a
+        ``q_len = k + 1`` verification pass equals the same row decoded alone,
+        bit for bit: what speculative decoding needs to reproduce greedy
+        tokens exactly. Splits past a sequence's live length exit at once.
 
     Attributes
     ----------
     num_splits : int
+    split_keys : int or None
     grid, block : tuple of int
         The attention launch; a split plan adds a combine launch of
         ``batch * q_len * n_heads`` blocks.
@@ -167,7 +188,7 @@ class AttentionPlan:
 
     def __init__(self, cache: KVCache, q_len: IntLike, n_heads: IntLike, *, scale: FloatLike | None = None,
                  window: IntLike | None = None, softcap: FloatLike | None = None, rope: Rope | None = None,
-                 num_splits: IntLike | None = None) -> None:
+                 num_splits: IntLike | None = None, split_keys: IntLike | None = None) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache: expected a cupykv.KVCache, got {type(cache).__name__}")
         refuse_in_capture("making an AttentionPlan (it allocates its workspace)",
@@ -192,7 +213,13 @@ class AttentionPlan:
         self.shared_mem_bytes = shared_memory_bytes(spec.head_dim)
         self._instance = attention_instance(spec.dtype, spec.head_dim)
         backend = cache.kernel_view(0).backend
-        if num_splits is None:
+        self.split_keys = None if split_keys is None else _check_split_keys(split_keys, spec)
+        if self.split_keys is not None:
+            if num_splits is not None:
+                raise ValueError(f"num_splits: expected None with split_keys (the splits follow from it), "
+                                 f"got {num_splits!r}")
+            num_splits = math.ceil(spec.max_seq / self.split_keys)
+        elif num_splits is None:
             device = backend.device_info()
             per_sm = backend.occupancy("attention", self._instance, THREADS, self.shared_mem_bytes)
             num_splits = plan_splits(spec, self.q_len, self.n_heads, device.multiprocessor_count * per_sm)
@@ -231,7 +258,7 @@ class AttentionPlan:
         spec = self.cache.spec
         return (f"AttentionPlan(batch={spec.batch}, q_len={self.q_len}, n_heads={self.n_heads}, "
                 f"n_kv_heads={spec.n_kv_heads}, head_dim={spec.head_dim}, dtype={spec.dtype!r}, "
-                f"num_splits={self.num_splits}, grid={self.grid}, workspace_bytes={self.workspace_bytes})")
+                f"num_splits={self.num_splits}, split_keys={self.split_keys}, grid={self.grid}, workspace_bytes={self.workspace_bytes})")
 
     def run(self, q: ArrayLike, layer: IntLike, out: ArrayLike | None = None) -> DeviceArray:
         """Attend ``q`` over ``layer`` of the plan's cache.
@@ -279,7 +306,8 @@ class AttentionPlan:
             (out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, q, view.k, view.v,
              view.lengths, *view.layout_args(),
              np.int32(self.q_len), np.int32(self.n_heads), np.int32(spec.n_kv_heads), np.int32(spec.head_dim),
-             np.int32(spec.max_seq), np.int32(self.num_splits), np.float32(self.scale),
+             np.int32(spec.max_seq), np.int32(self.num_splits), np.int32(self.split_keys or 0),
+             np.float32(self.scale),
              np.float32(self.softcap or 0.0), np.int32(self.window or 0), np.int32(rope is not None),
              np.float64(rope.theta if rope else 0.0)),
             self.shared_mem_bytes)

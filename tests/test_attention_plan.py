@@ -206,3 +206,58 @@ constexpr int kThreads = 1;
 def test_parse_constants_refuses_what_it_cannot_read(source, message):
     with pytest.raises(ValueError, match=message):
         parse_constants(source, "t")
+
+
+# -- split_keys: splits at fixed positions, so a row does not depend on the query shape -------------------
+# float32 outputs: rounding to a 16-bit output could hide a difference in the fp32 sums
+LONG = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=16, max_seq=1024, batch=2, dtype="float32")
+
+
+def rows_alone_and_together(split_kwargs, q_len=5, lengths=(700, 333)):
+    """Attention of ``q_len`` queries in one pass, and of each query alone at its own length (same cache rows)."""
+    cache, oracle = cupykv.KVCache(LONG, backend="emulator"), reference.KVCache(LONG)
+    rng = np.random.default_rng(3)
+    testing.fill(cache, oracle, [n + q_len for n in lengths], rng)    # every row a pass may read is written
+    q_host = testing.random_rows(rng, LONG, (LONG.batch, q_len, 4, LONG.head_dim))
+    cache.set_lengths(list(lengths))
+    together = testing.to_numpy(cupykv.attention(cache.to_device(q_host), cache, 0, **split_kwargs), LONG)
+    alone = []
+    for i in range(q_len):
+        cache.set_lengths([n + i for n in lengths])
+        out = cupykv.attention(cache.to_device(np.ascontiguousarray(q_host[:, i:i + 1])), cache, 0, **split_kwargs)
+        alone.append(testing.to_numpy(out, LONG)[:, 0])
+    return together, np.stack(alone, axis=1)
+
+
+@pytest.mark.parametrize("split_keys", [128, 256, 384])
+@pytest.mark.parametrize("lengths", [(700, 333), (765, 383)])
+def test_with_split_keys_a_row_of_a_pass_equals_the_row_alone_bit_for_bit(split_keys, lengths):
+    together, alone = rows_alone_and_together({"split_keys": split_keys}, lengths=lengths)
+    assert together.tobytes() == alone.tobytes()
+
+
+def test_equal_splits_of_the_tile_range_do_not_give_that_guarantee():
+    # Why split_keys exists: with num_splits the cut points follow the tile's last query.
+    # lengths where the tile's range (L + 5) rounds to a larger per-split size than a row alone (L + 1 + i)
+    together, alone = rows_alone_and_together({"num_splits": 3}, lengths=(765, 383))
+    assert together.tobytes() != alone.tobytes()
+    assert np.allclose(together, alone, rtol=1e-5, atol=1e-6)   # the same within rounding, not bit for bit
+
+
+def test_split_keys_sets_the_split_count_and_reaches_the_kernel():
+    cache = cupykv.KVCache(LONG, backend="emulator")
+    plan = cupykv.AttentionPlan(cache, 2, 4, split_keys=256)
+    assert (plan.split_keys, plan.num_splits, plan.grid[1]) == (256, 4, 4)
+    assert "split_keys=256" in repr(plan)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(split_keys=200), r"^split_keys: expected a multiple of 128 \(the kernel's key chunk\), got 200"),
+    (dict(split_keys=64), r"^split_keys: expected an int in 128\.\.1024, got 64"),
+    (dict(split_keys=2048), r"^split_keys: expected an int in 128\.\.1024, got 2048"),
+    (dict(split_keys=256, num_splits=4), r"^num_splits: expected None with split_keys"),
+])
+def test_bad_split_keys_are_refused(kwargs, message):
+    cache = cupykv.KVCache(LONG, backend="emulator")
+    with pytest.raises(ValueError, match=message):
+        cupykv.AttentionPlan(cache, 1, 4, **kwargs)

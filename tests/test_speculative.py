@@ -255,3 +255,24 @@ def test_speculative_gather_reads_only_inside_src():
         decoding.speculative_gather(out, src, offset=2, row_stride=2)
     with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap src"):
         decoding.speculative_gather(src[:2], src, offset=3, row_stride=1)
+
+
+def test_speculative_tokens_equal_greedy_with_keys_split_at_fixed_positions(monkeypatch):
+    # On a GPU a long cache splits its keys; Llama then splits decode and verification passes at fixed
+    # positions (split_keys), so both sum a row's keys in the same order. Forced here on the emulator.
+    import importlib
+    attention_module = importlib.import_module("cupykv.attention")
+    monkeypatch.setattr(Llama, "_decode_split_keys", lambda self: 128)
+    config = LlamaConfig(**TARGET)
+    model = Llama(config, config.random_weights(5), max_seq=640, batch=2, backend="emulator")
+    weights = {name: w + 0.05 * w.std() * np.random.default_rng(6).standard_normal(w.shape).astype(w.dtype)
+               if w.ndim == 2 else w for name, w in config.random_weights(5).items()}
+    helper = Llama(config, weights, max_seq=640, batch=2, backend="emulator")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (300, 170)]   # 3 and 2 splits live
+    greedy = model.generate(prompts, 10, use_graph=True)
+    speculative = model.generate(prompts, 10, use_graph=True, draft=helper, num_speculative=4)
+    assert speculative == greedy
+    assert 0 < model.stats.accepted < model.stats.proposed            # some proposals rejected: rollbacks ran
+    used = {plan.q_len: plan.split_keys for plan in attention_module._plans[model.cache].values()}
+    assert used[1] == used[5] == 128                                  # decode and verification passes

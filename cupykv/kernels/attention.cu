@@ -23,7 +23,9 @@
 // head dimension per thread for P.V. Dynamic shared memory:
 //     (16 * head_dim + 16 * 128 + 3 * 16) * 4 bytes.
 // The key range of a block is [kv_begin, kv_end) from the device lengths, cut
-// into num_splits equal, chunk-aligned pieces, so work follows the live length
+// into num_splits equal, chunk-aligned pieces (or, with split_keys > 0, into
+// the fixed positions [s * split_keys, (s + 1) * split_keys), which make a row's
+// result independent of the query shape), so work follows the live length
 // and positions past it are never read. With num_splits == 1 the block writes
 // `out`; otherwise it writes unnormalised fp32 partial results and
 // cupykv_attention_combine merges them: grid (batch * q_len * n_heads), block (128).
@@ -41,8 +43,8 @@ constexpr int kWarps = kThreads / 32;
 }  // namespace attention_tiling
 
 // Minimum resident blocks per SM (ptxas's register budget): 4 (<= 128 registers) for 16-bit
-// storage; 3 (<= 168) for float, where NVRTC 13.5 allocates <float, 64> on sm_80 at 168
-// registers (13.0.88: 162; before the one-axis grid, 164 and 74) and spilled 16 bytes under
+// storage; 3 (<= 168) for float, where NVRTC 13.5 allocates <float, 64> on sm_80 at 164 to
+// 168 registers (164 since the split_keys argument; 13.0.88: 162) and spilled 16 bytes under
 // the 128 cap. `python -m cupykv check` prints every instance's registers.
 template <typename T> constexpr int attention_min_blocks() { return sizeof(T) == 4 ? 3 : 4; }
 
@@ -57,7 +59,7 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     const T* __restrict__ v_cache,
     const int* __restrict__ lengths,      // [batch], device-resident
     long long layer_offset, long long stride_batch, long long stride_seq, long long stride_head,
-    int q_len, int n_heads, int n_kv, int head_dim_runtime, int max_seq, int num_splits,
+    int q_len, int n_heads, int n_kv, int head_dim_runtime, int max_seq, int num_splits, int split_keys,
     float scale, float softcap, int window, int use_rope, double rope_theta) {
     using namespace attention_tiling;
     constexpr int kVec = (HEAD_DIM > 0 && HEAD_DIM % (16 / (int)sizeof(T)) == 0) ? 16 / (int)sizeof(T) : 1;
@@ -116,9 +118,15 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     const int last_query = (first_row + max(tile_rows, 1) - 1) / group;
     const int kv_end = min(max_seq, length + last_query + 1);
     const int kv_begin = min(kv_end, window > 0 ? max(0, length + first_query - window + 1) : 0);
-    const int per_split = ((kv_end - kv_begin + num_splits - 1) / num_splits + kChunk - 1) / kChunk * kChunk;
-    const int split_begin = min(kv_end, kv_begin + split * per_split);
-    const int split_end = min(kv_end, split_begin + per_split);
+    // split_keys == 0: num_splits equal, chunk-aligned pieces of the tile's own range. split_keys > 0 (a
+    // multiple of kChunk): split s holds positions [s * split_keys, (s + 1) * split_keys), the same for every
+    // tile and q_len, so without a window a query row is summed in the same order whatever the query shape.
+    const int per_split = split_keys > 0
+        ? split_keys
+        : ((kv_end - kv_begin + num_splits - 1) / num_splits + kChunk - 1) / kChunk * kChunk;
+    const int split_begin = split_keys > 0 ? min(kv_end, max(kv_begin, split * split_keys))
+                                           : min(kv_end, kv_begin + split * per_split);
+    const int split_end = split_keys > 0 ? min(kv_end, (split + 1) * split_keys) : min(kv_end, split_begin + per_split);
 
     const long long head_base = layer_offset + b * stride_batch + kv_head * stride_head;
     for (int chunk = split_begin; chunk < split_end; chunk += kChunk) {

@@ -31,12 +31,12 @@ Exactness. A row of a pass with q_len q is computed exactly as the same row
 of a q_len-1 step: linear, the norms and argmax work row by row, and
 attention's key loop for a row does not depend on the other rows of its tile.
 So the verify pass's logits equal the decode steps' bit for bit, and the
-speculative tokens equal the greedy ones, as long as attention does not split
-the keys (``num_splits == 1``: always on the emulator, and on a GPU whenever
-``max_seq < 512`` or the batch fills the device). A split plan cuts the keys
-at points that follow the tile's last query, so a verify row may sum its keys
-in another order than a decode step, and a near-tie of the two best logits
-may then resolve the other way.
+speculative tokens equal the greedy ones. Where attention splits the keys (a
+long cache on a GPU), the model's passes of up to ``EXACT_Q_LEN`` queries split
+them at fixed positions (``split_keys``, see ``Llama._decode_split_keys``), so
+a verify row still sums its keys in the order of the decode step; equal
+splits of each tile's range would cut at points that follow the tile's last
+query, and a near-tie of the two best logits could then resolve the other way.
 
 Launches, for a model of L layers (14 launches per layer, 15 with split-KV):
 a greedy step is ``decode_step`` plus ``decode_commit``, 14 L + 6, so a

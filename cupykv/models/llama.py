@@ -17,6 +17,7 @@ steps per replay and speculative decoding all give identical tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections import OrderedDict
 from typing import (TYPE_CHECKING, Any, Callable, Hashable, Literal, Mapping, Sequence, TypeGuard, TypedDict,
@@ -28,6 +29,7 @@ import numpy.typing as npt
 from cupykv import _args, ops
 from cupykv._typing import DeviceArray, IntLike
 from cupykv.attention import attention
+from cupykv.attention_plan import CHUNK, AttentionPlan
 from cupykv.backends.base import Backend
 from cupykv.cache import KVCache
 from cupykv.models.config import LlamaConfig
@@ -58,6 +60,11 @@ class ModelOptions(TypedDict, total=False):
     batch: IntLike
     backend: str | Backend | None
 
+
+#: Attention passes of up to this many queries per sequence (decode steps, speculative verification with
+#: up to 64 proposals) split the keys at fixed positions, so their rows agree bit for bit (see
+#: Llama._decode_split_keys); longer prefill passes split as the plan sees fit.
+EXACT_Q_LEN = 65
 
 class _Activations:
     """Preallocated activations for ``rows`` tokens (rows = batch * tokens per sequence)."""
@@ -144,6 +151,7 @@ class Llama:
         self._decode = _Activations(backend, config, storage, batch, 1)
         self._logits = backend.zeros((batch, config.vocab_size), storage)
         self._embedding_error = backend.zeros((1,), np.int32)
+        self._split_keys = self._decode_split_keys()
         # decoding loops (with their graphs) by shape, least recently used first
         self._loops: OrderedDict[Hashable, GreedyLoop | SpeculativeLoop] = OrderedDict()
         self._last_loop: GreedyLoop | SpeculativeLoop | None = None
@@ -236,6 +244,22 @@ class Llama:
         """Buffers for a forward pass of ``tokens`` tokens per sequence (allocates: not inside capture)."""
         return _Activations(self.backend, self.config, self._storage, self.cache.spec.batch, tokens)
 
+    def _decode_split_keys(self) -> int | None:
+        """Fixed split positions for attention passes of up to EXACT_Q_LEN queries, or None for one split.
+
+        Attention splits the keys of a long cache to fill the device; with
+        ``split_keys`` the splits sit at fixed positions, so a row of a
+        verification pass (q_len k + 1) sums its keys exactly as the same row
+        decoded alone: speculative tokens then equal greedy tokens bit for bit.
+        The split size is what a one-query plan would use to fill the device,
+        rounded up to the kernel's key chunk (1 split on the emulator).
+        """
+        spec = self.cache.spec
+        splits = AttentionPlan(self.cache, 1, self.config.num_attention_heads).num_splits
+        if splits == 1:
+            return None
+        return math.ceil(math.ceil(spec.max_seq / splits) / CHUNK) * CHUNK
+
     def _forward(self, act: _Activations, ids: DeviceArray | None = None) -> None:
         """Embed ``ids`` (default ``act.ids``), run every layer (appending K/V at the pending positions),
         leave ``act.hidden``.
@@ -251,7 +275,8 @@ class Llama:
             ops.linear(act.normed, self._w(layer, "self_attn.k_proj"), out=act.k)
             ops.linear(act.normed, self._w(layer, "self_attn.v_proj"), out=act.v)
             self.cache.append(layer, act.k4, act.v4, rope=self.rope)
-            attention(act.q4, self.cache, layer, rope=self.rope, out=act.attn)
+            attention(act.q4, self.cache, layer, rope=self.rope, out=act.attn,
+                      split_keys=self._split_keys if act.q4.shape[1] <= EXACT_Q_LEN else None)
             ops.linear(act.attn2, self._w(layer, "self_attn.o_proj"), out=act.proj)
             ops.add(act.hidden, act.proj, out=act.hidden)
             ops.rmsnorm(act.hidden, self._w(layer, "post_attention_layernorm"), eps, out=act.normed)
