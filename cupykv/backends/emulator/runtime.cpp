@@ -633,22 +633,28 @@ static bool group_complete(const Warp& W, uint32_t base, uint32_t mask, const Fi
   return true;
 }
 
-CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value,
-                                              int size, int arg, int width, const char* file,
-                                              int line) {
+// The start of every warp collective: poll Ctrl-C, mark a sync point, record the call on the fiber.
+static Fiber* enter_warp_call(int op, unsigned mask, int arg, int width, const char* file, int line) {
   cuemu::poll_interrupt();
   Fiber* me = g_cur;
-  const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
-  Warp& W = S.warps[w];
   cuemu::trace_sync_point();
   me->op = (uint8_t)op;
   me->file = file;
   me->line = line;
   me->mask = mask;
-  me->value = value;
-  me->vsize = (uint8_t)size;
   me->arg = arg;
   me->width = width;
+  return me;
+}
+
+CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value,
+                                              int size, int arg, int width, const char* file,
+                                              int line) {
+  Fiber* me = enter_warp_call(op, mask, arg, width, file, line);
+  const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
+  Warp& W = S.warps[w];
+  me->value = value;
+  me->vsize = (uint8_t)size;
   if (op == CUEMU_ACTIVEMASK) {
     me->mask = 0;
     W.waiting |= 1u << lane;
@@ -692,18 +698,10 @@ CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned lo
 // mma.sync / ldmatrix (.sync.aligned): every lane of the warp, at one call site, none exited.
 CUEMU_EXPORT void cuemu_warp_fragment(int op, int arg, const void* in, void* out, const char* file,
                                       int line) {
-  const void* ra = __builtin_return_address(0);
-  cuemu::poll_interrupt();
-  Fiber* me = g_cur;
+  const void* ra = __builtin_return_address(0);   // this call's site, before any helper call
+  Fiber* me = enter_warp_call(op, 0xffffffffu, arg, 32, file, line);
   const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
   Warp& W = S.warps[w];
-  cuemu::trace_sync_point();
-  me->op = (uint8_t)op;
-  me->file = file;
-  me->line = line;
-  me->mask = 0xffffffffu;
-  me->arg = arg;
-  me->width = 32;
   me->vsize = 4;
   me->xin = in;
   me->xout = out;
