@@ -56,6 +56,27 @@ def pytest_runtest_makereport(item, call):
                                                      f"set it to replay the same order of blocks and threads"))
 
 
+@pytest.fixture(autouse=True)
+def shared_backends_stay_unpatched(request):
+    """Fail a test that leaves an attribute on a shared backend object that hides its class's.
+
+    The backends are shared for the whole session (``get_backend`` caches them). pytest before 9.1
+    undoes ``monkeypatch.setattr(backend, "launch", ...)`` by writing the bound method back into the
+    instance's ``__dict__``, where it hides every later patch of ``Backend.launch``: a later test that
+    records launches by patching the class then runs them for real (a CI run once hung that way).
+    Patch the class (``type(backend)`` or ``Backend``) instead.
+    """
+    yield
+    import cupykv.backends
+    for name, backend in cupykv.backends._instances.items():
+        hiding = sorted(key for key in vars(backend) if hasattr(type(backend), key))
+        if hiding:
+            for key in hiding:
+                delattr(backend, key)   # so that one leak fails one test, not every test after it
+            pytest.fail(f"{request.node.nodeid} left {hiding} in the shared {name!r} backend's __dict__, hiding "
+                        f"{type(backend).__name__}'s own; patch the class (type(backend)) instead", pytrace=False)
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") is not None:
         available, reason = cuda_available()

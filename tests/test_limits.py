@@ -138,8 +138,8 @@ def test_nothing_is_allocated_for_a_cache_the_backend_cannot_hold(monkeypatch, b
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4, max_seq=8, batch=2)
     allocations = []
     target = get_backend(backend)
-    monkeypatch.setattr(target, "available_memory", lambda: (spec.nbytes, "a test's budget"))
-    monkeypatch.setattr(target, "_zeros", lambda shape, dtype: allocations.append(shape))
+    monkeypatch.setattr(type(target), "available_memory", lambda self: (spec.nbytes, "a test's budget"))
+    monkeypatch.setattr(type(target), "_zeros", lambda self, shape, dtype: allocations.append(shape))
     with pytest.raises(MemoryError, match=rf"^spec: expected a cache of at most {spec.nbytes} bytes .* \(a test's "
                                           rf"budget\), got one that needs {spec.nbytes + 24} bytes"):
         cupykv.KVCache(spec, backend=backend)
