@@ -31,16 +31,44 @@ from cupykv.rope import Rope
 from cupykv.spec import CacheSpec
 
 TILING = KERNELS["attention"].constants("attention_tiling")
-THREADS = TILING["kThreads"]       # threads per block
+MMA_TILING = KERNELS["attention_mma"].constants("attention_mma_tiling")
+THREADS = TILING["kThreads"]       # threads per block of the CUDA-core kernel (and of the combine)
 TILE_ROWS = TILING["kTileRows"]    # query rows (query x head of one GQA group) per block
-CHUNK = TILING["kChunk"]           # keys a block scores at once
+CHUNK = TILING["kChunk"]           # keys a block scores at once; splits fall on multiples of it
 MIN_KEYS_PER_SPLIT = 256           # below this, a split's fixed cost outweighs its parallelism
 MAX_SPLITS = 65535                 # splits are grid y: CUDA's limit there
+if (MMA_TILING["kTileRows"], MMA_TILING["kSplitAlign"]) != (TILE_ROWS, CHUNK):   # one grid, one split plan
+    raise ImportError(f"kernels: attention_mma.cu tiles {MMA_TILING['kTileRows']} rows and aligns splits to "
+                      f"{MMA_TILING['kSplitAlign']} keys, attention.cu {TILE_ROWS} and {CHUNK}: they must agree")
 
 
 def shared_memory_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of one attention block: q tile, scores and row stats (float32)."""
+    """Dynamic shared memory of one CUDA-core attention block: q tile, scores and row stats (float32)."""
     return (TILE_ROWS * head_dim + TILE_ROWS * CHUNK + 3 * TILE_ROWS) * 4
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """The attention kernel a cache runs: its ``.cu`` op, template instance and block shape."""
+
+    op: str
+    instance: str
+    threads: int
+    shared_mem_bytes: int
+
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether S = QK^T and PV run on mma.sync (16-bit caches at head_dim 64 and 128)."""
+        return self.op == "attention_mma"
+
+
+def attention_kernel(dtype: str, head_dim: int) -> AttentionKernel:
+    """The kernel for a cache's dtype and head size: tensor cores for 16-bit caches at head_dim 64
+    and 128 (``attention_mma.cu``), CUDA cores otherwise (``attention.cu``)."""
+    op, instance = attention_instance(dtype, head_dim)
+    if op == "attention_mma":
+        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"], MMA_TILING[f"kShared{head_dim}"])
+    return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
 
 
 def query_tiles(q_len: int, group: int) -> int:
@@ -170,6 +198,9 @@ class AttentionPlan:
     ----------
     num_splits : int
     split_keys : int or None
+    kernel : AttentionKernel
+        The kernel the plan launches (tensor cores for 16-bit caches at
+        head_dim 64 and 128).
     grid, block : tuple of int
         The attention launch; a split plan adds a combine launch of
         ``batch * q_len * n_heads`` blocks.
@@ -209,9 +240,9 @@ class AttentionPlan:
                              f"{spec.batch} * {self.q_len} * {self.n_heads} = {self.rows}")
         group = self.n_heads // spec.n_kv_heads
         tiles = query_tiles(self.q_len, group)
-        self.block = (THREADS,)
-        self.shared_mem_bytes = shared_memory_bytes(spec.head_dim)
-        self._instance = attention_instance(spec.dtype, spec.head_dim)
+        self.kernel = attention_kernel(spec.dtype, spec.head_dim)
+        self.block = (self.kernel.threads,)
+        self.shared_mem_bytes = self.kernel.shared_mem_bytes
         backend = cache.kernel_view(0).backend
         self.split_keys = None if split_keys is None else _check_split_keys(split_keys, spec)
         if self.split_keys is not None:
@@ -221,7 +252,7 @@ class AttentionPlan:
             num_splits = math.ceil(spec.max_seq / self.split_keys)
         elif num_splits is None:
             device = backend.device_info()
-            per_sm = backend.occupancy("attention", self._instance, THREADS, self.shared_mem_bytes)
+            per_sm = backend.occupancy(self.kernel.op, self.kernel.instance, self.kernel.threads, self.shared_mem_bytes)
             num_splits = plan_splits(spec, self.q_len, self.n_heads, device.multiprocessor_count * per_sm)
         self.num_splits = _args.check_int("num_splits", num_splits, 1, max_splits(spec.max_seq))
         self.grid = (spec.batch * spec.n_kv_heads * tiles, self.num_splits)
@@ -302,7 +333,7 @@ class AttentionPlan:
         rope = self.rope
         workspace = self._workspace
         backend.launch(
-            "attention", self._instance, self.grid, self.block,
+            self.kernel.op, self.kernel.instance, self.grid, self.block,
             (out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, q, view.k, view.v,
              view.lengths, *view.layout_args(),
              np.int32(self.q_len), np.int32(self.n_heads), np.int32(spec.n_kv_heads), np.int32(spec.head_dim),
@@ -313,7 +344,7 @@ class AttentionPlan:
             self.shared_mem_bytes)
         if self.num_splits > 1:
             backend.launch(
-                "attention", f"cupykv_attention_combine<{CUDA_TYPES[spec.dtype]}>", (self.rows,), self.block,
+                "attention", f"cupykv_attention_combine<{CUDA_TYPES[spec.dtype]}>", (self.rows,), (THREADS,),
                 (out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, np.int32(self.rows),
                  np.int32(spec.head_dim), np.int32(self.num_splits)))
         return out

@@ -117,6 +117,11 @@ def launch_shape(instance: str) -> LaunchShape | None:
         note = f"head_dim {head_dim}" if head_dim else f"head_dim {GENERIC_HEAD_DIM} (generic: its largest)"
         return LaunchShape(attention_plan.THREADS, attention_plan.shared_memory_bytes(head_dim or GENERIC_HEAD_DIM),
                            note)
+    tensor_cores = re.fullmatch(r"cupykv_attention_mma<(.+), (\d+)>", instance)
+    if tensor_cores:
+        dtype = {"__half": "float16", "__nv_bfloat16": "bfloat16"}[tensor_cores.group(1)]
+        kernel = attention_plan.attention_kernel(dtype, int(tensor_cores.group(2)))
+        return LaunchShape(kernel.threads, kernel.shared_mem_bytes, f"head_dim {tensor_cores.group(2)}, tensor cores")
     if instance.startswith("cupykv_attention_combine<"):
         return LaunchShape(attention_plan.THREADS, 0, "split-KV combine")
     if instance.startswith("cupykv_linear<"):

@@ -6,6 +6,7 @@ is recomputed from the stored figures, not compared with constants.
 """
 import contextlib
 import io
+import itertools
 import json
 import math
 
@@ -19,7 +20,7 @@ from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits
 from cupykv.bench.peers import CPU_LABEL
 from cupykv.bench.report import EMULATOR_LABEL
 
-SECTIONS = ("copy", "attention_decode", "full_axis", "linear", "model_decode", "smollm2_decode", "decode_loops",
+SECTIONS = ("copy", "attention_decode", "attention_shapes", "full_axis", "linear", "model_decode", "smollm2_decode", "decode_loops",
             "peers", "traffic")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -102,6 +103,16 @@ def test_ratios_are_quotients_of_stored_figures(bench):
         assert _close(row["bandwidth_GBps"], row["kv_bytes"] / (row["time_ms"] * 1e-3) / 1e9)
         assert _close(row["pct_of_copy"], 100 * row["bandwidth_GBps"] / copy["bandwidth_GBps"])
         assert row["kv_bytes"] == row["batch"] * row["live_len"] * 8 * 128 * 2 * 2
+    for row in sections["attention_shapes"]["results"]:   # head_dim 64, 2 kv heads, bf16 (the smoke plan)
+        assert row["kv_bytes"] == row["batch"] * (row["live_len"] + row["q_len"] - 1) * 2 * 64 * 2 * 2
+        assert _close(row["pct_of_copy"], 100 * row["kv_bytes"] / (row["time_ms"] * 1e-3) / 1e9
+                      / copy["bandwidth_GBps"])
+        attended = row["q_len"] * row["live_len"] + row["q_len"] * (row["q_len"] - 1) // 2
+        assert _close(row["TFLOPS"], 4 * row["batch"] * 2 * row["group"] * attended * 64 / (row["time_ms"] * 1e-3)
+                      / 1e12)
+        alone = next(r for r in sections["attention_shapes"]["results"] if r["q_len"] == 1 and all(
+            r[key] == row[key] for key in ("batch", "group", "live_len")))
+        assert _close(row["time_vs_q_len_1"], row["time_ms"] / alone["time_ms"])
     for row in sections["linear"]["results"]:
         assert row["weight_bytes"] == row["out_features"] * row["in_features"] * 2
         assert _close(row["bandwidth_GBps"], row["weight_bytes"] / (row["time_ms"] * 1e-3) / 1e9)
@@ -123,6 +134,10 @@ def test_sections_cover_the_plan(bench):
     data, plan = bench["data"], PLANS["smoke"]
     decode = {(row["batch"], row["live_len"]) for row in data["sections"]["attention_decode"]["results"]}
     assert decode == {(b, live) for b in plan.decode_batches for live in plan.decode_lives}
+    shapes = {(row["batch"], row["group"], row["live_len"], row["q_len"])
+              for row in data["sections"]["attention_shapes"]["results"]}
+    assert shapes == set(itertools.product(plan.shapes.batches, plan.shapes.groups, plan.shapes.lives,
+                                           plan.shapes.q_lens))
     lives = [row["live_len"] for row in data["sections"]["full_axis"]["results"]]
     assert lives == [plan.full_axis_max_seq // d for d in plan.full_axis_divisors]
     assert len(data["sections"]["linear"]["results"]) == len(plan.linear_rows) * len(plan.linear_shapes)

@@ -35,10 +35,11 @@ def test_every_instance_compiles_for_both_archs_without_spills(reports):
 def test_command_line_prints_the_table_and_succeeds():
     result = subprocess.run([sys.executable, "-m", "cupykv", "check"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert "cupykv_attention<__nv_bfloat16, 128>" in result.stdout
+    assert "cupykv_attention_mma<__nv_bfloat16, 128>" in result.stdout
     assert "no spills" in result.stdout
     assert "occupancy at or above every declared minimum" in result.stdout
-    assert re.search(r"^sm_90  cupykv_attention<__nv_bfloat16, 128> +\d+ +128 +16576 +\d+ +\d+ +4  registers",
+    # the tensor-core decode block: 2 warps and 48128 bytes of stages, 4 blocks an SM (shared memory bound)
+    assert re.search(r"^sm_90  cupykv_attention_mma<__nv_bfloat16, 128> +\d+ +64 +48128 +4 +8 +3  shared",
                      result.stdout, re.M), result.stdout
     major, minor = nvrtc_check.PINNED_NVRTC.split(".")[:2]
     assert f"NVRTC {major}.{minor} (nvidia-cuda-nvrtc {nvrtc_check.PINNED_NVRTC}) from " in result.stdout
@@ -169,6 +170,8 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
         r = row.report
         if r.instance.startswith("cupykv_attention<"):   # attention_min_blocks<T>(): 3 for float, else 4
             assert r.min_blocks == (3 if "<float," in r.instance else 4), r
+        elif r.instance.startswith("cupykv_attention_mma<"):   # __launch_bounds__(warps * 32, 3)
+            assert r.min_blocks == 3, r
         elif r.instance.startswith("cupykv_linear<"):
             assert r.min_blocks == 4, r
         assert not row.below_minimum, (r, row.occupancy)
@@ -179,7 +182,7 @@ def _docs_table():
     text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
     types = {"bf16": "__nv_bfloat16", "half": "__half", "float": "float", "T": None}
     rows = []
-    for match in re.finditer(r"^\| (attention|linear)<(\w+), (\d+)>[^|]*\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
+    for match in re.finditer(r"^\| (attention_mma|attention|linear)<(\w+), (\d+)>[^|]*\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
                              text, re.M):
         kernel, t, size, r80, b80, r90, b90 = match.groups()
         rows.append((kernel, types[t], int(size), {"sm_80": (int(r80), int(b80)), "sm_90": (int(r90), int(b90))}))

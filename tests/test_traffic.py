@@ -19,11 +19,11 @@ from hypothesis import given, settings, strategies as st
 
 import cupykv
 from cupykv import ops, testing
-from cupykv.attention_plan import TILE_ROWS, max_splits
+from cupykv.attention_plan import TILE_ROWS, attention_kernel, max_splits
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import memory
 from cupykv.backends.emulator_backend import EmulatorBackend
-from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNELS
+from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
 
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 TRAFFIC_NAMES = ["strided_copy", "vector_copy", "sum_rows", "uneven_trips", "realigned_trips",
@@ -215,7 +215,8 @@ def tile_rows_read(spec, lengths, q_len, group, window):
 # kernels/attention.cu with HEAD_DIM 64 splits the block into two row groups (threads 0-63 and
 # 64-127, kRowGroups = 2) and each group loads every V element of a chunk itself: V is loaded
 # twice per block (the same sectors, so an L1 hit on a GPU, but twice the load instructions).
-# Held exactly so that a change shows; the header comment says each row is read once.
+# Held exactly so that a change shows; the header comment says each row is read once. The tensor-core
+# kernel (attention_mma.cu, 16-bit caches at head_dim 64 and 128) copies each K and V row once.
 V_LOADS_PER_ROW = {64: 2}
 
 
@@ -225,7 +226,8 @@ def assert_reads_exactly_the_attended_rows(launch, cache, layer, lengths, q_len,
     row = spec.head_dim * spec.itemsize
     loads = tile_rows_read(spec, lengths, q_len, group, window) * row
     head_dim = spec.head_dim if spec.head_dim in ATTENTION_HEAD_DIMS else 0
-    for array, per_row in ((cache.k, 1), (cache.v, V_LOADS_PER_ROW.get(head_dim, 1))):
+    v_loads = 1 if attention_kernel(spec.dtype, spec.head_dim).tensor_cores else V_LOADS_PER_ROW.get(head_dim, 1)
+    for array, per_row in ((cache.k, 1), (cache.v, v_loads)):
         arg = launch.of(array)
         got = arg.touched("load")
         extra, missing = np.flatnonzero(got & ~want), np.flatnonzero(want & ~got)
@@ -266,37 +268,51 @@ def test_attention_reads_exactly_the_attended_rows(case):
 
 
 class PatchedBackend(EmulatorBackend):
-    """The emulator backend with one line of one kernel file replaced before it is compiled."""
+    """The emulator backend with one line of one kernel file replaced before it is compiled.
 
-    def __init__(self, op, old, new):
+    ``target`` is an op (its ``.cu`` file) or a header in cupykv/kernels: a patched header is
+    written in place of its ``#include`` line in every source that includes it.
+    """
+
+    def __init__(self, target, old, new):
         super().__init__()
-        self.filename, self.old, self.new = KERNELS[op].filename, old, new
+        self.filename = target if target.endswith(".cuh") else KERNELS[target].filename
+        self.old, self.new = old, new
+
+    def _patched(self, text, where):
+        assert text.count(self.old) == 1, f"{self.old!r} moved in {where}; update the patch"
+        return text.replace(self.old, self.new)
 
     def _compile(self, filename, source, instances):
+        include = f'#include "{self.filename}"'
         if filename == self.filename:
-            assert source.count(self.old) == 1, f"{self.old!r} moved in {filename}; update the patch"
-            source = source.replace(self.old, self.new)
+            source = self._patched(source, filename)
+        elif include in source:
+            header = (Path(KERNEL_DIR) / self.filename).read_text().replace("#pragma once", "")
+            source = source.replace(include, self._patched(header, self.filename))
         return super()._compile(filename, source, instances)
 
 
+# the end of a tile's keys, in the header both attention kernels include
 KV_END = "const int kv_end = min(max_seq, length + last_query + 1);"
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"], ids=["tensor-cores", "cuda-cores"])
 @pytest.mark.parametrize("new", ["const int kv_end = max_seq;",
                                  "const int kv_end = min(max_seq, length + last_query + 2);"],
                          ids=["whole-axis", "one-row-too-far"])
-def test_a_planted_over_read_in_attention_is_caught(new):
+def test_a_planted_over_read_in_attention_is_caught(new, dtype):
     """A kernel that reads past the live rows computes the same output (the scores of rows
     past a query are masked), so only the accounting sees it."""
-    spec = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, max_seq=40, batch=2, dtype="float16")
+    spec = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=64, max_seq=40, batch=2, dtype=dtype)
     outputs = []
-    for backend in (EmulatorBackend(), PatchedBackend("attention", KV_END, new)):
+    for backend in (EmulatorBackend(), PatchedBackend("attention_keys.cuh", KV_END, new)):
         rng = np.random.default_rng(3)
         cache = cupykv.KVCache(spec, backend=backend)
-        k = backend.asarray(rng.standard_normal((2, 9, 2, 64)).astype(np.float16))
+        k = backend.asarray(rng.standard_normal((2, 9, 2, 64)).astype(dtype))
         cache.append(1, k, k)
         cache.advance([9, 4])
-        q = backend.asarray(rng.standard_normal((2, 1, 4, 64)).astype(np.float16))
+        q = backend.asarray(rng.standard_normal((2, 1, 4, 64)).astype(dtype))
         with testing.traffic(cache) as t:
             outputs.append(np.asarray(cupykv.attention(q, cache, 1)))
         check = lambda: assert_reads_exactly_the_attended_rows(  # noqa: E731
@@ -317,7 +333,7 @@ def test_a_protected_tail_makes_a_whole_axis_read_fault():
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=64, max_seq=64, batch=1, dtype="float32")
     live = 32
     results = []
-    for backend in (EmulatorBackend(), PatchedBackend("attention", KV_END, "const int kv_end = max_seq;")):
+    for backend in (EmulatorBackend(), PatchedBackend("attention_keys.cuh", KV_END, "const int kv_end = max_seq;")):
         rng = np.random.default_rng(5)
         cache = cupykv.KVCache(spec, backend=backend)
         k = backend.asarray(rng.standard_normal((1, live, 1, 64)).astype(np.float32))
@@ -515,21 +531,43 @@ def test_decode_attention_touches_only_the_sectors_it_needs(dtype, head_dim, lay
         assert c.sectors == c.ideal_sectors
 
 
-def test_decode_attention_sectors_per_request_bf16():
-    """The design figures of the bf16 decode path (head_dim 128, 301 live rows per sequence).
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 2408 / 151), (64, 1204 / 76)])
+def test_decode_attention_sectors_per_request_bf16(head_dim, sectors_per_request, layout):
+    """The design figures of the bf16 decode path (kernels/attention_mma.cu, 301 live rows per
+    sequence), for K and V alike, in both layouts.
+
+    A warp copies a 16-key step with 16-byte cp.async: sixteen lanes on each 256-byte row at
+    head_dim 128 (eight on each 128-byte row at 64), so a full request covers two (four) whole
+    rows, 16 sectors, each requested once. 301 rows are 18 full steps and a last step of 13 rows.
+    head_dim 128: 8 requests a step; the last step has 6 full ones, one of a live and a zero-filled
+    row (8 sectors) and one of two zero-filled rows, which reads nothing:
+    (18 x 8 x 16 + 6 x 16 + 8) / (18 x 8 + 7) = 2408 / 151.
+    head_dim 64: 4 requests a step; the last step has 3 full ones and one with one live row (4
+    sectors): (18 x 4 x 16 + 3 x 16 + 4) / (18 x 4 + 4) = 1204 / 76.
+    """
+    launch, cache, needed = decode_attention("bfloat16", head_dim, layout)
+    for array in (cache.k, cache.v):
+        c = launch.coalescing(arrays=[array], needed_bytes=needed)
+        assert c.sectors_per_request == pytest.approx(sectors_per_request) and c.requested_ratio == 1.0, c
+
+
+def test_decode_attention_sectors_per_request_float32():
+    """The design figures of the CUDA-core decode path (kernels/attention.cu, float32, head_dim 128,
+    301 live rows per sequence).
 
     K: one key per thread, each lane loads 16 bytes of its own row, so a full warp's request
-    touches 32 sectors (a sector per lane); 301 rows in warps of 32 leave a partial warp,
-    and the average over the launch is (9 x 32 + 13) / 10 = 30.1. Each sector is requested
-    twice (two 16-byte halves), so requested sectors are 2x the ideal.
-    V: one head dimension per thread, 2-byte loads, 32 lanes read 64 contiguous bytes of a row:
-    2 sectors per request, each one fully used.
+    touches 32 sectors (a sector per lane); 301 rows in warps of 32 leave a partial warp, and the
+    average over the launch is (9 x 32 + 13) / 10 = 30.1. Each 32-byte sector is requested twice
+    (two 16-byte halves), so requested sectors are 2x the ideal.
+    V: one head dimension per thread, 4-byte loads, 32 lanes read 128 contiguous bytes of a row:
+    4 sectors per request, each one fully used.
     """
-    launch, cache, needed = decode_attention("bfloat16", 128, "NHD")
+    launch, cache, needed = decode_attention("float32", 128, "NHD")
     k = launch.coalescing(arrays=[cache.k], needed_bytes=needed)
     v = launch.coalescing(arrays=[cache.v], needed_bytes=needed)
-    assert k.sectors_per_request == pytest.approx(30.1) and k.requested_ratio == 2.0
-    assert v.sectors_per_request == 2.0 and v.requested_ratio == 1.0
+    assert k.sectors_per_request == pytest.approx(30.1) and k.requested_ratio == 2.0, k
+    assert v.sectors_per_request == 4.0 and v.requested_ratio == 1.0, v
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

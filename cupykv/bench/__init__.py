@@ -8,6 +8,10 @@ side by side:
 - ``attention_decode``: :func:`cupykv.attention` at q_len 1, GQA 64/8, head
   dim 128, bf16, per batch and live length; live K+V bytes per second and as
   a percentage of the copy bandwidth.
+- ``attention_shapes`` (:mod:`cupykv.bench.attention_shapes`): bf16 attention
+  for q_len 1, 4, 8, 16 (decode and speculative verification), batch 1, 8, 32,
+  live 1k to 128k and GQA group 1, 4, 8: percent of copy bandwidth, TFLOPS, and
+  time as a ratio to q_len 1 at the same batch, group and live length.
 - ``full_axis``: at a fixed large ``max_seq``, cupykv.attention against the
   whole-axis attention of other static caches (matmul over every position,
   plus the additive mask, softmax, matmul), per live length.
@@ -45,7 +49,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cupykv.backends import get_backend
-from cupykv.bench import model, peers, report, sections
+from cupykv.bench import attention_shapes, model, peers, report, sections
+from cupykv.bench.attention_shapes import ShapesPlan
 from cupykv.bench.peers import PeersPlan
 from cupykv.bench.timing import make_timer
 
@@ -86,6 +91,7 @@ class Plan:
     head_dim: int = 128
     full_axis_check_divisor: int = 8
     peers: PeersPlan = PeersPlan()   # the peers section: torch SDPA and transformers on the same data
+    shapes: ShapesPlan = ShapesPlan()   # attention_shapes: q_len x batch x live x GQA group
 
     def __post_init__(self):
         steps = self.warmup + self.repeat + 1   # per model phase: warm-up, timed calls, capture's own step
@@ -124,7 +130,8 @@ PLANS = {
         # validate runs this plan within its bench budget: peers gets 60 s, so torch.compile is left out
         # unless the attention cases finish with 60 s to spare
         peers=PeersPlan(batches=(1, 32), lives=(1024, 32768), groups=(1, 8), e2e_batches=(1,), e2e_repeat=2,
-                        budget_s=60.0, compile_reserve_s=60.0)),
+                        budget_s=60.0, compile_reserve_s=60.0),
+        shapes=ShapesPlan(batches=(1, 8), lives=(8192, 32768), groups=(4, 8), q_lens=(1, 8))),
     # The emulator's smoke run: the real head configuration, tiny lengths and weights.
     "smoke": Plan(
         mode="smoke", warmup=1, repeat=3, copy_bytes=32 * MiB,
@@ -141,11 +148,15 @@ PLANS = {
         peers=PeersPlan(timed=False, batches=(2,), lives=(40,), groups=(1, 4), q_lens=(1, 8),
                         dtypes=("bfloat16", "float16", "float32"), layouts=("NHD", "HND"), n_kv_heads=2,
                         head_dim=64, uneven_lengths=True, model_dtype="float32", e2e_batches=(1, 2), prompt_len=8,
-                        new_tokens=8, e2e_repeat=0, compile=False)),
+                        new_tokens=8, e2e_repeat=0, compile=False),
+        # the tensor-core kernel at q_len 1 and 4 (two warp rounds of keys), GQA 1 and 4
+        shapes=ShapesPlan(batches=(1,), lives=(40, 100), groups=(1, 4), q_lens=(1, 4), n_kv_heads=2, head_dim=64,
+                          check_live=70)),
 }
 
 #: section name -> function of a Context, in run order (copy first: the others divide by it).
 SECTIONS = (("copy", sections.copy_bandwidth), ("attention_decode", sections.attention_decode),
+            ("attention_shapes", attention_shapes.attention_shapes),
             ("full_axis", sections.full_axis), ("linear", sections.linear), ("model_decode", model.model_decode),
             ("smollm2_decode", model.smollm2_decode), ("decode_loops", model.decode_loops), ("peers", peers.peers),
             ("traffic", sections.traffic))

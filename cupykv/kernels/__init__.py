@@ -76,8 +76,15 @@ KERNELS: dict[str, KernelFile] = {
     "additive_mask": KernelFile("additive_mask.cu", ("cupykv_additive_mask",)),
     "attention": KernelFile(
         "attention.cu",
-        tuple(f"cupykv_attention<{t}, {hd}>" for t in CUDA_TYPES.values() for hd in (0,) + ATTENTION_HEAD_DIMS)
+        # float32 at every head size; 16-bit caches at the sizes attention_mma.cu does not take
+        tuple(f"cupykv_attention<float, {hd}>" for hd in (0,) + ATTENTION_HEAD_DIMS)
+        + ("cupykv_attention<__half, 0>", "cupykv_attention<__nv_bfloat16, 0>")
         + _per_type("cupykv_attention_combine<{t}>"),
+    ),
+    # the tensor-core path of 16-bit caches at head_dim 64 and 128 (its combine is attention.cu's)
+    "attention_mma": KernelFile(
+        "attention_mma.cu",
+        tuple(f"cupykv_attention_mma<{t}, {hd}>" for t in ("__half", "__nv_bfloat16") for hd in ATTENTION_HEAD_DIMS),
     ),
     # decoder ops (cupykv.ops): everything a LLaMA-style decode step needs besides attention
     "linear": KernelFile(
@@ -96,15 +103,21 @@ KERNELS: dict[str, KernelFile] = {
 
 
 def parse_constants(source: str, namespace: str, filename: str = "<source>") -> dict[str, int]:
-    """``constexpr int NAME = EXPR;`` lines of ``namespace <namespace> { ... }`` in CUDA C++ ``source``."""
+    """``constexpr int NAME = EXPR;`` statements (one or more lines each) of ``namespace <namespace> { ... }``
+    in CUDA C++ ``source``."""
     block = re.search(r"namespace\s+" + re.escape(namespace) + r"\s*\{(.*?)\}\s*//\s*namespace", source, re.S)
     if block is None:
         raise ValueError(f"{filename}: no 'namespace {namespace} {{ ... }}  // namespace' block")
     constants: dict[str, int] = {}
-    for line in block.group(1).splitlines():
-        code = line.split("//")[0].strip()
+    code_only = " ".join(line.split("//")[0] for line in block.group(1).splitlines())
+    *statements, unterminated = code_only.split(";")
+    if unterminated.strip():
+        statements.append(unterminated)   # reported below: no ';' after it
+    for statement in statements:
+        code = " ".join(statement.split())   # a statement may span lines
         if not code:
             continue
+        code += ";" if statement is not unterminated else ""
         match = re.fullmatch(r"constexpr\s+int\s+(\w+)\s*=\s*([^;]+);", code)
         if match is None:
             raise ValueError(f"{filename}: namespace {namespace}: expected 'constexpr int NAME = EXPR;', got {code!r}")
@@ -134,10 +147,16 @@ def header_digest(kernel_dir: str = KERNEL_DIR) -> str:
     return digest.hexdigest()
 
 
-def attention_instance(dtype: str, head_dim: int) -> str:
-    """Name of the attention kernel instance for a cache dtype and head size."""
+def attention_instance(dtype: str, head_dim: int) -> tuple[str, str]:
+    """``(op, instance)`` of the attention kernel for a cache dtype and head size.
+
+    16-bit caches at a specialised head size run on tensor cores (``attention_mma.cu``);
+    float32 caches and other head sizes on CUDA cores (``attention.cu``).
+    """
+    if head_dim in ATTENTION_HEAD_DIMS and dtype in ("float16", "bfloat16"):
+        return "attention_mma", f"cupykv_attention_mma<{CUDA_TYPES[dtype]}, {head_dim}>"
     specialised = head_dim if head_dim in ATTENTION_HEAD_DIMS else 0
-    return f"cupykv_attention<{CUDA_TYPES[dtype]}, {specialised}>"
+    return "attention", f"cupykv_attention<{CUDA_TYPES[dtype]}, {specialised}>"
 
 
 def cuda_paths(wheel_globs, toolkit_glob) -> list[str]:

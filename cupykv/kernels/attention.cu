@@ -34,6 +34,7 @@
 // out and the partial_* workspace (written). Every other argument is fixed per
 // launch, so a captured graph replays correctly as lengths change.
 #include "common.cuh"
+#include "attention_keys.cuh"
 
 namespace attention_tiling {
 constexpr int kThreads = 128;
@@ -113,20 +114,10 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
         for (int k = 0; k < kDimsPerThread; ++k) acc[m][k] = 0.0f;
     __syncthreads();
 
-    // Key range of the tile, then of this split (uniform across the block).
-    const int first_query = first_row / group;
-    const int last_query = (first_row + max(tile_rows, 1) - 1) / group;
-    const int kv_end = min(max_seq, length + last_query + 1);
-    const int kv_begin = min(kv_end, window > 0 ? max(0, length + first_query - window + 1) : 0);
-    // split_keys == 0: num_splits equal, chunk-aligned pieces of the tile's own range. split_keys > 0 (a
-    // multiple of kChunk): split s holds positions [s * split_keys, (s + 1) * split_keys), the same for every
-    // tile and q_len, so without a window a query row is summed in the same order whatever the query shape.
-    const int per_split = split_keys > 0
-        ? split_keys
-        : ((kv_end - kv_begin + num_splits - 1) / num_splits + kChunk - 1) / kChunk * kChunk;
-    const int split_begin = split_keys > 0 ? min(kv_end, max(kv_begin, split * split_keys))
-                                           : min(kv_end, kv_begin + split * per_split);
-    const int split_end = split_keys > 0 ? min(kv_end, (split + 1) * split_keys) : min(kv_end, split_begin + per_split);
+    // Key range of this split (uniform across the block): see attention_keys.cuh.
+    const cupykv::KeyRange keys = cupykv::attention_split_keys(length, first_row, tile_rows, group, max_seq, window,
+                                                               split, num_splits, split_keys, kChunk);
+    const int split_begin = keys.begin, split_end = keys.end;
 
     const long long head_base = layer_offset + b * stride_batch + kv_head * stride_head;
     for (int chunk = split_begin; chunk < split_end; chunk += kChunk) {

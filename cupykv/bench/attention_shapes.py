@@ -1,0 +1,118 @@
+"""The ``attention_shapes`` section: bf16 attention across q_len, batch, live length and GQA group.
+
+Decode (q_len 1) and speculative verification (q_len 4, 8, 16) over the same cache, so each
+figure is a percentage of the same run's copy bandwidth and each q_len > 1 point also gets its
+time as a ratio to q_len 1 at the same batch, group and live length (the redesign's target is
+at most 1.3 at q_len 8), and its TFLOPS.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import cupykv
+from cupykv.bench.arrays import fill_random, random_array, relative_error, to_f32
+from cupykv.bench.sections import _attention_f32, _check, _rate
+
+if TYPE_CHECKING:
+    from cupykv.bench.sections import Context
+
+
+@dataclass(frozen=True)
+class ShapesPlan:
+    """The points of the section: every combination of these."""
+
+    batches: tuple = (1, 8, 32)
+    lives: tuple = (1024, 8192, 32768, 131072)
+    groups: tuple = (1, 4, 8)
+    q_lens: tuple = (1, 4, 8, 16)
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    check_live: int = 512      # the correctness check's live length (a float32 whole-axis reference)
+    max_tokens: int = 1 << 20  # a batch runs the lives with batch * live at most this (cache memory)
+
+
+def _kv_bytes(plan: ShapesPlan, batch: int, keys: int) -> int:
+    return batch * keys * plan.n_kv_heads * plan.head_dim * 2 * 2   # K and V, bf16
+
+
+def _flops(plan: ShapesPlan, batch: int, q_len: int, group: int, live: int) -> int:
+    """QK^T and PV, two flops per multiply-add: query i of q_len attends live + i keys."""
+    attended = q_len * live + q_len * (q_len - 1) // 2
+    return 4 * batch * plan.n_kv_heads * group * attended * plan.head_dim
+
+
+def _reference(backend, q, cache, length: int):
+    """float32 causal attention of ``q [batch, q_len, n_heads, hd]`` at positions length + i."""
+    xp, spec = backend.xp, cache.spec
+    batch, q_len, n_heads, hd = q.shape
+    group, seq = n_heads // spec.n_kv_heads, length + q_len
+    k = to_f32(backend, cache.k[0][:, :seq])                 # [batch, seq, n_kv, hd]
+    v = to_f32(backend, cache.v[0][:, :seq])
+    rows = to_f32(backend, q).reshape(batch, q_len, spec.n_kv_heads, group, hd).transpose(0, 2, 1, 3, 4)
+    rows = xp.ascontiguousarray(rows).reshape(batch, spec.n_kv_heads, q_len * group, hd)
+    query_of_row = np.arange(q_len * group) // group
+    mask = np.where(np.arange(seq)[None, :] <= length + query_of_row[:, None], 0.0, -np.inf).astype(np.float32)
+    out = _attention_f32(xp, rows, xp.ascontiguousarray(k.transpose(0, 2, 3, 1)),
+                         xp.ascontiguousarray(v.transpose(0, 2, 1, 3)), xp.asarray(mask)[None, None],
+                         1.0 / math.sqrt(hd))
+    out = out.reshape(batch, spec.n_kv_heads, q_len, group, hd).transpose(0, 2, 1, 3, 4)
+    return xp.ascontiguousarray(out).reshape(batch, q_len, n_heads, hd)
+
+
+def attention_shapes(ctx: Context) -> dict:
+    """bf16 attention time per (batch, group, live, q_len): % of copy bandwidth, TFLOPS, ratio to q_len 1."""
+    plan, backend = ctx.plan.shapes, ctx.backend
+    results: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
+    max_q = max(plan.q_lens)
+    for batch in plan.batches:
+        lives = [live for live in plan.lives if batch * live <= plan.max_tokens] or [min(plan.lives)]
+        spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=plan.n_kv_heads, head_dim=plan.head_dim,
+                                max_seq=max(max(lives), plan.check_live) + max_q, batch=batch, dtype="bfloat16")
+        cache = cupykv.KVCache(spec, backend=backend.name)
+        fill_random(backend, cache.k, "bfloat16", seed=500 + batch)
+        fill_random(backend, cache.v, "bfloat16", seed=501 + batch)
+        for group, q_len in itertools.product(plan.groups, plan.q_lens):
+            q = random_array(backend, (batch, q_len, plan.n_kv_heads * group, plan.head_dim), "bfloat16", 502)
+            out = backend.zeros(q.shape, backend.storage_dtype("bfloat16"))
+            attention = cupykv.AttentionPlan(cache, q_len, plan.n_kv_heads * group)
+            cache.reset()
+            cache.advance(plan.check_live)
+            attention.run(q, 0, out=out)
+            checks.append(_check(f"attention_shapes batch {batch} group {group} q_len {q_len} vs float32",
+                                 relative_error(backend, out, _reference(backend, q, cache, plan.check_live))))
+            for live in lives:
+                cache.reset()
+                cache.advance(live - 1)   # query i attends live + i keys, its own pending row included
+                timing = ctx.timer(lambda: attention.run(q, 0, out=out))
+                nbytes = _kv_bytes(plan, batch, live + q_len - 1)
+                bandwidth = _rate(nbytes, timing.median_s)
+                results.append({"batch": batch, "group": group, "live_len": live, "q_len": q_len,
+                                "num_splits": attention.num_splits, "kv_bytes": nbytes, **timing.as_ms(),
+                                "bandwidth_GBps": bandwidth, "pct_of_copy": 100.0 * bandwidth / ctx.copy_GBps,
+                                "TFLOPS": _flops(plan, batch, q_len, group, live) / timing.median_s / 1e12})
+        del cache
+    base = {(r["batch"], r["group"], r["live_len"]): r["time_ms"] for r in results if r["q_len"] == 1}
+    for row in results:
+        key = (row["batch"], row["group"], row["live_len"])
+        row["time_vs_q_len_1"] = row["time_ms"] / base[key] if key in base else None
+    return {
+        "status": "ok",
+        "description": "cupykv.AttentionPlan.run over a bf16 cache for q_len 1 (decode) and 4-16 (speculative "
+                       "verification); bandwidth = K+V bytes of the keys the last query attends to / time; "
+                       "TFLOPS counts QK^T and PV of every attended key",
+        "params": {"n_kv_heads": plan.n_kv_heads, "head_dim": plan.head_dim, "dtype": "bfloat16",
+                   "batches": list(plan.batches), "live_lens": list(plan.lives), "groups": list(plan.groups),
+                   "q_lens": list(plan.q_lens), "max_tokens": plan.max_tokens},
+        "units": {"kv_bytes": "bytes read", "time_ms": "ms, median", "bandwidth_GBps": "1e9 bytes/s",
+                  "pct_of_copy": "percent of the copy section's bandwidth (read + write)",
+                  "TFLOPS": "1e12 flop/s", "time_vs_q_len_1": "time over the q_len 1 time at the same batch, group "
+                                                              "and live length"},
+        "results": results,
+        "checks": checks,
+    }

@@ -1,0 +1,309 @@
+// attention_mma.cu: masked multi-query attention over one layer of a 16-bit cache on tensor cores,
+// with K/V tiles staged through shared memory by asynchronous copies.
+//
+// The same contract, arguments, launch grid and split-KV workspace as cupykv_attention
+// (attention.cu), for __half and __nv_bfloat16 caches with head_dim 64 or 128: for sequence b,
+// query i (position p = lengths[b] + i) and head h of kv head g = h / group,
+//     s_j = scale * q[b,i,h] . k[b,j,g]    (q rotated at p when use_rope; softcap when > 0)
+//     attended j: j <= p, j < max_seq, and j > p - window (when window > 0)
+//     out[b,i,h] = sum_j softmax(s)_j * v[b,j,g], or zeros if no j is attended.
+// The plan (cupykv/attention_plan.py) picks this kernel for those caches; the split-KV combine is
+// attention.cu's cupykv_attention_combine.
+//
+// Design (docs/performance.md has the budget):
+// - A block owns a tile of 16 query rows (query x head of one GQA group: one m16 tile) and the keys
+//   of its split (attention_keys.cuh). Its kWarps warps take 16-key steps of that range in turn
+//   (warp w: steps w, w + kWarps, ...), each with its own online-softmax state, and merge at the
+//   end in a fixed order. No barrier runs inside the key loop.
+// - Each warp double-buffers its steps: the K and V rows of step n + kWarps are copied with
+//   16-byte cp.async (.cg, L2 only) while step n is computed. Sixteen lanes read one 256-byte row
+//   (8 for head_dim 64), so a warp request covers whole rows; keys past the split are zero-filled,
+//   never read, so a stale row (NaN) past the live length cannot reach a product.
+// - S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulation. The operands are split
+//   into 16-bit pieces whose sum is the fp32 value: q is exact in T unless rotated (rope: three
+//   pieces, 24 bits of mantissa for bf16, 22 and more for fp16), and P = hi + lo, so the products
+//   carry fp32 precision, as on the CUDA-core kernel, and the stated tolerances hold unchanged.
+// - Masks only where a step can hold a masked key (the split's last step, the diagonal of a
+//   verification tile, a window's first keys): a block-uniform test per step, no integer division
+//   in the loop. Rows past the tile (q_len * group < 16) are zero queries, computed, never stored.
+// - A row's result depends only on its own query and the split's keys (the mma sums each output
+//   element over its own row), so with split_keys a row is bit-identical for every q_len.
+//
+// Launch geometry: block (kWarps * 32); grid (batch * n_kv * tiles, num_splits), tiles =
+// ceil(q_len * group / 16), block x = (b * n_kv + kv_head) * tiles + tile, block y = split.
+// Dynamic shared memory: kShared64 or kShared128 bytes (attention_mma_tiling; at most 48 KiB, no opt-in).
+//
+// Device-resident arguments: lengths [batch] int32 (read), q, k/v cache (read), out and the
+// partial_* workspace (written). Every other argument is fixed per launch, so a captured graph
+// replays correctly as lengths change.
+#include "common.cuh"
+#include "async_copy.cuh"
+#include "attention_keys.cuh"
+#include "mma.cuh"
+
+namespace attention_mma_tiling {
+constexpr int kTileRows = 16;      // query rows per block: the m of mma.m16n8k16
+constexpr int kStepKeys = 16;      // keys of one warp step: two n8 blocks of S, the k16 of P.V
+constexpr int kSplitAlign = 128;   // split boundaries (num_splits mode) fall on multiples of this
+constexpr int kStages = 2;         // K/V buffers per warp: one computed while the next lands
+constexpr int kQPieces = 3;        // 16-bit pieces of a rotated q
+constexpr int kRowPad = 8;         // elements after each shared row: ldmatrix reads 8 rows conflict-free
+// Warps per block: 4 at head_dim 64, 2 at 128, so that the stages fit in 48 KiB (no opt-in).
+constexpr int kWarps64 = 4;
+constexpr int kWarps128 = 2;
+// Dynamic shared memory, bytes: q pieces [kQPieces][16][head_dim + pad] T; K and V stages
+// [warps][kStages][2][16][head_dim + pad] T (the warps' fp32 accumulators at the end); each
+// warp's row max and sum [2][warps][16] float.
+constexpr int kShared64 = (kQPieces * kTileRows + kWarps64 * kStages * 2 * kStepKeys) * (64 + kRowPad) * 2
+                          + 2 * kWarps64 * kTileRows * 4;
+constexpr int kShared128 = (kQPieces * kTileRows + kWarps128 * kStages * 2 * kStepKeys) * (128 + kRowPad) * 2
+                           + 2 * kWarps128 * kTileRows * 4;
+}  // namespace attention_mma_tiling
+
+template <int HEAD_DIM> constexpr int attention_mma_warps() {
+    return HEAD_DIM == 128 ? attention_mma_tiling::kWarps128 : attention_mma_tiling::kWarps64;
+}
+
+namespace cupykv {
+
+// Two 16-bit values in one register, `low` in the low half (the mma and ldmatrix element order).
+template <typename T> __device__ __forceinline__ unsigned pack_pair(float low, float high) {
+    const T lo = from_float<T>(low), hi = from_float<T>(high);
+    return (unsigned)*reinterpret_cast<const unsigned short*>(&lo) |
+           ((unsigned)*reinterpret_cast<const unsigned short*>(&hi) << 16);
+}
+
+}  // namespace cupykv
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupykv_attention_mma(
+    T* __restrict__ out,                  // [batch, q_len, n_heads, head_dim] (num_splits == 1)
+    float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
+    float* __restrict__ partial_max,      // [num_splits, batch * q_len * n_heads]
+    float* __restrict__ partial_sum,      // [num_splits, batch * q_len * n_heads]
+    const T* __restrict__ q,              // [batch, q_len, n_heads, head_dim], contiguous
+    const T* __restrict__ k_cache,        // cache base, strides below
+    const T* __restrict__ v_cache,
+    const int* __restrict__ lengths,      // [batch], device-resident
+    long long layer_offset, long long stride_batch, long long stride_seq, long long stride_head,
+    int q_len, int n_heads, int n_kv, int head_dim_runtime, int max_seq, int num_splits, int split_keys,
+    float scale, float softcap, int window, int use_rope, double rope_theta) {
+    using namespace attention_mma_tiling;
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "cupykv_attention_mma: head_dim 64 or 128");
+    static_assert(sizeof(T) == 2, "cupykv_attention_mma: __half or __nv_bfloat16");
+    constexpr int kWarps = attention_mma_warps<HEAD_DIM>();
+    constexpr int kThreads = kWarps * 32;
+    constexpr int kRow = HEAD_DIM + kRowPad;          // shared row stride, elements
+    constexpr int kTile = kStepKeys * kRow;           // one K or V tile of a stage, elements
+    constexpr int kPiecesPerRow = HEAD_DIM * 2 / 16;  // 16-byte copies per K/V row
+    constexpr int kDimBlocks = HEAD_DIM / 8;          // n8 blocks of the output
+    static_assert((HEAD_DIM == 128 ? kShared128 : kShared64) <= 48 * 1024, "attention_mma: shared memory past 48 KiB");
+    (void)head_dim_runtime;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int quad_row = lane / 4, quad_col = lane % 4;   // the mma fragment coordinates
+
+    const int group = n_heads / n_kv;
+    const int tiles = (q_len * group - 1) / kTileRows + 1;
+    const int head_of_batch = blockIdx.x / tiles;                    // b * n_kv + kv_head
+    const int b = head_of_batch / n_kv, kv_head = head_of_batch % n_kv;
+    const int split = blockIdx.y;
+    const int first_row = (blockIdx.x - head_of_batch * tiles) * kTileRows;
+    const int tile_rows = min(kTileRows, q_len * group - first_row);
+    const int length = min(max(lengths[b], 0), max_seq);
+    const int pieces = use_rope ? kQPieces : 1;
+
+    extern __shared__ __align__(16) unsigned char smem_bytes[];
+    T* q_tile = reinterpret_cast<T*>(smem_bytes);                     // [kQPieces][16][kRow]
+    T* stages = q_tile + kQPieces * kTileRows * kRow;                 // [kWarps][kStages][K, V][kTile]
+    float* warp_max = reinterpret_cast<float*>(stages + kWarps * kStages * 2 * kTile);   // [kWarps][16]
+    float* warp_sum = warp_max + kWarps * kTileRows;                                   // [kWarps][16]
+
+    // 1. The tile's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 and cut
+    //    into hi + mid + lo. Rows past the tile are zeros.
+    const int half_dim = HEAD_DIM / 2;
+    for (int e = tid; e < kTileRows * half_dim; e += kThreads) {
+        const int r = e / half_dim, d = e - r * half_dim;
+        float lo = 0.0f, hi = 0.0f;   // the pair (d, d + half_dim)
+        if (r < tile_rows) {
+            const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
+            const long long base = (((long long)b * q_len + i) * n_heads + h) * HEAD_DIM;
+            lo = cupykv::to_float(q[base + d]);
+            hi = cupykv::to_float(q[base + d + half_dim]);
+            if (use_rope) cupykv::rope_rotate_pair(&lo, &hi, length + i, d, HEAD_DIM, rope_theta);
+        }
+        for (int p = 0; p < kQPieces; ++p) {
+            const T lo_piece = cupykv::from_float<T>(lo), hi_piece = cupykv::from_float<T>(hi);
+            q_tile[(p * kTileRows + r) * kRow + d] = lo_piece;
+            q_tile[(p * kTileRows + r) * kRow + d + half_dim] = hi_piece;
+            lo -= cupykv::to_float(lo_piece);   // exact: the remainder of a rounding fits in fp32
+            hi -= cupykv::to_float(hi_piece);
+        }
+    }
+
+    const cupykv::KeyRange keys = cupykv::attention_split_keys(length, first_row, tile_rows, group, max_seq, window,
+                                                               split, num_splits, split_keys, kSplitAlign);
+    // Positions of this lane's two rows (quad_row and quad_row + 8); rows past the tile attend nothing.
+    int position[2];
+    for (int half = 0; half < 2; ++half) {
+        const int r = quad_row + 8 * half;
+        position[half] = r < tile_rows ? length + (first_row + r) / group : -1;
+    }
+    // Every live row attends every key of a step in [first_open, last_open]: no mask needed there.
+    const int first_open = window > 0 ? length + (first_row + max(tile_rows, 1) - 1) / group - window + 1 : 0;
+    const int last_open = min(keys.end - 1, length + first_row / group);
+
+    const long long head_base = layer_offset + b * stride_batch + kv_head * stride_head;
+    T* my_stages = stages + warp * kStages * 2 * kTile;
+    const int steps = (keys.end - keys.begin + kStepKeys - 1) / kStepKeys;
+
+    // Copies the K and V rows of step `step` into stage `stage`; keys past the split are zero-filled.
+    auto load_step = [&](int step, int stage) {
+        const int first_key = keys.begin + step * kStepKeys;
+        T* k_stage = my_stages + stage * 2 * kTile;
+        T* v_stage = k_stage + kTile;
+        for (int piece = lane; piece < kStepKeys * kPiecesPerRow; piece += 32) {
+            const int key = piece / kPiecesPerRow, column = (piece - key * kPiecesPerRow) * 8;
+            const bool live = first_key + key < keys.end;
+            const long long offset = head_base + (long long)(live ? first_key + key : keys.begin) * stride_seq + column;
+            cupykv::cp_async_16(k_stage + key * kRow + column, k_cache + offset, live ? 16 : 0);
+            cupykv::cp_async_16(v_stage + key * kRow + column, v_cache + offset, live ? 16 : 0);
+        }
+    };
+
+    float acc[kDimBlocks][4];
+    for (int n = 0; n < kDimBlocks; ++n)
+        for (int c = 0; c < 4; ++c) acc[n][c] = 0.0f;
+    float row_max[2] = {cupykv::neg_infinity(), cupykv::neg_infinity()};
+    float row_sum[2] = {0.0f, 0.0f};   // this lane's share; the quad's four shares are added at the end
+
+    if (warp < steps) load_step(warp, 0);
+    cupykv::cp_async_commit();
+    __syncthreads();   // the q pieces, written by every thread
+
+    for (int step = warp, n = 0; step < steps; step += kWarps, ++n) {
+        if (step + kWarps < steps) load_step(step + kWarps, (n + 1) % kStages);
+        cupykv::cp_async_commit();
+        cupykv::cp_async_wait<1>();   // this lane's copies of step `step` have landed
+        __syncwarp();                 // ... and every lane's
+        const T* k_stage = my_stages + (n % kStages) * 2 * kTile;
+        const T* v_stage = k_stage + kTile;
+        const int first_key = keys.begin + step * kStepKeys;
+
+        // 2. S = Q K^T for 16 rows x 16 keys: s[n8 block][c], rows quad_row (c < 2) and quad_row + 8.
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
+            unsigned k_frag[4];   // keys 0-7 (k_frag[0..1]) and 8-15 (k_frag[2..3]), dims k0..k0+15
+            cupykv::ldmatrix_x4(k_frag, k_stage + ((lane / 16) * 8 + lane % 8) * kRow + k0 + ((lane / 8) % 2) * 8);
+            const unsigned keys_lo[2] = {k_frag[0], k_frag[1]}, keys_hi[2] = {k_frag[2], k_frag[3]};
+            for (int p = 0; p < pieces; ++p) {
+                unsigned q_frag[4];
+                cupykv::ldmatrix_x4(q_frag, q_tile + (p * kTileRows + lane % 16) * kRow + k0 + (lane / 16) * 8);
+                cupykv::mma_m16n8k16<T>(s[0], q_frag, keys_lo, s[0]);
+                cupykv::mma_m16n8k16<T>(s[1], q_frag, keys_hi, s[1]);
+            }
+        }
+
+        // 3. Scale, cap, mask (only in a step that can hold a masked key), online softmax per row.
+        const bool open = first_key >= first_open && first_key + kStepKeys - 1 <= last_open;
+        for (int nb = 0; nb < 2; ++nb)
+            for (int c = 0; c < 4; ++c) {
+                float value = s[nb][c] * scale;
+                if (softcap > 0.0f) value = softcap * tanhf(value / softcap);
+                if (!open) {
+                    const int key = first_key + nb * 8 + 2 * quad_col + (c & 1), pos = position[c / 2];
+                    const bool attended = key < keys.end && key <= pos && (window <= 0 || key > pos - window);
+                    if (!attended) value = cupykv::neg_infinity();
+                }
+                s[nb][c] = value;
+            }
+        unsigned p_hi[4], p_lo[4];   // P as the A fragment of P.V: the S fragments of both n8 blocks
+        for (int half = 0; half < 2; ++half) {
+            float step_max = fmaxf(fmaxf(s[0][2 * half], s[0][2 * half + 1]), fmaxf(s[1][2 * half], s[1][2 * half + 1]));
+            step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
+            step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
+            const float new_max = fmaxf(row_max[half], step_max);
+            const bool any = new_max != cupykv::neg_infinity();
+            const float rescale = any ? expf(row_max[half] - new_max) : 1.0f;
+            row_max[half] = new_max;
+            float p[2][2];
+            for (int nb = 0; nb < 2; ++nb)
+                for (int e = 0; e < 2; ++e) p[nb][e] = any ? expf(s[nb][2 * half + e] - new_max) : 0.0f;
+            row_sum[half] = row_sum[half] * rescale + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
+            for (int n8 = 0; n8 < kDimBlocks; ++n8) {
+                acc[n8][2 * half] *= rescale;
+                acc[n8][2 * half + 1] *= rescale;
+            }
+            // a0a1: (row, keys 2t..2t+1); a2a3: (row + 8, ...); a4a5: (row, keys 8 + 2t..); a6a7: (row + 8, ...)
+            for (int nb = 0; nb < 2; ++nb) {
+                const float hi0 = cupykv::to_float(cupykv::from_float<T>(p[nb][0]));
+                const float hi1 = cupykv::to_float(cupykv::from_float<T>(p[nb][1]));
+                p_hi[2 * nb + half] = cupykv::pack_pair<T>(p[nb][0], p[nb][1]);
+                p_lo[2 * nb + half] = cupykv::pack_pair<T>(p[nb][0] - hi0, p[nb][1] - hi1);
+            }
+        }
+
+        // 4. O += P V, 16 dims (two n8 blocks) per ldmatrix; V rows of keys past the split are zeros.
+        for (int d0 = 0; d0 < HEAD_DIM; d0 += 16) {
+            unsigned v_frag[4];   // dims d0..d0+7 (v_frag[0..1]) and d0+8..d0+15 (v_frag[2..3])
+            cupykv::ldmatrix_x4_trans(v_frag, v_stage + (lane % 16) * kRow + d0 + (lane / 16) * 8);
+            const unsigned dims_lo[2] = {v_frag[0], v_frag[1]}, dims_hi[2] = {v_frag[2], v_frag[3]};
+            cupykv::mma_m16n8k16<T>(acc[d0 / 8], p_hi, dims_lo, acc[d0 / 8]);
+            cupykv::mma_m16n8k16<T>(acc[d0 / 8], p_lo, dims_lo, acc[d0 / 8]);
+            cupykv::mma_m16n8k16<T>(acc[d0 / 8 + 1], p_hi, dims_hi, acc[d0 / 8 + 1]);
+            cupykv::mma_m16n8k16<T>(acc[d0 / 8 + 1], p_lo, dims_hi, acc[d0 / 8 + 1]);
+        }
+        __syncwarp();   // every lane is done with this stage before a later step refills it
+    }
+    cupykv::cp_async_wait_all();
+
+    // 5. Merge the warps in warp order: each publishes its row max, sum and accumulators.
+    for (int half = 0; half < 2; ++half) {
+        row_sum[half] += __shfl_xor_sync(0xffffffffu, row_sum[half], 1);
+        row_sum[half] += __shfl_xor_sync(0xffffffffu, row_sum[half], 2);
+    }
+    __syncthreads();   // every warp is done with its stages: they become the fp32 accumulators
+    float* warp_acc = reinterpret_cast<float*>(stages);   // [kWarps][16][HEAD_DIM]
+    for (int half = 0; half < 2; ++half) {
+        const int r = quad_row + 8 * half;
+        if (quad_col == 0) {
+            warp_max[warp * kTileRows + r] = row_max[half];
+            warp_sum[warp * kTileRows + r] = row_sum[half];
+        }
+        for (int n8 = 0; n8 < kDimBlocks; ++n8) {
+            float* at = warp_acc + (warp * kTileRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
+            at[0] = acc[n8][2 * half];
+            at[1] = acc[n8][2 * half + 1];
+        }
+    }
+    __syncthreads();
+
+    // 6. Write out (normalised) or the split's partial result, as cupykv_attention does.
+    const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
+    for (int e = tid; e < kTileRows * HEAD_DIM; e += kThreads) {
+        const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
+        if (r >= tile_rows) continue;
+        float top = cupykv::neg_infinity();
+        for (int w = 0; w < kWarps; ++w)
+            if (warp_sum[w * kTileRows + r] > 0.0f) top = fmaxf(top, warp_max[w * kTileRows + r]);
+        float sum = 0.0f, value = 0.0f;
+        for (int w = 0; w < kWarps; ++w) {
+            const float part = warp_sum[w * kTileRows + r];
+            if (part > 0.0f) {
+                const float weight = expf(warp_max[w * kTileRows + r] - top);
+                sum += part * weight;
+                value += warp_acc[(w * kTileRows + r) * HEAD_DIM + d] * weight;
+            }
+        }
+        const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
+        const long long out_row = ((long long)b * q_len + i) * n_heads + h;
+        if (num_splits == 1) {
+            out[out_row * HEAD_DIM + d] = cupykv::from_float<T>(sum > 0.0f ? value / sum : 0.0f);
+        } else {
+            partial_out[(split * rows_total + out_row) * HEAD_DIM + d] = value;
+            if (d == 0) {
+                partial_max[split * rows_total + out_row] = top;
+                partial_sum[split * rows_total + out_row] = sum;
+            }
+        }
+    }
+}

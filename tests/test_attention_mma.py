@@ -1,0 +1,171 @@
+"""The tensor-core attention kernel (kernels/attention_mma.cu): what its design could get wrong.
+
+16-bit caches at head_dim 64 and 128 run on mma.sync with K/V staged by cp.async in 16-key warp
+steps (2 warps at head_dim 128, 4 at 64). The general suites (test_attention*, the property and
+stateful tests) run it against the reference within the stated tolerances; these tests pin what
+those tolerances are too loose to see, or where its own tiling has edges:
+
+- precision: its fp32 split results equal those of the CUDA-core kernel on the same values in a
+  float32 cache, to fp32 accumulation error, with rope (q rotated in fp32: three 16-bit pieces),
+  softcap and large logits. A dropped piece of q or of P is 100x to 1000x past that bound;
+- the 16-key warp steps and the rounds of 2 or 4 warps: lengths and windows at every edge;
+- splits 1..64 with an uneven last split, on this kernel;
+- rows pending in the same step as a query but past it, holding NaN and inf: zero-filled or masked,
+  never read into a product;
+- bit-identical rows across q_len with split_keys (speculative verification equals greedy).
+"""
+import numpy as np
+import pytest
+
+import cupykv
+from cupykv import reference, testing
+from cupykv.attention_plan import attention_kernel
+from cupykv.kernels import KERNELS
+from cupykv.tolerances import assert_attention_close
+from backends import BACKENDS
+
+MMA = KERNELS["attention_mma"].constants("attention_mma_tiling")
+STEP = MMA["kStepKeys"]
+WARPS = {64: MMA["kWarps64"], 128: MMA["kWarps128"]}
+CASES = [("bfloat16", 128), ("float16", 64), ("bfloat16", 64), ("float16", 128)]
+
+
+def test_the_plan_picks_tensor_cores_for_16_bit_caches_at_64_and_128_only():
+    for dtype in ("float16", "bfloat16"):
+        for head_dim in (64, 128):
+            kernel = attention_kernel(dtype, head_dim)
+            cuda_type = "__half" if dtype == "float16" else "__nv_bfloat16"
+            assert kernel.tensor_cores and kernel.instance == f"cupykv_attention_mma<{cuda_type}, {head_dim}>"
+            assert kernel.threads == 32 * WARPS[head_dim] and kernel.shared_mem_bytes <= 48 * 1024
+        assert not attention_kernel(dtype, 96).tensor_cores
+    assert not attention_kernel("float32", 128).tensor_cores
+
+
+def _twins(backend, dtype, head_dim, lengths, *, n_kv=2, max_seq=700, seed=0, scale=1.0):
+    """A 16-bit cache and a float32 cache holding the same values (16-bit values are exact in fp32)."""
+    rng = np.random.default_rng(seed)
+    specs = [cupykv.CacheSpec(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_seq=max_seq,
+                              batch=len(lengths), dtype=d) for d in (dtype, "float32")]
+    caches = [cupykv.KVCache(spec, backend=backend) for spec in specs]
+    shape = (len(lengths), max(lengths), n_kv, head_dim)
+    k, v = (testing.random_rows(rng, specs[0], shape, scale) for _ in "kv")
+    for cache, spec in zip(caches, specs):
+        cache.append(0, cache.to_device(k.astype(spec.np_dtype)), cache.to_device(v.astype(spec.np_dtype)))
+        cache.advance(lengths)
+    return caches, rng
+
+
+def _split_results(plan, q):
+    """The plan's per-split softmax outputs (fp32): partial_out / partial_sum, zeros where a split is empty."""
+    plan.run(q, 0)
+    workspace = plan._workspace
+    out, total = (testing.to_numpy(a, plan.cache.spec) for a in (workspace.partial_out, workspace.partial_sum))
+    return np.divide(out, total[..., None], out=np.zeros_like(out), where=total[..., None] > 0), total
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES)
+@pytest.mark.parametrize("options", [dict(), dict(rope=cupykv.Rope()), dict(softcap=20.0, rope=cupykv.Rope(theta=500)),
+                                     dict(window=100)], ids=["plain", "rope", "softcap-rope", "window"])
+def test_split_results_equal_the_cuda_core_kernel_to_fp32_accuracy(backend, dtype, head_dim, options):
+    # logits of about +-30 (scale 1, values of 2): a 16-bit q rounds them by about 0.1, P's hi piece alone
+    # moves a weight by up to 2**-9 relative: both far past the fp32 bound asserted here
+    lengths = [301, 37, 640]
+    (cache16, cache32), rng = _twins(backend, dtype, head_dim, lengths, scale=2.0 if dtype == "bfloat16" else 1.0)
+    q = testing.random_rows(rng, cache16.spec, (3, 2, 8, head_dim), 2.0 if dtype == "bfloat16" else 1.0)
+    plans = [cupykv.AttentionPlan(c, 2, 8, num_splits=3, scale=1.0 / 8, **options) for c in (cache16, cache32)]
+    assert plans[0].kernel.tensor_cores and not plans[1].kernel.tensor_cores
+    (got, got_sum), (want, want_sum) = (_split_results(p, c.to_device(q.astype(c.spec.np_dtype)))
+                                        for p, c in zip(plans, (cache16, cache32)))
+    assert np.array_equal(got_sum > 0, want_sum > 0)
+    value_scale = float(np.abs(want).max())
+    error = np.abs(got - want).max() / value_scale
+    assert error <= 64 * 2.0 ** -24, f"split results differ by {error:.3g} of the value scale"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES)
+def test_lengths_at_every_step_and_warp_round_edge(backend, dtype, head_dim):
+    round_keys = STEP * WARPS[head_dim]
+    edges = sorted({e + d for e in (STEP, 2 * STEP, round_keys, 2 * round_keys + STEP, 128) for d in (-1, 0, 1)})
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=max(edges) + 3,
+                            batch=len(edges), dtype=dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(1)
+    testing.fill(cache, oracle, [e - 1 for e in edges], rng)   # the query's own row makes e live rows
+    q = testing.random_rows(rng, spec, (len(edges), 1, 4, head_dim))
+    for num_splits in (1, 2):
+        got = cupykv.attention(cache.to_device(q), cache, 0, num_splits=num_splits)
+        assert_attention_close(testing.to_numpy(got, spec), reference.attention(q, oracle, 0), dtype,
+                               float(np.abs(oracle.v.astype(np.float32)).max()), f"num_splits={num_splits}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES[:2])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 13, 32, 64])
+def test_every_split_count_with_an_uneven_last_split(backend, dtype, head_dim, splits):
+    lives = [splits * 128 + 1, 2 * 128 * splits + 1 if splits <= 8 else 300, 17]
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=max(lives) + 4,
+                            batch=len(lives), dtype=dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(splits)
+    testing.fill(cache, oracle, [n - 1 for n in lives], rng)
+    q = testing.random_rows(rng, spec, (len(lives), 1, 8, head_dim))
+    got = cupykv.attention(cache.to_device(q), cache, 0, num_splits=min(splits, (max(lives) + 4 + 127) // 128))
+    assert_attention_close(testing.to_numpy(got, spec), reference.attention(q, oracle, 0), dtype,
+                           float(np.abs(oracle.v.astype(np.float32)).max()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES[:2])
+@pytest.mark.parametrize("window", [1, STEP - 1, STEP, STEP + 1, 2 * STEP, 100])
+def test_windows_at_step_edges(backend, dtype, head_dim, window):
+    lengths = [2 * STEP * WARPS[head_dim] + 5, STEP + 2, 3 * STEP, 200]
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=260,
+                            batch=len(lengths), dtype=dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(window)
+    testing.fill(cache, oracle, lengths, rng)
+    q = testing.random_rows(rng, spec, (len(lengths), 3, 4, head_dim))
+    got = cupykv.attention(cache.to_device(q), cache, 0, window=window, num_splits=2)
+    assert_attention_close(testing.to_numpy(got, spec), reference.attention(q, oracle, 0, window=window), dtype,
+                           float(np.abs(oracle.v.astype(np.float32)).max()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES[:2])
+def test_pending_rows_past_the_query_in_its_own_step_are_never_read(backend, dtype, head_dim):
+    """Rows appended past a q_len-1 query share its 16-key step: they are past the split, so the
+    copy zero-fills them and nothing of their NaN / inf reaches the output."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=64, batch=2, dtype=dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(4)
+    testing.fill(cache, oracle, [5, 19], rng)
+    k, v = (testing.random_rows(rng, spec, (2, 6, 1, head_dim)) for _ in "kv")
+    k[:, 1:] = np.nan
+    v[:, 1:3] = np.inf
+    v[:, 3:] = np.nan
+    cache.append(0, cache.to_device(k), cache.to_device(v))   # pending: row 0 is the query's own
+    oracle.append(0, k, v)
+    q = testing.random_rows(rng, spec, (2, 1, 2, head_dim))
+    got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0), spec)
+    assert np.isfinite(got.astype(np.float32)).all()
+    attended = [oracle.v[0, b, :length + 1].astype(np.float32) for b, length in enumerate([5, 19])]
+    assert_attention_close(got, reference.attention(q, oracle, 0), dtype, max(float(np.abs(a).max()) for a in attended))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES[:2])
+def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, dtype, head_dim):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=600, batch=2, dtype=dtype)
+    rng = np.random.default_rng(5)
+    cache = cupykv.KVCache(spec, backend=backend)
+    rows = testing.random_rows(rng, spec, (2, 420, 2, head_dim))
+    cache.append(0, cache.to_device(rows), cache.to_device(rows[:, ::-1].copy()))
+    cache.advance([300, 411])
+    q = testing.random_rows(rng, spec, (2, 9, 6, head_dim))
+    alone = testing.to_numpy(cupykv.AttentionPlan(cache, 1, 6, split_keys=256).run(cache.to_device(q[:, :1].copy()), 0),
+                             spec)
+    for q_len in (2, 5, 9):
+        together = cupykv.AttentionPlan(cache, q_len, 6, split_keys=256).run(cache.to_device(q[:, :q_len].copy()), 0)
+        assert np.array_equal(testing.bits(testing.to_numpy(together, spec)[:, :1]), testing.bits(alone)), q_len
