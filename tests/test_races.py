@@ -23,7 +23,7 @@ from cupykv.kernels import KERNEL_DIR, KERNELS
 RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
 RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
-              "half_warp_exchange", "sync_chain"]
+              "half_warp_exchange", "sync_chain", "last_block_sums"]
 
 
 def line_of(path, needle):
@@ -227,6 +227,39 @@ def test_rmsnorm_without_its_barrier_is_reported():
 
 
 # ---- global memory ----------------------------------------------------------------------
+def run_last_block_sums(races, steps, blocks=6, threads=32):
+    x = np.arange(blocks * threads, dtype=np.float32)
+    partial, out, counter = E.zeros(blocks * threads), E.zeros(threads), E.zeros(1, np.int32)
+    races.get_function("last_block_sums")(blocks, threads, (E.asarray(x), partial, out, counter, np.int32(steps)))
+    return x, out, counter
+
+
+def test_a_hand_off_through_a_fenced_counter_orders_the_blocks(races):
+    """Release fence, count, acquire fence, barrier: the last block reads every block's partials
+    with no race reported, and leaves the counter at 0 for the next launch (or graph replay)."""
+    for _ in range(2):
+        x, out, counter = run_last_block_sums(races, 7)
+        assert np.array_equal(out, 2 * x.reshape(6, 32).sum(axis=0)) and counter[0] == 0
+
+
+@pytest.mark.parametrize("steps, missing", [(6, "the releasing fence"), (5, "the acquiring fence"),
+                                            (3, "the barrier after the acquire")])
+def test_a_hand_off_missing_one_step_is_a_race(races, steps, missing):
+    with pytest.raises(E.RaceError) as caught:
+        run_last_block_sums(races, steps)
+    message = str(caught.value)
+    assert message.startswith("kernel 'last_block_sums': data race"), missing
+    publish, sum_up = (line_of(RACES, "partial[blockIdx.x * blockDim.x + column] ="),
+                       line_of(RACES, "sum += partial[b * blockDim.x + column];"))
+    across_blocks = [h for h in caught.value.hazards if {h.first.site, h.second.site} == {publish, sum_up}]
+    if steps == 3:   # thread 0 acquired in program order: the race is the other threads' reads
+        assert across_blocks and all(h.second.thread != (0, 0, 0) for h in across_blocks), message
+    else:
+        assert across_blocks, message
+    for hazard in across_blocks:
+        assert hazard.kind == "read-after-write" and hazard.first.block != hazard.second.block
+
+
 def test_two_blocks_writing_one_output_element(races):
     fn = races.get_function("blocks_share_output")
     with pytest.raises(E.RaceError) as caught:

@@ -99,3 +99,29 @@ __global__ void sync_chain(int* out, int chained) {
   if (chained && (lane == 1 || lane == 2)) __syncwarp(0x6u);
   if (lane == 2) out[0] = shared_value;
 }
+
+// The "last block" hand-off: every block publishes a column of partial results, counts itself
+// on a device counter, and the block that counts last sums every block's column, then resets
+// the counter. `steps` switches its three synchronisations: bit 0 the releasing fence before
+// the count, bit 1 the acquiring fence after it, bit 2 the barrier that makes the acquire the
+// whole block's. All three (7): no race. partial: [gridDim.x * blockDim.x] float, out:
+// [blockDim.x] float, counter: [1] int (0 before the launch, and after it).
+__global__ void last_block_sums(const float* x, float* partial, float* out, int* counter, int steps) {
+  __shared__ int is_last;
+  const int column = threadIdx.x;
+  partial[blockIdx.x * blockDim.x + column] = x[blockIdx.x * blockDim.x + column] * 2.0f;
+  __syncthreads();
+  if (column == 0) {
+    if (steps & 1) __threadfence();
+    is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    if (steps & 2) __threadfence();
+  }
+  if (steps & 4) __syncthreads();
+  else __syncwarp();
+  if (is_last) {
+    float sum = 0.0f;
+    for (unsigned b = 0; b < gridDim.x; ++b) sum += partial[b * blockDim.x + column];
+    out[column] = sum;
+    if (column == 0) atomicExch(counter, 0);
+  }
+}

@@ -314,6 +314,12 @@ void trace_warp_sync(uint32_t warp, uint32_t lanes) {
   for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->warp_sync(warp, lanes);
 }
 
+void trace_fence() {
+  if (!T.active) return;
+  if (T.settle) settle_observers();   // the thread's last store has completed at its fence
+  for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->fence(T.tid);
+}
+
 void request_settle() { T.settle = true; }
 
 void trace_access(uintptr_t addr, size_t size, uint8_t kind, const void* ra) { record(addr, size, kind, ra); }
@@ -387,7 +393,7 @@ inline void hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
 // What g++ 12's ThreadSanitizer pass emits for cupykv's kernels and the tests' (`nm -u` of a
 // module): sized and range accesses, and a constructor calling __tsan_init. Plain __atomic
 // builtins would call __tsan_atomic*, which are not defined here (CUDA atomics come from
-// cuemu.h, and __threadfence() is a compiler barrier), so such a module fails to load.
+// cuemu.h, and __threadfence() calls cuemu_threadfence), so such a module fails to load.
 #define CUEMU_SIZED_HOOKS(N)                                                              \
   CUEMU_EXPORT void __tsan_read##N(const void* addr) {                                    \
     cuemu::hook(addr, N, ACCESS_READ, __builtin_return_address(0));                       \
@@ -433,3 +439,5 @@ CUEMU_EXPORT void* __wrap_memset(void* dst, int value, size_t n) {
 CUEMU_EXPORT void cuemu_atomic_access(void* addr, unsigned size, void* site) {
   cuemu::record((uintptr_t)addr, size, ACCESS_ATOMIC, site);
 }
+
+CUEMU_EXPORT void cuemu_threadfence(void) { cuemu::trace_fence(); }

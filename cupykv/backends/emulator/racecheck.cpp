@@ -13,8 +13,17 @@
 //    collective (__syncwarp, a shuffle, a vote, ...) joins the clocks of its lanes. In one
 //    epoch, an access of lane a at clock c is ordered before thread t when t's entry for a
 //    exceeds c. Threads of different warps are ordered only by barriers.
-//  * Blocks: global accesses of different blocks are never ordered within a launch; shared
-//    memory of an earlier block belongs to that block, so its records are ignored.
+//  * Blocks: global accesses of different blocks are ordered only through a hand-off (below);
+//    shared memory of an earlier block belongs to that block, so its records are ignored.
+//  * Hand-offs between blocks (the "last block" pattern of the CUDA programming guide): a
+//    thread that runs __threadfence() and then an atomic on address X releases, into X, every
+//    access of its block in earlier epochs (before the barrier that preceded the fence) and its
+//    own accesses; a thread of a later block that runs an atomic on X and then __threadfence()
+//    acquires every release into X made so far (the atomics of X are totally ordered, and the
+//    emulator runs them in that order). From the acquiring fence on, that thread's accesses,
+//    and every access of its block after the next __syncthreads(), are ordered after the
+//    released ones. A fence on the other side only, an atomic without a fence, or a reader
+//    that skips the barrier after the acquire stays a race.
 // A hazard: different threads, at least one write, not ordered, not both atomic. Reads and
 // writes against an atomic read-modify-write count (as in the CUDA memory model). Two plain
 // writes of the same bytes with the same value are benign (a flag set by many threads): such a
@@ -24,6 +33,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <unordered_map>
 #include <vector>
 
 #include "cuemu_trace.h"
@@ -96,6 +106,21 @@ struct Shadow {
   }
 };
 
+// A release into an atomic's address: the releasing block (its first epoch), the epoch of the
+// release and the releasing thread.
+struct Release {
+  uint32_t block_epoch0;
+  uint32_t epoch;
+  uint16_t tid;
+};
+
+// What the running block acquired from one earlier block, and where it acquired it.
+struct Acquired {
+  Release from;
+  uint32_t epoch;   // epoch of the acquiring fence
+  uint16_t tid;     // the acquiring thread
+};
+
 // A plain write that conflicts with an earlier plain write, waiting for its store to complete.
 struct PendingWrite {
   bool active = false;
@@ -115,6 +140,7 @@ class RaceCheck final : public Observer {
   void access(const Access& a) override;
   void barrier() override { epoch_ = ++last_epoch_; }
   void warp_sync(uint32_t warp, uint32_t lanes) override;
+  void fence(uint32_t tid) override;
   void settle() override;
   void launch_end() override;
 
@@ -129,7 +155,7 @@ class RaceCheck final : public Observer {
   // Whether the earlier access r and the current access cur form a hazard pair (when one writes).
   bool unordered(const Rec& r, const Rec& cur, bool shared) const {
     if (r.kind == REC_NONE || r.epoch < launch_epoch0_) return false;
-    if (r.epoch < block_epoch0_) return !shared;  // an earlier block of this launch
+    if (r.epoch < block_epoch0_) return !shared && !handed_off(r, cur);  // an earlier block
     if (r.tid == cur.tid) return false;           // program order
     if (r.epoch != cur.epoch) return false;       // a __syncthreads() lies between
     if ((r.tid ^ cur.tid) >> 5) return true;      // different warps
@@ -141,6 +167,9 @@ class RaceCheck final : public Observer {
   bool write(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
   void report(int kind, const Rec& first, const Rec& second, uint32_t region, uint64_t offset);
   uint64_t block_of(uint32_t epoch) const;
+  uint32_t block_epoch0_of(uint32_t epoch) const;
+  // Whether r, an access of an earlier block, was released to the running block before cur.
+  bool handed_off(const Rec& r, const Rec& cur) const;
 
   uint32_t last_epoch_ = 0;
   uint32_t launch_epoch0_ = 1, block_epoch0_ = 1, epoch_ = 1;
@@ -154,6 +183,10 @@ class RaceCheck final : public Observer {
   Shadow dynamic_shadow_, static_shadow_;  // reused: records of earlier launches are stale
   PendingWrite pending_;
   WarpClocks clocks_;
+  std::unordered_map<uintptr_t, std::vector<Release>> releases_;   // by atomic address, this launch
+  std::vector<Acquired> acquired_;                                  // by the running block
+  bool fenced_[kMaxBlockThreads];          // a fence since the thread's last atomic
+  uintptr_t acquiring_[kMaxBlockThreads];  // the address of the thread's last atomic, until a fence
 };
 
 bool RaceCheck::launch_begin(const LaunchInfo& info) {
@@ -168,6 +201,7 @@ bool RaceCheck::launch_begin(const LaunchInfo& info) {
   hazards.clear();
   dropped = same_value_writes = 0;
   blocks_.clear();
+  releases_.clear();
   pending_.active = false;
   launch_shadows_.clear();
   launch_shadows_.reserve(info.nregions);  // Region::shadow points into it: no reallocation
@@ -203,6 +237,38 @@ void RaceCheck::block_begin(uint64_t block_linear) {
   epoch_ = block_epoch0_ = ++last_epoch_;
   block_ = block_linear;
   blocks_.emplace_back(epoch_, block_linear);
+  acquired_.clear();
+  memset(fenced_, 0, sizeof(fenced_[0]) * nthreads_);
+  memset(acquiring_, 0, sizeof(acquiring_[0]) * nthreads_);
+}
+
+uint32_t RaceCheck::block_epoch0_of(uint32_t epoch) const {
+  auto it = std::upper_bound(blocks_.begin(), blocks_.end(), epoch,
+                             [](uint32_t e, const std::pair<uint32_t, uint64_t>& b) { return e < b.first; });
+  return it == blocks_.begin() ? block_epoch0_ : std::prev(it)->first;
+}
+
+bool RaceCheck::handed_off(const Rec& r, const Rec& cur) const {
+  if (acquired_.empty()) return false;
+  const uint32_t source = block_epoch0_of(r.epoch);
+  for (const Acquired& a : acquired_) {
+    if (a.from.block_epoch0 != source) continue;
+    const bool released = r.epoch < a.from.epoch || (r.epoch == a.from.epoch && r.tid == a.from.tid);
+    const bool after_acquire = cur.epoch > a.epoch || cur.tid == a.tid;   // a barrier, or program order
+    if (released && after_acquire) return true;
+  }
+  return false;
+}
+
+void RaceCheck::fence(uint32_t tid) {
+  if (acquiring_[tid]) {   // atomic, then fence: acquire every release into that address so far
+    auto it = releases_.find(acquiring_[tid]);
+    if (it != releases_.end())
+      for (const Release& rel : it->second)
+        if (rel.block_epoch0 != block_epoch0_) acquired_.push_back(Acquired{rel, epoch_, (uint16_t)tid});
+    acquiring_[tid] = 0;
+  }
+  fenced_[tid] = true;
 }
 
 uint64_t RaceCheck::block_of(uint32_t epoch) const {
@@ -290,6 +356,11 @@ bool RaceCheck::write(Cell& c, const Rec& cur, bool shared, const Access& a, uin
 }
 
 void RaceCheck::access(const Access& a) {
+  if (a.kind & ACCESS_ATOMIC) {   // fence, then atomic: a release into the atomic's address
+    if (fenced_[a.tid]) releases_[a.addr].push_back(Release{block_epoch0_, epoch_, (uint16_t)a.tid});
+    fenced_[a.tid] = false;
+    acquiring_[a.tid] = a.addr;
+  }
   Shadow* shadow = static_cast<Shadow*>(a.region->shadow);
   if (!shadow) return;
   const bool shared = a.region->space != CUEMU_GLOBAL;

@@ -228,10 +228,12 @@ struct Site {
 
 // Fibers of a block run one at a time on one OS thread, so fences only need to stop
 // the compiler from caching memory across them (an empty asm: __atomic_thread_fence would
-// become a __tsan_atomic_thread_fence call under the instrumentation).
-static inline void __threadfence() { __asm__ __volatile__("" ::: "memory"); }
+// become a __tsan_atomic_thread_fence call under the instrumentation). A device or system fence
+// is also told to the race checker (cuemu_threadfence, an opaque call: a compiler barrier too),
+// which orders blocks through fence-atomic pairs; a block fence orders nothing between blocks.
+static inline void __threadfence() { cuemu_threadfence(); }
 static inline void __threadfence_block() { __asm__ __volatile__("" ::: "memory"); }
-static inline void __threadfence_system() { __asm__ __volatile__("" ::: "memory"); }
+static inline void __threadfence_system() { cuemu_threadfence(); }
 static inline long long clock64() { return cuemu_clock64(); }
 static inline void __nanosleep(unsigned) {}
 

@@ -157,6 +157,10 @@ unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value
 long long cuemu_clock64(void);
 // Atomics report their read-modify-write here (they are not instrumented themselves).
 void cuemu_atomic_access(void* addr, unsigned size, void* site);
+// __threadfence() and __threadfence_system(): a fence of the calling thread, which the race
+// checker pairs with the thread's atomics into a release (fence, then atomic) or an acquire
+// (atomic, then fence) between blocks.
+void cuemu_threadfence(void);
 // Asynchronous copies (cp.async; async_copy.cpp). Per thread, as in PTX: a copy belongs to the
 // group its thread's next commit closes; wait(n) completes all but the n most recent groups.
 void cuemu_cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size);

@@ -69,6 +69,7 @@ class Observer {
   virtual void warp_sync(uint32_t warp, uint32_t lanes) {   // a warp collective completed
     (void)warp; (void)lanes;
   }
+  virtual void fence(uint32_t tid) { (void)tid; }            // thread tid ran __threadfence()
   // Called after request_settle(), before the running thread's next write or atomic access,
   // before it blocks or exits, and at the end of the block: the store the observer saw last has
   // completed by then, so its value can be read (racecheck's same-value writes). Not before a
@@ -91,6 +92,7 @@ void trace_set_thread(uint32_t tid);      // the fiber that runs from now on
 void trace_sync_point();                  // the running fiber is about to block or exit
 void trace_barrier();
 void trace_warp_sync(uint32_t warp, uint32_t lanes);
+void trace_fence();                       // the running fiber ran __threadfence()
 
 // ---- for observers ------------------------------------------------------------------
 void request_settle();
