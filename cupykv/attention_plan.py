@@ -23,7 +23,7 @@ import numpy as np
 from cupykv import _args
 from cupykv._typing import ArrayLike, DeviceArray, FloatLike, IntLike
 from cupykv.backends.base import Backend
-from cupykv.backends.capture import refuse_in_capture
+from cupykv.backends.capture import active_capture, refuse_in_capture
 from cupykv.cache import KVCache
 from cupykv.cache import KernelView
 from cupykv.kernels import CUDA_TYPES, KERNELS, attention_instance
@@ -32,7 +32,7 @@ from cupykv.spec import CacheSpec
 
 TILING = KERNELS["attention"].constants("attention_tiling")
 MMA_TILING = KERNELS["attention_mma"].constants("attention_mma_tiling")
-THREADS = TILING["kThreads"]       # threads per block of the CUDA-core kernel (and of the combine)
+THREADS = TILING["kThreads"]       # threads per block of the CUDA-core kernel
 TILE_ROWS = TILING["kTileRows"]    # query rows (query x head of one GQA group) per block
 CHUNK = TILING["kChunk"]           # keys a block scores at once; splits fall on multiples of it
 MIN_KEYS_PER_SPLIT = 256           # below this, a split's fixed cost outweighs its parallelism
@@ -140,15 +140,21 @@ def check_operands(cache: KVCache, q_len: int, n_heads: int, q: ArrayLike, layer
 
 @dataclass(frozen=True)
 class _Workspace:
-    """A plan's split-KV scratch: fp32 partial output, running max and sum of every split and query row."""
+    """A plan's split-KV scratch: fp32 partial output, running max and sum of every split and query row,
+    and one counter per query tile (the blocks of a tile count themselves; the last one merges)."""
 
-    partial_out: DeviceArray   # [splits, rows, head_dim]
-    partial_max: DeviceArray   # [splits, rows]
-    partial_sum: DeviceArray   # [splits, rows]
+    partial_out: DeviceArray      # [splits, rows, head_dim]
+    partial_max: DeviceArray      # [splits, rows]
+    partial_sum: DeviceArray      # [splits, rows]
+    split_counters: DeviceArray   # [batch * n_kv_heads * tiles] uint32, 0 between launches
+
+    @property
+    def buffers(self) -> tuple[DeviceArray, ...]:
+        return self.partial_out, self.partial_max, self.partial_sum, self.split_counters
 
     @property
     def nbytes(self) -> int:
-        return sum(int(buffer.nbytes) for buffer in (self.partial_out, self.partial_max, self.partial_sum))
+        return sum(int(buffer.nbytes) for buffer in self.buffers)
 
 
 class AttentionPlan:
@@ -202,8 +208,8 @@ class AttentionPlan:
         The kernel the plan launches (tensor cores for 16-bit caches at
         head_dim 64 and 128).
     grid, block : tuple of int
-        The attention launch; a split plan adds a combine launch of
-        ``batch * q_len * n_heads`` blocks.
+        The attention launch: one, split or not (the last block of a query tile
+        to finish merges its splits, through a device counter the plan owns).
     shared_mem_bytes : int
         Dynamic shared memory per block.
     workspace_bytes : int
@@ -260,18 +266,19 @@ class AttentionPlan:
                            f"{spec.n_kv_heads} * {tiles} query tiles", self.grid, self.block, self.shared_mem_bytes)
         self._workspace = self._allocate_workspace(backend, spec.head_dim)
         self._ranges = tuple(("attention plan workspace", *_args.byte_range(buffer)) for buffer in
-                             (self._workspace.partial_out, self._workspace.partial_max, self._workspace.partial_sum))
+                             self._workspace.buffers)
         _args.register_buffers(self)
 
     def _allocate_workspace(self, backend: Backend, head_dim: int) -> _Workspace:
-        """Three buffers, not one, so that on the emulator an overrun of one hits a guard page.
+        """Four buffers, not one, so that on the emulator an overrun of one hits a guard page.
 
         An unsplit launch never touches them: one element each stands in.
         """
-        splits, rows = (self.num_splits, self.rows) if self.num_splits > 1 else (1, 1)
+        splits, rows, tiles = (self.num_splits, self.rows, self.grid[0]) if self.num_splits > 1 else (1, 1, 1)
         head_dim = head_dim if self.num_splits > 1 else 1
         return _Workspace(backend.zeros((splits, rows, head_dim), np.float32),
-                          backend.zeros((splits, rows), np.float32), backend.zeros((splits, rows), np.float32))
+                          backend.zeros((splits, rows), np.float32), backend.zeros((splits, rows), np.float32),
+                          backend.zeros((tiles,), np.uint32))
 
     @property
     def workspace_bytes(self) -> int:
@@ -332,19 +339,18 @@ class AttentionPlan:
                                 backend.storage_dtype(spec.dtype))
         rope = self.rope
         workspace = self._workspace
-        backend.launch(
-            self.kernel.op, self.kernel.instance, self.grid, self.block,
-            (out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, q, view.k, view.v,
-             view.lengths, *view.layout_args(),
-             np.int32(self.q_len), np.int32(self.n_heads), np.int32(spec.n_kv_heads), np.int32(spec.head_dim),
-             np.int32(spec.max_seq), np.int32(self.num_splits), np.int32(self.split_keys or 0),
-             np.float32(self.scale),
-             np.float32(self.softcap or 0.0), np.int32(self.window or 0), np.int32(rope is not None),
-             np.float64(rope.theta if rope else 0.0)),
-            self.shared_mem_bytes)
-        if self.num_splits > 1:
-            backend.launch(
-                "attention", f"cupykv_attention_combine<{CUDA_TYPES[spec.dtype]}>", (self.rows,), (THREADS,),
-                (out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, np.int32(self.rows),
-                 np.int32(spec.head_dim), np.int32(self.num_splits)))
+        args = (out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, workspace.split_counters,
+                q, view.k, view.v, view.lengths, *view.layout_args(),
+                np.int32(self.q_len), np.int32(self.n_heads), np.int32(spec.n_kv_heads), np.int32(spec.head_dim),
+                np.int32(spec.max_seq), np.int32(self.num_splits), np.int32(self.split_keys or 0),
+                np.float32(self.scale), np.float32(self.softcap or 0.0), np.int32(self.window or 0),
+                np.int32(rope is not None), np.float64(rope.theta if rope else 0.0))
+        try:
+            backend.launch(self.kernel.op, self.kernel.instance, self.grid, self.block, args, self.shared_mem_bytes)
+        except BaseException:
+            # A launch that stopped part-way (an emulator error, Ctrl-C) may leave tiles mid-count: zero
+            # the counters in place (a captured graph holds this buffer), so the next run merges right.
+            if self.num_splits > 1 and active_capture() is None:
+                workspace.split_counters.fill(0)
+            raise
         return out

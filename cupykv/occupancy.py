@@ -122,8 +122,6 @@ def launch_shape(instance: str) -> LaunchShape | None:
         dtype = {"__half": "float16", "__nv_bfloat16": "bfloat16"}[tensor_cores.group(1)]
         kernel = attention_plan.attention_kernel(dtype, int(tensor_cores.group(2)))
         return LaunchShape(kernel.threads, kernel.shared_mem_bytes, f"head_dim {tensor_cores.group(2)}, tensor cores")
-    if instance.startswith("cupykv_attention_combine<"):
-        return LaunchShape(attention_plan.THREADS, 0, "split-KV combine")
     if instance.startswith("cupykv_linear<"):
         return LaunchShape(ops.LINEAR_THREADS, 0)
     return None

@@ -18,9 +18,21 @@ landing on the other side of a rounding boundary. ``256 u(float32)``
 (about 1.5e-5) bounds fp32 accumulation: dot products over head_dim <= 256
 terms and softmax sums, relative to the value scale. For float32 storage the
 second term dominates; for float16 and bfloat16 the first does.
+
+That accumulation term assumes logits of moderate size. A large scale (or
+large q and k) makes softmax ill-conditioned: the fp32 logit ``scale * q . k``
+carries an absolute error up to ``eps = (head_dim + 4) u(float32) scale
+|q| |k|`` (the dot product's rounding, bounded through sum_d |q_d k_d| <=
+|q| |k|, which holds for q rotated by rope too; the scaling; the rotation),
+and logits off by at most ``eps`` each move every softmax weight by a
+factor within ``[e^(-2 eps), e^(2 eps)]``, so the output by at most
+``value_scale * (e^(2 eps) - 1)`` (never more than ``2 * value_scale``: both
+are convex combinations of the same rows). :func:`logit_error_bound` gives
+``eps``; pass it as ``logit_error`` where a test draws such scales.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -30,12 +42,33 @@ UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 *
 FP32_ACCUMULATION = 256 * 2.0 ** -24
 
 
-def attention_tolerance(dtype: str, value_scale: float) -> float:
-    """Largest allowed absolute error of one attention output element."""
-    return max(float(value_scale), float(np.finfo(np.float32).tiny)) * (2 * UNIT_ROUNDOFF[dtype] + FP32_ACCUMULATION)
+def logit_error_bound(q: npt.ArrayLike, k: npt.ArrayLike, scale: float) -> float:
+    """Largest absolute error of an fp32 logit ``scale * q . k`` over every query and key row.
+
+    q ``[..., head_dim]`` and k ``[..., head_dim]`` (any leading shapes: every pair of rows is
+    bounded), before or after rope: ``(head_dim + 4) u(float32) scale max|q| max|k|`` with
+    Euclidean row norms. Rows holding NaN or infinities are left out (they are not attended).
+    """
+    def largest_norm(rows: npt.ArrayLike) -> float:
+        array = np.asarray(rows, np.float64)
+        norms = np.sqrt((array.reshape(-1, array.shape[-1]) ** 2).sum(axis=1))
+        finite = norms[np.isfinite(norms)]
+        return float(finite.max()) if finite.size else 0.0
+
+    head_dim = np.shape(q)[-1]
+    return (head_dim + 4) * UNIT_ROUNDOFF["float32"] * abs(float(scale)) * largest_norm(q) * largest_norm(k)
 
 
-def attention_error(got: npt.ArrayLike, want: npt.ArrayLike, dtype: str, value_scale: float) -> float:
+def attention_tolerance(dtype: str, value_scale: float, logit_error: float = 0.0) -> float:
+    """Largest allowed absolute error of one attention output element (``logit_error``: see the module)."""
+    scale = max(float(value_scale), float(np.finfo(np.float32).tiny))
+    conditioning = math.expm1(min(2.0 * logit_error, 2.0)) if logit_error > 0 else 0.0   # e^2 - 1 > 2: capped below
+    conditioning = min(2.0, conditioning)
+    return scale * (2 * UNIT_ROUNDOFF[dtype] + FP32_ACCUMULATION + conditioning)
+
+
+def attention_error(got: npt.ArrayLike, want: npt.ArrayLike, dtype: str, value_scale: float,
+                    logit_error: float = 0.0) -> float:
     """Worst element error as a fraction of the tolerance (<= 1 passes; NaN counts as failing)."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
@@ -46,20 +79,21 @@ def attention_error(got: npt.ArrayLike, want: npt.ArrayLike, dtype: str, value_s
     error = np.abs(got - want)
     if np.isnan(error).any():
         return float("inf")
-    return float(error.max() / attention_tolerance(dtype, value_scale))
+    return float(error.max() / attention_tolerance(dtype, value_scale, logit_error))
 
 
 def assert_attention_close(got: npt.ArrayLike, want: npt.ArrayLike, dtype: str, value_scale: float,
-                           context: str = "") -> None:
+                           context: str = "", logit_error: float = 0.0) -> None:
     """Raise AssertionError with max and mean error when ``got`` is outside the tolerance."""
-    ratio = attention_error(got, want, dtype, value_scale)
+    ratio = attention_error(got, want, dtype, value_scale, logit_error)
     if ratio <= 1.0:
         return
     error = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
     worst = np.unravel_index(np.nanargmax(np.where(np.isnan(error), np.inf, error)), error.shape)
     raise AssertionError(
         f"attention outside tolerance {context}: max error {np.nanmax(error):.3g} "
-        f"(tolerance {attention_tolerance(dtype, value_scale):.3g}, {dtype}, value scale {value_scale:.3g}), "
+        f"(tolerance {attention_tolerance(dtype, value_scale, logit_error):.3g}, {dtype}, value scale "
+        f"{value_scale:.3g}, logit error {logit_error:.3g}), "
         f"mean error {np.nanmean(error):.3g}, NaNs {int(np.isnan(error).sum())}, worst at index {worst}: "
         f"got {np.asarray(got, np.float64)[worst]!r}, want {np.asarray(want, np.float64)[worst]!r}")
 

@@ -37,7 +37,7 @@ from cupykv.spec import DTYPES
 
 #: head sizes launched: the specialised ones and one that takes the generic (HEAD_DIM = 0) instance.
 HEAD_DIMS = (*ATTENTION_HEAD_DIMS, 40)
-#: split-KV factors launched: 1 (no combine) and 2 (the combine kernel runs).
+#: split-KV factors launched: 1 and 2 (the last block of each query tile merges the splits).
 NUM_SPLITS = (1, 2)
 #: max_seq of the small caches: split-KV needs max_seq > 128 * (num_splits - 1).
 SMALL_MAX_SEQ = 256

@@ -41,7 +41,8 @@ def assert_attention_matches(cache, oracle, q_host, out, layer=0):
 
 
 def workspace(plan):
-    return (plan._workspace.partial_out, plan._workspace.partial_max, plan._workspace.partial_sum)
+    """The plan's device buffers: partial out, max and sum, and the per-tile split counters."""
+    return plan._workspace.buffers
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -61,12 +62,54 @@ def test_a_plan_owns_exact_separate_workspace_buffers():
     cache, _ = filled("emulator")
     plan = cupykv.AttentionPlan(cache, 3, N_HEADS, num_splits=SPLITS)
     rows = SPEC.batch * 3 * N_HEADS
-    partial_out, partial_max, partial_sum = workspace(plan)
+    partial_out, partial_max, partial_sum, counters = plan._workspace.buffers
     assert partial_out.shape == (SPLITS, rows, SPEC.head_dim)
     assert partial_max.shape == partial_sum.shape == (SPLITS, rows)
-    assert plan.workspace_bytes == 4 * (SPLITS * rows * SPEC.head_dim + 2 * SPLITS * rows)
-    assert not (np.shares_memory(partial_out, partial_max) or np.shares_memory(partial_max, partial_sum)
-                or np.shares_memory(partial_out, partial_sum))
+    assert counters.shape == (plan.grid[0],) and counters.dtype == np.uint32   # one per query tile
+    assert plan.workspace_bytes == 4 * (SPLITS * rows * SPEC.head_dim + 2 * SPLITS * rows + plan.grid[0])
+    buffers = (partial_out, partial_max, partial_sum, counters)
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(buffers) for b in buffers[i + 1:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_counters_are_zero_after_every_run_and_replay(backend):
+    """The last block of a tile merges the splits and its atomicInc wraps the counter to 0: eager
+    runs and graph replays (while lengths change) leave every counter at 0 and merge right."""
+    cache, oracle = filled(backend)
+    rng = np.random.default_rng(7)
+    q_host = queries(rng, 2)
+    q, out = cache.to_device(q_host), cache.to_device(np.zeros_like(q_host))
+    plan = cupykv.AttentionPlan(cache, 2, N_HEADS, num_splits=SPLITS)
+    counters = workspace(plan)[3]
+    for _ in range(2):
+        plan.run(q, 1, out=out)
+        assert_attention_matches(cache, oracle, q_host, out, layer=1)
+        assert not testing.to_numpy(counters, SPEC).any()
+    graph = cupykv.capture(lambda: plan.run(q, 1, out=out))
+    for lengths in ([150, 9], [201, 3], [0, 60]):
+        cache.set_lengths(cache.to_device(np.array(lengths, np.int32)))
+        oracle.set_lengths(np.array(lengths))
+        graph.replay()
+        assert_attention_matches(cache, oracle, q_host, out, layer=1)
+        assert not testing.to_numpy(counters, SPEC).any(), lengths
+
+
+def test_a_launch_that_fails_part_way_leaves_no_tile_mid_count(monkeypatch):
+    """Blocks run in index order (seed 0): split 0 of sequence 0's tiles counts, then sequence 1's
+    first block faults on a protected K row. The plan zeroes its counters, so the next run merges
+    at the right block; left mid-count, sequence 0 would merge after its first split."""
+    from cupykv.backends import emulator as E
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    cache, oracle = filled("emulator")
+    q_host = queries(np.random.default_rng(8), 1)
+    q, out = cache.to_device(q_host), cache.to_device(np.zeros_like(q_host))
+    plan = cupykv.AttentionPlan(cache, 1, N_HEADS, num_splits=SPLITS)
+    sequence_bytes = SPEC.max_seq * SPEC.n_kv_heads * SPEC.head_dim * 4   # layer 0, sequence 1: one page run
+    with E.protected(cache.k, sequence_bytes, 2 * sequence_bytes), pytest.raises(E.EmulatorFault):
+        plan.run(q, 0, out=out)
+    assert not testing.to_numpy(workspace(plan)[3], SPEC).any()
+    plan.run(q, 0, out=out)
+    assert_attention_matches(cache, oracle, q_host, out)
 
 
 def test_an_unsplit_plan_owns_no_workspace_bytes():

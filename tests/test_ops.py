@@ -44,7 +44,7 @@ NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "
 SUBNORMAL_SPACING = {"float32": 2.0 ** -149, "float16": 2.0 ** -24, "bfloat16": 2.0 ** -133}
 U32 = 2.0 ** -24
 IN_FEATURES = (1, 3, 8, 64, 100, 256)   # 1, 3 (and 100 for 16-bit types): scalar loads; others 16-byte vectors
-OUT_FEATURES = (1, 5, 32, 130)          # 5, 130: a warp with one valid output; 130: 17 blocks
+OUT_FEATURES = (1, 5, 32, 130)          # 5, 130: a pair of warps with one valid output; 130: 33 blocks
 ROWS = (1, 2, 7, 16, 33)                # row tiles 1, 2, 8, 16, and 16 + 16 + 1
 
 
@@ -123,6 +123,33 @@ def test_linear_matches_reference(backend, dtype, rows, in_features, out_feature
 def test_linear_large(backend, dtype, rows, in_features, out_features):
     # a decode projection; 64 rows = four 16-row tiles; an odd in_features on the scalar path
     run_linear(backend, dtype, rows, in_features, out_features, seed=rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_at_the_edges_of_a_warps_load_steps_and_halves(backend, dtype):
+    """A warp loads 32 lanes x 4 vectors ahead in its half of in_features: sizes one vector either
+    side of one and two such steps per half, odd halves, and the scalar path's steps of 128."""
+    vec = 16 // np.dtype(NP_DTYPES[dtype]).itemsize
+    step = 32 * 4 * vec
+    for units in (step - 1, step, step + 1, 2 * step + 1, 4 * step - 1):
+        run_linear(backend, dtype, 2, 2 * units, 5, seed=units)        # vector path, halves of `units` each
+    for in_features in (127, 255, 257, 513):
+        run_linear(backend, dtype, 3, in_features, 3, seed=in_features)   # scalar path (odd in_features)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_do_not_depend_on_the_row_tile(backend, dtype):
+    """A row's output is bit-identical whether it comes alone or with 15 others (speculative
+    verification must equal greedy decoding through every projection)."""
+    rng = np.random.default_rng(11)
+    x, weight = random(rng, (16, 1000), dtype), random(rng, (37, 1000), dtype)
+    together = to_host(backend, ops.linear(device(backend, x), device(backend, weight)), dtype)
+    for rows in (1, 2, 5, 9):
+        alone = to_host(backend, ops.linear(device(backend, np.ascontiguousarray(x[:rows])),
+                                            device(backend, weight)), dtype)
+        assert np.array_equal(alone.view(np.uint8), together[:rows].view(np.uint8)), rows
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -259,12 +259,8 @@ def test_attention_reads_exactly_the_attended_rows(case):
                              cache._backend.storage_dtype(spec.dtype))
     with testing.traffic(cache) as t:
         cupykv.attention(q, cache, layer, window=window, num_splits=num_splits)
-    assert len(t.launches) == 1 + (num_splits > 1)
+    assert len(t.launches) == 1   # split or not: the splits are merged inside the launch
     assert_reads_exactly_the_attended_rows(t.launches[0], cache, layer, lengths, q_len, group, window)
-    if num_splits > 1:   # the combine step never touches the cache
-        for array in (cache.k, cache.v):
-            with pytest.raises(KeyError):
-                t.launches[1].of(array)
 
 
 class PatchedBackend(EmulatorBackend):
@@ -440,7 +436,9 @@ def test_length_ops_touch_only_lengths_flags_and_their_input(op):
 # ---- linear -------------------------------------------------------------------------------
 @st.composite
 def linear_cases(draw):
-    return (draw(st.integers(1, 16)), draw(st.sampled_from((8, 64, 72, 13))), 2 * draw(st.integers(1, 12)),
+    # out_features odd or not and not a multiple of the 4 a block owns; in_features odd, or not a
+    # multiple of the 32 lanes x 4 vectors a warp loads ahead, or splitting unevenly between two warps
+    return (draw(st.integers(1, 16)), draw(st.sampled_from((8, 64, 72, 13, 1000, 4104))), draw(st.integers(1, 25)),
             draw(st.sampled_from(("float32", "float16", "bfloat16"))))
 
 
@@ -463,9 +461,8 @@ def test_linear_reads_the_weight_exactly_once(case):
     assert w.sectors_loaded == -(-weight.nbytes // 32)
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/linear.cu: with an odd out_features the last warp loads the "
-                                       "last weight row twice (its second output repeats the last valid row)")
 def test_linear_reads_the_weight_exactly_once_with_an_odd_out_features():
+    """A pair of outputs past out_features loads nothing (it used to repeat the last row)."""
     w, weight = linear_traffic(3, 64, 9, "float16")
     assert w.bytes_loaded == weight.nbytes
 
@@ -502,7 +499,7 @@ def test_a_graph_replay_moves_exactly_the_bytes_of_the_eager_step():
     cache.truncate([8, 31])
     with testing.traffic(cache) as replayed:
         graph.replay()
-    assert len(eager.launches) == len(replayed.launches) == graph.num_launches == 7
+    assert len(eager.launches) == len(replayed.launches) == graph.num_launches == 5   # 2 x (append, attention), advance
     for a, b in zip(eager.launches, replayed.launches):
         assert traffic_signature(a, arrays) == traffic_signature(b, arrays)
 

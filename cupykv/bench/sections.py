@@ -285,7 +285,7 @@ def traffic(ctx: Context) -> dict:
     _set_live(cache, live)
     with backend.traffic() as counted:
         cupykv.attention(q, cache, 0, out=out)
-    (launch,) = counted.kernels("cupykv_attention")   # either kernel; the emulator never splits, so no combine
+    (launch,) = counted.kernels("cupykv_attention")   # either kernel (tensor cores or not)
     for name, array in (("K", cache.k), ("V", cache.v)):
         needed = _kv_bytes(plan, 1, live) // 2
         results.append(_traffic_row(f"attention {name}, live {live}", launch.coalescing("load", [array], needed)))

@@ -78,10 +78,9 @@ KERNELS: dict[str, KernelFile] = {
         "attention.cu",
         # float32 at every head size; 16-bit caches at the sizes attention_mma.cu does not take
         tuple(f"cupykv_attention<float, {hd}>" for hd in (0,) + ATTENTION_HEAD_DIMS)
-        + ("cupykv_attention<__half, 0>", "cupykv_attention<__nv_bfloat16, 0>")
-        + _per_type("cupykv_attention_combine<{t}>"),
+        + ("cupykv_attention<__half, 0>", "cupykv_attention<__nv_bfloat16, 0>"),
     ),
-    # the tensor-core path of 16-bit caches at head_dim 64 and 128 (its combine is attention.cu's)
+    # the tensor-core path of 16-bit caches at head_dim 64 and 128
     "attention_mma": KernelFile(
         "attention_mma.cu",
         tuple(f"cupykv_attention_mma<{t}, {hd}>" for t in ("__half", "__nv_bfloat16") for hd in ATTENTION_HEAD_DIMS),

@@ -1,5 +1,5 @@
 // attention.cu: masked multi-query attention over one layer of the cache,
-// with split-KV (flash-decoding) and a combine step.
+// with split-KV (flash-decoding), merged inside the launch.
 //
 // Computes, for sequence b, query i (position p = lengths[b] + i) and head h
 // (kv head g = h / (n_heads / n_kv)):
@@ -27,14 +27,15 @@
 // the fixed positions [s * split_keys, (s + 1) * split_keys), which make a row's
 // result independent of the query shape), so work follows the live length
 // and positions past it are never read. With num_splits == 1 the block writes
-// `out`; otherwise it writes unnormalised fp32 partial results and
-// cupykv_attention_combine merges them: grid (batch * q_len * n_heads), block (128).
+// `out`; otherwise it writes unnormalised fp32 partial results, and the last
+// block of the tile to finish merges them into `out` (attention_merge.cuh).
 //
 // Device-resident arguments: lengths [batch] int32 (read), q, k/v cache (read),
-// out and the partial_* workspace (written). Every other argument is fixed per
+// out, the partial_* workspace and split_counters (written). Every other argument is fixed per
 // launch, so a captured graph replays correctly as lengths change.
 #include "common.cuh"
 #include "attention_keys.cuh"
+#include "attention_merge.cuh"
 
 namespace attention_tiling {
 constexpr int kThreads = 128;
@@ -55,6 +56,7 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
     float* __restrict__ partial_max,      // [num_splits, batch * q_len * n_heads]
     float* __restrict__ partial_sum,      // [num_splits, batch * q_len * n_heads]
+    unsigned* __restrict__ split_counters,  // [batch * n_kv * tiles], 0 before the first launch (and after each)
     const T* __restrict__ q,              // [batch, q_len, n_heads, head_dim], contiguous
     const T* __restrict__ k_cache,        // cache base, strides below
     const T* __restrict__ v_cache,
@@ -224,11 +226,11 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     // 4. write out (normalised) or the split's partial result.
     const int row_group = tid / kDimStride, dim0 = tid % kDimStride;
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
+    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows};
     for (int m = 0; m < kRowsPerThread; ++m) {
         const int r = row_group + m * kRowGroups;
         if (r >= tile_rows) continue;
-        const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
-        const long long out_row = ((long long)b * q_len + i) * n_heads + h;
+        const long long out_row = tile.out_row(r);
         const float sum = row_sum[r];
         for (int k = 0; k < kDimsPerThread; ++k) {
             const int d = dim0 + k * kDimStride;
@@ -244,35 +246,9 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
             partial_sum[split * rows_total + out_row] = sum;
         }
     }
-}
-
-// Merges the num_splits partial results of one output row (grid: one block per
-// row of batch * q_len * n_heads). Splits that attended nothing (sum 0) are
-// skipped; a row with nothing attended anywhere gets zeros.
-template <typename T>
-__global__ void __launch_bounds__(attention_tiling::kThreads) cupykv_attention_combine(
-    T* __restrict__ out,                       // [batch * q_len * n_heads, head_dim]
-    const float* __restrict__ partial_out,     // [num_splits, rows, head_dim]
-    const float* __restrict__ partial_max,     // [num_splits, rows]
-    const float* __restrict__ partial_sum,     // [num_splits, rows]
-    int rows, int head_dim, int num_splits) {
-    const long long row = blockIdx.x;
-    float global_max = cupykv::neg_infinity();
-    for (int s = 0; s < num_splits; ++s)
-        if (partial_sum[s * (long long)rows + row] > 0.0f)
-            global_max = fmaxf(global_max, partial_max[s * (long long)rows + row]);
-    float total = 0.0f;
-    for (int s = 0; s < num_splits; ++s) {
-        const float sum = partial_sum[s * (long long)rows + row];
-        if (sum > 0.0f) total += sum * expf(partial_max[s * (long long)rows + row] - global_max);
-    }
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float value = 0.0f;
-        for (int s = 0; s < num_splits; ++s) {
-            const long long part = s * (long long)rows + row;
-            if (partial_sum[part] > 0.0f)
-                value += partial_out[part * head_dim + d] * expf(partial_max[part] - global_max);
-        }
-        out[row * head_dim + d] = cupykv::from_float<T>(total > 0.0f ? value / total : 0.0f);
-    }
+    // 5. The tile's last split to finish merges every split into out (attention_merge.cuh).
+    __shared__ int is_last_split;
+    if (num_splits > 1 && cupykv::attention_last_split(split_counters + blockIdx.x, num_splits, &is_last_split))
+        cupykv::attention_merge_splits(out, partial_out, partial_max, partial_sum, tile, rows_total, num_splits,
+                                       head_dim);
 }

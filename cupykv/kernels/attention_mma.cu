@@ -7,8 +7,8 @@
 //     s_j = scale * q[b,i,h] . k[b,j,g]    (q rotated at p when use_rope; softcap when > 0)
 //     attended j: j <= p, j < max_seq, and j > p - window (when window > 0)
 //     out[b,i,h] = sum_j softmax(s)_j * v[b,j,g], or zeros if no j is attended.
-// The plan (cupykv/attention_plan.py) picks this kernel for those caches; the split-KV combine is
-// attention.cu's cupykv_attention_combine.
+// The plan (cupykv/attention_plan.py) picks this kernel for those caches. With num_splits > 1 the
+// last block of a tile to finish merges the splits into `out` (attention_merge.cuh).
 //
 // Design (docs/performance.md has the budget):
 // - A block owns a tile of 16 query rows (query x head of one GQA group: one m16 tile) and the keys
@@ -33,12 +33,13 @@
 // ceil(q_len * group / 16), block x = (b * n_kv + kv_head) * tiles + tile, block y = split.
 // Dynamic shared memory: kShared64 or kShared128 bytes (attention_mma_tiling; at most 48 KiB, no opt-in).
 //
-// Device-resident arguments: lengths [batch] int32 (read), q, k/v cache (read), out and the
-// partial_* workspace (written). Every other argument is fixed per launch, so a captured graph
-// replays correctly as lengths change.
+// Device-resident arguments: lengths [batch] int32 (read), q, k/v cache (read), out, the partial_*
+// workspace and split_counters (written). Every other argument is fixed per launch, so a captured
+// graph replays correctly as lengths change.
 #include "common.cuh"
 #include "async_copy.cuh"
 #include "attention_keys.cuh"
+#include "attention_merge.cuh"
 #include "mma.cuh"
 
 namespace attention_mma_tiling {
@@ -81,6 +82,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
     float* __restrict__ partial_max,      // [num_splits, batch * q_len * n_heads]
     float* __restrict__ partial_sum,      // [num_splits, batch * q_len * n_heads]
+    unsigned* __restrict__ split_counters,  // [batch * n_kv * tiles], 0 before the first launch (and after each)
     const T* __restrict__ q,              // [batch, q_len, n_heads, head_dim], contiguous
     const T* __restrict__ k_cache,        // cache base, strides below
     const T* __restrict__ v_cache,
@@ -279,6 +281,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
 
     // 6. Write out (normalised) or the split's partial result, as cupykv_attention does.
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
+    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows};
     for (int e = tid; e < kTileRows * HEAD_DIM; e += kThreads) {
         const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
         if (r >= tile_rows) continue;
@@ -294,8 +297,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
                 value += warp_acc[(w * kTileRows + r) * HEAD_DIM + d] * weight;
             }
         }
-        const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
-        const long long out_row = ((long long)b * q_len + i) * n_heads + h;
+        const long long out_row = tile.out_row(r);
         if (num_splits == 1) {
             out[out_row * HEAD_DIM + d] = cupykv::from_float<T>(sum > 0.0f ? value / sum : 0.0f);
         } else {
@@ -306,4 +308,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
             }
         }
     }
+    // 7. The tile's last split to finish merges every split into out (attention_merge.cuh).
+    __shared__ int is_last_split;
+    if (num_splits > 1 && cupykv::attention_last_split(split_counters + blockIdx.x, num_splits, &is_last_split))
+        cupykv::attention_merge_splits(out, partial_out, partial_max, partial_sum, tile, rows_total, num_splits,
+                                       HEAD_DIM);
 }

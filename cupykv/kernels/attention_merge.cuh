@@ -1,0 +1,69 @@
+// attention_merge.cuh: the split-KV merge inside the attention launch, shared by attention.cu and
+// attention_mma.cu.
+//
+// With num_splits > 1, every block of a query tile writes its split's fp32 partial rows (the
+// unnormalised output relative to the split's row max, the max, and the sum of weights), then
+// counts itself on the tile's device counter. The block that counts last merges the tile's rows
+// over every split and writes `out`:
+//     M = max over splits with sum > 0 of max_s,   out = sum_s e^(max_s - M) acc_s / sum_s e^(max_s - M) sum_s
+// (zeros when no split attended anything), the reduction of cupykv.reference in split order.
+// The hand-off is the CUDA programming guide's "last block" pattern: a fence, then the count
+// (release); the count, then a fence (acquire), and a barrier for the rest of the block. The
+// count is atomicInc with wrap-around at num_splits - 1, so it returns to 0 as the last block
+// counts: a captured graph replays with every counter at 0, and nothing resets them.
+#pragma once
+#include "common.cuh"
+
+namespace cupykv {
+
+// The query rows of one block: row r of the tile is query i = (first_row + r) / group, head
+// h = kv_head * group + (first_row + r) % group of sequence b.
+struct QueryTile {
+    int b, q_len, n_heads, group, kv_head, first_row, rows;
+
+    // Row of [batch * q_len * n_heads] that tile row r writes.
+    __device__ __forceinline__ long long out_row(int r) const {
+        const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
+        return ((long long)b * q_len + i) * n_heads + h;
+    }
+};
+
+// Whether this block is the last of its tile's num_splits to finish; every thread gets the
+// answer. Call after the block's partial writes, from every thread (it holds barriers).
+__device__ __forceinline__ bool attention_last_split(unsigned* tile_counter, int num_splits, int* is_last) {
+    __syncthreads();   // every thread's partial writes come before the releasing fence
+    if (threadIdx.x == 0) {
+        __threadfence();
+        *is_last = atomicInc(tile_counter, (unsigned)num_splits - 1u) == (unsigned)num_splits - 1u;
+        __threadfence();
+    }
+    __syncthreads();
+    return *is_last != 0;
+}
+
+// Merges every split of the tile's rows into `out` (the last block of the tile; all threads).
+template <typename T>
+__device__ __forceinline__ void attention_merge_splits(T* out, const float* partial_out, const float* partial_max,
+                                                       const float* partial_sum, const QueryTile& tile,
+                                                       long long rows_total, int num_splits, int head_dim) {
+    for (int e = threadIdx.x; e < tile.rows * head_dim; e += blockDim.x) {
+        const int r = e / head_dim, d = e - r * head_dim;
+        const long long row = tile.out_row(r);
+        float top = neg_infinity();
+        for (int s = 0; s < num_splits; ++s)
+            if (partial_sum[s * rows_total + row] > 0.0f) top = fmaxf(top, partial_max[s * rows_total + row]);
+        float total = 0.0f, value = 0.0f;
+        for (int s = 0; s < num_splits; ++s) {
+            const long long part = s * rows_total + row;
+            const float sum = partial_sum[part];
+            if (sum > 0.0f) {
+                const float weight = expf(partial_max[part] - top);
+                total += sum * weight;
+                value += partial_out[part * head_dim + d] * weight;
+            }
+        }
+        out[row * head_dim + d] = from_float<T>(total > 0.0f ? value / total : 0.0f);
+    }
+}
+
+}  // namespace cupykv
