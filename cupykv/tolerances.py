@@ -20,11 +20,11 @@ terms and softmax sums, relative to the value scale. For float32 storage the
 second term dominates; for float16 and bfloat16 the first does.
 
 That accumulation term assumes logits of moderate size. A large scale (or
-large q and k) makes softmax ill-conditioned: the fp32 logit ``scale * q . k``
+large q and k) makes softmax ill-conditioned: the fp32 logit ``scale * dot(q, k)``
 carries an absolute error up to ``eps = (head_dim + 4) u(float32) scale
-|q| |k|`` (the dot product's rounding, bounded through sum_d |q_d k_d| <=
-|q| |k|, which holds for q rotated by rope too; the scaling; the rotation),
-and logits off by at most ``eps`` each move every softmax weight by a
+norm(q) norm(k)`` (the dot product's rounding, bounded through
+``sum_d abs(q_d k_d) <= norm(q) norm(k)``, which holds for q rotated by rope
+too; the scaling; the rotation), and logits off by at most ``eps`` each move every softmax weight by a
 factor within ``[e^(-2 eps), e^(2 eps)]``, so the output by at most
 ``value_scale * (e^(2 eps) - 1)`` (never more than ``2 * value_scale``: both
 are convex combinations of the same rows). :func:`logit_error_bound` gives
@@ -43,11 +43,11 @@ FP32_ACCUMULATION = 256 * 2.0 ** -24
 
 
 def logit_error_bound(q: npt.ArrayLike, k: npt.ArrayLike, scale: float) -> float:
-    """Largest absolute error of an fp32 logit ``scale * q . k`` over every query and key row.
+    """Largest absolute error of an fp32 logit ``scale * dot(q, k)`` over every query and key row.
 
     q ``[..., head_dim]`` and k ``[..., head_dim]`` (any leading shapes: every pair of rows is
-    bounded), before or after rope: ``(head_dim + 4) u(float32) scale max|q| max|k|`` with
-    Euclidean row norms. Rows holding NaN or infinities are left out (they are not attended).
+    bounded), before or after rope: ``(head_dim + 4) u(float32) scale max norm(q) max norm(k)``
+    with Euclidean row norms. Rows holding NaN or infinities are left out (they are not attended).
     """
     def largest_norm(rows: npt.ArrayLike) -> float:
         array = np.asarray(rows, np.float64)
@@ -55,8 +55,8 @@ def logit_error_bound(q: npt.ArrayLike, k: npt.ArrayLike, scale: float) -> float
         finite = norms[np.isfinite(norms)]
         return float(finite.max()) if finite.size else 0.0
 
-    head_dim = np.shape(q)[-1]
-    return (head_dim + 4) * UNIT_ROUNDOFF["float32"] * abs(float(scale)) * largest_norm(q) * largest_norm(k)
+    head_dim = int(np.shape(q)[-1])
+    return float((head_dim + 4) * UNIT_ROUNDOFF["float32"] * abs(float(scale)) * largest_norm(q) * largest_norm(k))
 
 
 def attention_tolerance(dtype: str, value_scale: float, logit_error: float = 0.0) -> float:
