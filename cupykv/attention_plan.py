@@ -258,7 +258,8 @@ class AttentionPlan:
             num_splits = math.ceil(spec.max_seq / self.split_keys)
         elif num_splits is None:
             device = backend.device_info()
-            per_sm = backend.occupancy(self.kernel.op, self.kernel.instance, self.kernel.threads, self.shared_mem_bytes)
+            kernel = self.kernel
+            per_sm = backend.occupancy(kernel.op, kernel.instance, kernel.threads, self.shared_mem_bytes)
             num_splits = plan_splits(spec, self.q_len, self.n_heads, device.multiprocessor_count * per_sm)
         self.num_splits = _args.check_int("num_splits", num_splits, 1, max_splits(spec.max_seq))
         self.grid = (spec.batch * spec.n_kv_heads * tiles, self.num_splits)

@@ -31,8 +31,8 @@
 // block of the tile to finish merges them into `out` (attention_merge.cuh).
 //
 // Device-resident arguments: lengths [batch] int32 (read), q, k/v cache (read),
-// out, the partial_* workspace and split_counters (written). Every other argument is fixed per
-// launch, so a captured graph replays correctly as lengths change.
+// out, the partial_* workspace and split_counters (written). Every other argument is
+// fixed per launch, so a captured graph replays correctly as lengths change.
 #include "common.cuh"
 #include "attention_keys.cuh"
 #include "attention_merge.cuh"
@@ -46,8 +46,8 @@ constexpr int kWarps = kThreads / 32;
 
 // Minimum resident blocks per SM (ptxas's register budget): 4 (<= 128 registers) for 16-bit
 // storage; 3 (<= 168) for float, where NVRTC 13.5 allocates <float, 64> on sm_80 at 164 to
-// 168 registers (164 since the split_keys argument; 13.0.88: 162) and spilled 16 bytes under
-// the 128 cap. `python -m cupykv check` prints every instance's registers.
+// 168 registers (168 since the in-launch split merge; 13.0.88: 162 before it) and spilled 16
+// bytes under the 128 cap. `python -m cupykv check` prints every instance's registers.
 template <typename T> constexpr int attention_min_blocks() { return sizeof(T) == 4 ? 3 : 4; }
 
 template <typename T, int HEAD_DIM>
