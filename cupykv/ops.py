@@ -39,7 +39,17 @@ __all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
 
 _LINEAR_TILING = KERNELS["linear"].constants("linear_tiling")   # read from kernels/linear.cu
 LINEAR_THREADS = _LINEAR_TILING["kThreads"]
-LINEAR_OUTS_PER_BLOCK = _LINEAR_TILING["kOutsPerBlock"]
+LINEAR_WARPS = _LINEAR_TILING["kWarps"]
+LINEAR_OUTS_PER_WARP = _LINEAR_TILING["kOutsPerWarp"]
+#: Projections narrower than this split in_features between two warps per pair of outputs: below
+#: it, one warp per 2 outputs leaves an H200 (132 SMs x 64 warps) short of warps; above it the
+#: split only adds a reduction. The choice depends on the weight's shape alone, never on rows.
+LINEAR_SPLIT_K_BELOW_OUTS = 16384
+
+
+def linear_split_k(out_features: int) -> int:
+    """Warps sharing each pair of outputs of a ``linear`` launch (2 for narrow projections, else 1)."""
+    return _LINEAR_TILING["kMaxSplitK"] if out_features < LINEAR_SPLIT_K_BELOW_OUTS else 1
 EMBEDDING_THREADS = 128
 RMSNORM_MAX_THREADS = 256
 ARGMAX_MAX_THREADS = 512
@@ -94,12 +104,13 @@ def linear(x: ArrayLike, weight: ArrayLike, *, out: ArrayLike | None = None,
     rows, in_features = _args.check_shape("x", x, (None, None), ("rows", "in_features"))
     weight, _ = _args.float_operand("weight", weight, backend, dtype, "x")
     out_features, _ = _args.check_shape("weight", weight, (None, in_features), ("out_features", "in_features"))
-    grid, block = (math.ceil(out_features / LINEAR_OUTS_PER_BLOCK),), (LINEAR_THREADS,)
+    split_k = linear_split_k(out_features)
+    grid, block = (math.ceil(out_features / (LINEAR_WARPS // split_k * LINEAR_OUTS_PER_WARP)),), (LINEAR_THREADS,)
     _args.check_launch("weight", f"out_features = {out_features}", grid, block)
     out = _args.float_output(out, backend, dtype, (rows, out_features), "x", inputs=[("x", x), ("weight", weight)])
     tile = next((t for t in LINEAR_ROW_TILES if t >= rows), LINEAR_ROW_TILES[-1])
     backend.launch("linear", f"cupykv_linear<{CUDA_TYPES[dtype]}, {tile}>", grid, block,
-                   (out, x, weight, np.int32(rows), np.int32(in_features), np.int32(out_features)))
+                   (out, x, weight, np.int32(rows), np.int32(in_features), np.int32(out_features), np.int32(split_k)))
     return out
 
 

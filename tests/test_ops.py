@@ -140,16 +140,28 @@ def test_linear_at_the_edges_of_a_warps_load_steps_and_halves(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_wide_enough_to_keep_in_features_in_one_warp(backend, dtype):
+    """From ops.LINEAR_SPLIT_K_BELOW_OUTS outputs on, a warp owns all of in_features (split_k 1,
+    8 outputs a block): an odd count past it, both load paths."""
+    out_features = ops.LINEAR_SPLIT_K_BELOW_OUTS + 5
+    assert ops.linear_split_k(out_features) == 1 and ops.linear_split_k(out_features - 6) == 2
+    run_linear(backend, dtype, 2, 8 * (16 // np.dtype(NP_DTYPES[dtype]).itemsize), out_features, seed=3)
+    run_linear(backend, dtype, 3, 9, out_features, seed=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_rows_do_not_depend_on_the_row_tile(backend, dtype):
     """A row's output is bit-identical whether it comes alone or with 15 others (speculative
     verification must equal greedy decoding through every projection)."""
     rng = np.random.default_rng(11)
-    x, weight = random(rng, (16, 1000), dtype), random(rng, (37, 1000), dtype)
-    together = to_host(backend, ops.linear(device(backend, x), device(backend, weight)), dtype)
-    for rows in (1, 2, 5, 9):
-        alone = to_host(backend, ops.linear(device(backend, np.ascontiguousarray(x[:rows])),
-                                            device(backend, weight)), dtype)
-        assert np.array_equal(alone.view(np.uint8), together[:rows].view(np.uint8)), rows
+    for out_features, in_features in ((37, 1000), (ops.LINEAR_SPLIT_K_BELOW_OUTS + 3, 40)):   # split_k 2 and 1
+        x, weight = random(rng, (16, in_features), dtype), random(rng, (out_features, in_features), dtype)
+        together = to_host(backend, ops.linear(device(backend, x), device(backend, weight)), dtype)
+        for rows in (1, 2, 5, 9):
+            alone = to_host(backend, ops.linear(device(backend, np.ascontiguousarray(x[:rows])),
+                                                device(backend, weight)), dtype)
+            assert np.array_equal(alone.view(np.uint8), together[:rows].view(np.uint8)), (out_features, rows)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -461,9 +461,10 @@ def test_linear_reads_the_weight_exactly_once(case):
     assert w.sectors_loaded == -(-weight.nbytes // 32)
 
 
-def test_linear_reads_the_weight_exactly_once_with_an_odd_out_features():
+@pytest.mark.parametrize("out_features", [9, ops.LINEAR_SPLIT_K_BELOW_OUTS + 1], ids=["split-k", "whole-k"])
+def test_linear_reads_the_weight_exactly_once_with_an_odd_out_features(out_features):
     """A pair of outputs past out_features loads nothing (it used to repeat the last row)."""
-    w, weight = linear_traffic(3, 64, 9, "float16")
+    w, weight = linear_traffic(3, 64, out_features, "float16")
     assert w.bytes_loaded == weight.nbytes
 
 

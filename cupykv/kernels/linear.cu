@@ -11,10 +11,12 @@
 // thread). The host picks the smallest tile >= rows; above 16 rows the warp
 // loops over row tiles.
 //
-// Launch geometry: block (128) = 4 warps in 2 pairs; each pair owns 2 consecutive output
-// features, a block 4: grid (ceil(out_features / 4)). The two warps of a pair split
-// in_features into two contiguous halves (so a narrow projection, 1024 outputs at batch 1, still
-// runs 1024 warps), and the 32 lanes of a warp split its half: with in_features a multiple of
+// Launch geometry: block (128) = 4 warps. With split_k = 2 (the host's choice for projections
+// narrower than a GPU's worth of warps) the warps form 2 pairs, each pair owns 2 consecutive
+// output features (a block 4: grid ceil(out_features / 4)) and its two warps split in_features
+// into two contiguous halves, so a narrow projection, 1024 outputs at batch 1, still runs 1024
+// warps. With split_k = 1 each warp owns 2 outputs and all of in_features (a block 8: grid
+// ceil(out_features / 8)). The 32 lanes of a warp split its part: with in_features a multiple of
 // 16 / sizeof(T) and 16-byte-aligned x and weight, lane l reads the 16-byte vectors l, l + 32,
 // ... of the half of each of its two weight rows (a warp reads 512 contiguous bytes per row per
 // step), kAhead steps at a time: it issues kAhead x 2 vector loads (4 KB per warp) before it uses
@@ -24,21 +26,21 @@
 // every row of the tile from registers; a pair's second output past out_features loads nothing.
 // x is small and is re-read through L1 by every warp. Per-lane partial sums of the warp's two
 // outputs are combined by one paired butterfly (warp_sum_pair: 5 shuffles per row for both), the
-// pair's two halves through shared memory, first half first: every row is summed in the same
-// order whatever the row tile, so a row's output does not depend on how many rows came with it.
+// split_k parts through shared memory, first part first: every row is summed in the same order
+// whatever the row tile (split_k depends on the weight's shape only), so a row's output does not
+// depend on how many rows came with it.
 //
 // __launch_bounds__(128, 4) caps registers at 128 (python -m cupykv check: no spills).
 //
-// Device-resident arguments: x and weight (read), out (written). rows,
-// in_features and out_features are fixed per launch; nothing step-dependent.
+// Device-resident arguments: x and weight (read), out (written). rows, in_features,
+// out_features and split_k are fixed per launch; nothing step-dependent.
 #include "common.cuh"
 
 namespace linear_tiling {
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kOutsPerWarp = 2;
-constexpr int kSplitK = 2;                                    // warps sharing a pair of outputs
-constexpr int kOutsPerBlock = kWarps / kSplitK * kOutsPerWarp;
+constexpr int kMaxSplitK = 2;                                 // warps sharing a pair of outputs, at most
 constexpr int kAhead = 4;                                     // loads per weight row issued before use
 }  // namespace linear_tiling
 
@@ -47,13 +49,13 @@ __global__ void __launch_bounds__(linear_tiling::kThreads, 4) cupykv_linear(
     T* __restrict__ out,               // [rows, out_features]
     const T* __restrict__ x,           // [rows, in_features]
     const T* __restrict__ weight,      // [out_features, in_features]
-    int rows, int in_features, int out_features) {
+    int rows, int in_features, int out_features, int split_k) {
     using namespace linear_tiling;
     static_assert(kOutsPerWarp == 2, "the reduction below sums the warp's two outputs as a pair");
     constexpr int kVec = 16 / (int)sizeof(T);  // elements per 16-byte vector
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int pair = warp / kSplitK, half = warp % kSplitK;
-    const int first_out = blockIdx.x * kOutsPerBlock + pair * kOutsPerWarp;
+    const int pair = warp / split_k, half = warp % split_k;   // split_k is 1 or kMaxSplitK
+    const int first_out = blockIdx.x * (kWarps / split_k * kOutsPerWarp) + pair * kOutsPerWarp;
     const int outs = max(0, min(kOutsPerWarp, out_features - first_out));   // uniform in the warp
     __shared__ float halves[kWarps][ROW_TILE][kOutsPerWarp];                 // each warp's sums
 
@@ -64,9 +66,9 @@ __global__ void __launch_bounds__(linear_tiling::kThreads, 4) cupykv_linear(
     const bool vector_loads = in_features % kVec == 0 &&
                               (reinterpret_cast<unsigned long long>(x) % 16) == 0 &&
                               (reinterpret_cast<unsigned long long>(weight) % 16) == 0;
-    // This warp's half of in_features, in vectors (or elements on the scalar path).
+    // This warp's part of in_features, in vectors (or elements on the scalar path).
     const int units = vector_loads ? in_features / kVec : in_features;
-    const int per_half = (units + kSplitK - 1) / kSplitK;
+    const int per_half = (units + split_k - 1) / split_k;
     const int begin = min(units, half * per_half), end = min(units, begin + per_half);
 
     for (int row0 = 0; row0 < rows; row0 += ROW_TILE) {
@@ -143,7 +145,7 @@ __global__ void __launch_bounds__(linear_tiling::kThreads, 4) cupykv_linear(
             const int o = lane / 16;
             for (int r = 0; r < tile_rows; ++r) {
                 float sum = halves[warp][r][o];
-                for (int h = 1; h < kSplitK; ++h) sum += halves[warp + h][r][o];
+                for (int h = 1; h < split_k; ++h) sum += halves[warp + h][r][o];
                 out[(long long)(row0 + r) * out_features + first_out + o] = cupykv::from_float<T>(sum);
             }
         }
