@@ -68,10 +68,9 @@ template <int HEAD_DIM> constexpr int attention_mma_warps() {
 namespace cupykv {
 
 // Two 16-bit values in one register, `low` in the low half (the mma and ldmatrix element order).
-template <typename T> __device__ __forceinline__ unsigned pack_pair(float low, float high) {
-    const T lo = from_float<T>(low), hi = from_float<T>(high);
-    return (unsigned)*reinterpret_cast<const unsigned short*>(&lo) |
-           ((unsigned)*reinterpret_cast<const unsigned short*>(&hi) << 16);
+template <typename T> __device__ __forceinline__ unsigned pack_pair(T low, T high) {
+    return (unsigned)*reinterpret_cast<const unsigned short*>(&low) |
+           ((unsigned)*reinterpret_cast<const unsigned short*>(&high) << 16);
 }
 
 }  // namespace cupykv
@@ -237,10 +236,10 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
             }
             // a0a1: (row, keys 2t..2t+1); a2a3: (row + 8, ...); a4a5: (row, keys 8 + 2t..); a6a7: (row + 8, ...)
             for (int nb = 0; nb < 2; ++nb) {
-                const float hi0 = cupykv::to_float(cupykv::from_float<T>(p[nb][0]));
-                const float hi1 = cupykv::to_float(cupykv::from_float<T>(p[nb][1]));
-                p_hi[2 * nb + half] = cupykv::pack_pair<T>(p[nb][0], p[nb][1]);
-                p_lo[2 * nb + half] = cupykv::pack_pair<T>(p[nb][0] - hi0, p[nb][1] - hi1);
+                const T hi0 = cupykv::from_float<T>(p[nb][0]), hi1 = cupykv::from_float<T>(p[nb][1]);
+                p_hi[2 * nb + half] = cupykv::pack_pair(hi0, hi1);
+                p_lo[2 * nb + half] = cupykv::pack_pair(cupykv::from_float<T>(p[nb][0] - cupykv::to_float(hi0)),
+                                                        cupykv::from_float<T>(p[nb][1] - cupykv::to_float(hi1)));
             }
         }
 

@@ -166,8 +166,10 @@ class RaceCheck final : public Observer {
   bool read(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
   bool write(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
   void report(int kind, const Rec& first, const Rec& second, uint32_t region, uint64_t offset);
-  uint64_t block_of(uint32_t epoch) const;
-  uint32_t block_epoch0_of(uint32_t epoch) const;
+  // The (first epoch, linear block) entry of the block that ran `epoch`; the running block's when
+  // none is recorded yet.
+  std::pair<uint32_t, uint64_t> block_entry(uint32_t epoch) const;
+  uint64_t block_of(uint32_t epoch) const { return block_entry(epoch).second; }
   // Whether r, an access of an earlier block, was released to the running block before cur.
   bool handed_off(const Rec& r, const Rec& cur) const;
 
@@ -242,15 +244,15 @@ void RaceCheck::block_begin(uint64_t block_linear) {
   memset(acquiring_, 0, sizeof(acquiring_[0]) * nthreads_);
 }
 
-uint32_t RaceCheck::block_epoch0_of(uint32_t epoch) const {
+std::pair<uint32_t, uint64_t> RaceCheck::block_entry(uint32_t epoch) const {
   auto it = std::upper_bound(blocks_.begin(), blocks_.end(), epoch,
                              [](uint32_t e, const std::pair<uint32_t, uint64_t>& b) { return e < b.first; });
-  return it == blocks_.begin() ? block_epoch0_ : std::prev(it)->first;
+  return it == blocks_.begin() ? std::make_pair(block_epoch0_, block_) : *std::prev(it);
 }
 
 bool RaceCheck::handed_off(const Rec& r, const Rec& cur) const {
   if (acquired_.empty()) return false;
-  const uint32_t source = block_epoch0_of(r.epoch);
+  const uint32_t source = block_entry(r.epoch).first;
   for (const Acquired& a : acquired_) {
     if (a.from.block_epoch0 != source) continue;
     const bool released = r.epoch < a.from.epoch || (r.epoch == a.from.epoch && r.tid == a.from.tid);
@@ -269,12 +271,6 @@ void RaceCheck::fence(uint32_t tid) {
     acquiring_[tid] = 0;
   }
   fenced_[tid] = true;
-}
-
-uint64_t RaceCheck::block_of(uint32_t epoch) const {
-  auto it = std::upper_bound(blocks_.begin(), blocks_.end(), epoch,
-                             [](uint32_t e, const std::pair<uint32_t, uint64_t>& b) { return e < b.first; });
-  return it == blocks_.begin() ? block_ : std::prev(it)->second;
 }
 
 void RaceCheck::warp_sync(uint32_t warp, uint32_t lanes) { clocks_.sync(warp, lanes); }
