@@ -62,12 +62,14 @@ class AttentionKernel:
         return self.op == "attention_mma"
 
 
-def attention_kernel(dtype: str, head_dim: int) -> AttentionKernel:
-    """The kernel for a cache's dtype and head size: tensor cores for 16-bit caches at head_dim 64
-    and 128 (``attention_mma.cu``), CUDA cores otherwise (``attention.cu``)."""
-    op, instance = attention_instance(dtype, head_dim)
+def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None) -> AttentionKernel:
+    """The kernel for a cache's storage dtype, head size and io dtype (``dtype`` by default): tensor
+    cores for 16-bit and fp8 caches at head_dim 64 and 128 (``attention_mma.cu``), CUDA cores
+    otherwise (``attention.cu``)."""
+    op, instance = attention_instance(dtype, head_dim, io_dtype)
     if op == "attention_mma":
-        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"], MMA_TILING[f"kShared{head_dim}"])
+        shared = MMA_TILING[f"kShared{head_dim}Fp8" if dtype == "float8_e4m3" else f"kShared{head_dim}"]
+        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"], shared)
     return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
 
 
@@ -129,10 +131,10 @@ def check_operands(cache: KVCache, q_len: int, n_heads: int, q: ArrayLike, layer
     if found != (q_len, n_heads):
         got = (spec.batch, *found, spec.head_dim)
         raise ValueError(f"q: expected the plan's shape {shape}, got {got}; make a plan for this shape")
-    queries = _args.device_operand("q", q, backend, spec.dtype)
+    queries = _args.device_operand("q", q, backend, spec.io_dtype)
     output = None
     if out is not None:
-        output = _args.device_operand("out", out, backend, spec.dtype, shape, written=True)
+        output = _args.device_operand("out", out, backend, spec.io_dtype, shape, written=True)
         _args.check_no_overlap("out", output, [("q", queries)])
         _args.check_apart_from_caches("out", output, cache)   # and every other cache and plan
     return view, queries, output
@@ -246,7 +248,7 @@ class AttentionPlan:
                              f"{spec.batch} * {self.q_len} * {self.n_heads} = {self.rows}")
         group = self.n_heads // spec.n_kv_heads
         tiles = query_tiles(self.q_len, group)
-        self.kernel = attention_kernel(spec.dtype, spec.head_dim)
+        self.kernel = attention_kernel(spec.dtype, spec.head_dim, spec.io_dtype)
         self.block = (self.kernel.threads,)
         self.shared_mem_bytes = self.kernel.shared_mem_bytes
         backend = cache.kernel_view(0).backend
@@ -337,11 +339,11 @@ class AttentionPlan:
         backend = view.backend
         if out is None:
             out = backend.zeros((spec.batch, self.q_len, self.n_heads, spec.head_dim),
-                                backend.storage_dtype(spec.dtype))
+                                backend.storage_dtype(spec.io_dtype))
         rope = self.rope
         workspace = self._workspace
         args = (out, workspace.partial_out, workspace.partial_max, workspace.partial_sum, workspace.split_counters,
-                q, view.k, view.v, view.lengths, *view.layout_args(),
+                q, view.k, view.v, view.lengths, *view.scale_args(), *view.layout_args(),
                 np.int32(self.q_len), np.int32(self.n_heads), np.int32(spec.n_kv_heads), np.int32(spec.head_dim),
                 np.int32(spec.max_seq), np.int32(self.num_splits), np.int32(self.split_keys or 0),
                 np.float32(self.scale), np.float32(self.softcap or 0.0), np.int32(self.window or 0),

@@ -18,8 +18,9 @@ from cupykv import _args, cache_views
 from cupykv._typing import ArrayLike, DeviceArray, HostArray, IntLike, PerSequence, Positions, Shape
 from cupykv.backends import get_backend
 from cupykv.backends.base import Backend, DeviceInfo
+from cupykv.backends.capture import refuse_in_capture
 from cupykv.errors import CacheOverflowError
-from cupykv.kernels import CUDA_TYPES
+from cupykv.kernels import cache_types
 from cupykv.rope import Rope
 from cupykv.spec import MASK_VALUE, CacheSpec
 
@@ -36,7 +37,9 @@ class KernelView:
     Offsets and strides count elements of the storage dtype, for the
     ``layer_offset, stride_batch, stride_seq, stride_head`` kernel arguments
     every cache kernel takes (``k[layer_offset + b * stride_batch + s *
-    stride_seq + h * stride_head + d]``, the same for ``v``).
+    stride_seq + h * stride_head + d]``, the same for ``v``). An fp8 cache's
+    element stands for ``code * k_scales[layer, h]`` (``v_scales`` for V);
+    the scales of other caches are 1.
     """
 
     backend: Backend           # the Backend the arrays live on (launch with it)
@@ -44,10 +47,20 @@ class KernelView:
     v: DeviceArray
     lengths: DeviceArray       # int32 [batch]
     overflow: DeviceArray      # int32 [batch]
+    k_scales: DeviceArray      # float32 [n_layers, n_kv_heads]
+    v_scales: DeviceArray      # float32 [n_layers, n_kv_heads]
+    layer: int
     layer_offset: int
     stride_batch: int
     stride_seq: int
     stride_head: int
+
+    def scale_args(self) -> tuple[DeviceArray, DeviceArray, np.int32]:
+        """``k_scales, v_scales, layer``: the scale arguments of the cache kernels (kernels/kv_codec.cuh).
+
+        Graph-safe: yes — device arrays (read at run time) and a host int.
+        """
+        return self.k_scales, self.v_scales, np.int32(self.layer)
 
     def layout_args(self) -> tuple[np.int64, np.int64, np.int64, np.int64]:
         """``layer_offset, stride_batch, stride_seq, stride_head`` as the kernels' ``long long`` arguments.
@@ -85,6 +98,12 @@ class KVCache:
         ``0..max_seq`` (read once, here) and share no byte with another
         cache's buffers other than its lengths. Overflow flags stay per
         cache: a clamp sets the flag of the cache whose call clamped.
+    k_scale, v_scale : float or host array broadcastable to ``[n_layers, n_kv_heads]``, default 1.0
+        The scales of a ``"float8_e4m3"`` cache: a value ``x`` of kv head ``h``
+        of layer ``l`` is stored as ``E4M3(clamp(x / k_scale[l, h], -448, 448))``
+        and read as ``code * k_scale[l, h]`` (``v_scale`` for V). Each a normal
+        float32 > 0; :func:`cupykv.calibrate_scales` derives them from sample
+        rows. Other caches store values unscaled: their scales must be 1.
 
     Attributes
     ----------
@@ -94,6 +113,9 @@ class KVCache:
         storage dtype (bfloat16 is uint16 bit patterns on CuPy).
     lengths : device int32 ``[batch]``
         Committed length of each sequence (the array given as ``lengths``, if any).
+    k_scales, v_scales : device float32 ``[n_layers, n_kv_heads]``
+        The scales (all 1 unless the cache is fp8), read by the kernels at run
+        time: :meth:`set_scales` changes them in place.
     overflow : device int32 ``[batch]``
         1 where a write or advance went past ``max_seq``; see :meth:`check`.
         The device-side capacity answer: a graph step cannot ask
@@ -127,10 +149,12 @@ class KVCache:
     __repr__ = cache_views.kv_cache_repr
 
     def __init__(self, spec: CacheSpec, backend: str | Backend | None = None, *,
-                 lengths: ArrayLike | None = None) -> None:
+                 lengths: ArrayLike | None = None, k_scale: float | npt.ArrayLike = 1.0,
+                 v_scale: float | npt.ArrayLike = 1.0) -> None:
         if not isinstance(spec, CacheSpec):
             raise TypeError(f"spec: expected a cupykv.CacheSpec, got {type(spec).__name__}")
         self.spec = spec
+        host_scales = _args.check_kv_scale("k_scale", k_scale, spec), _args.check_kv_scale("v_scale", v_scale, spec)
         self._backend = get_backend(backend)
         shared = None if lengths is None else self._shared_lengths(lengths)
         self.shares_lengths = shared is not None
@@ -142,19 +166,21 @@ class KVCache:
         self.v = self._backend.zeros(spec.shape, storage)
         self.lengths = self._backend.zeros((spec.batch,), np.int32) if shared is None else shared
         self.overflow = self._backend.zeros((spec.batch,), np.int32)
+        self.k_scales, self.v_scales = (self._backend.asarray(scales) for scales in host_scales)
         # [batch] int32 staging for host-given per-sequence values (advance, truncate, reset).
         self._per_seq = self._backend.zeros((spec.batch,), np.int32)
         # (what, first, last) byte addresses of the buffers above: no op's output may write into them
         self._owned_ranges = tuple((what, *_args.byte_range(buffer)) for what, buffer in (
             ("k", self.k), ("v", self.v), ("lengths", self.lengths), ("overflow flags", self.overflow),
-            ("per-sequence staging buffer", self._per_seq)))
+            ("k scales", self.k_scales), ("v scales", self.v_scales), ("per-sequence staging buffer", self._per_seq)))
         _args.register_buffers(self)
         _log.debug("created %r", self)
 
     @staticmethod
     def _bytes_needed(spec: CacheSpec, own_lengths: bool = True) -> int:
-        """Bytes a cache of ``spec`` allocates: K and V plus three int32 ``[batch]`` arrays (two with shared lengths)."""
-        return spec.nbytes + (3 if own_lengths else 2) * 4 * spec.batch
+        """Bytes a cache of ``spec`` allocates: K and V, three int32 ``[batch]`` arrays (two with shared lengths)
+        and the float32 scales ``[2, n_layers, n_kv_heads]``."""
+        return spec.nbytes + (3 if own_lengths else 2) * 4 * spec.batch + 2 * 4 * spec.n_layers * spec.n_kv_heads
 
     def _shared_lengths(self, lengths: object) -> DeviceArray:
         """The caller's lengths array, checked (before anything is allocated) to serve as this cache's."""
@@ -197,11 +223,50 @@ class KVCache:
         """
         return self._backend.to_host(self.lengths)
 
+    def set_scales(self, k_scale: float | npt.ArrayLike | None = None,
+                   v_scale: float | npt.ArrayLike | None = None) -> None:
+        """Replace the K and/or V scales of an fp8 cache (``None`` keeps one as it is).
+
+        The scales are updated in place, so a captured step sees the new values
+        at its next replay. Rows already stored keep their codes: they now
+        stand for ``code * new_scale``.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it
+        uploads. Set scales between replays.
+
+        Parameters
+        ----------
+        k_scale, v_scale : float or host array broadcastable to ``[n_layers, n_kv_heads]``, optional
+            As for the constructor: normal float32 values > 0 (and 1 for a cache that is not fp8).
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad scale, before anything changes (neither scale is set then).
+        CaptureError
+            Inside a captured step.
+        """
+        self._check_device()
+        refuse_in_capture("KVCache.set_scales (it uploads the scales)",
+                          "set scales between replays: a captured step reads the new values at its next replay")
+        updates = [(self.k_scales, _args.check_kv_scale("k_scale", k_scale, self.spec)) if k_scale is not None else None,
+                   (self.v_scales, _args.check_kv_scale("v_scale", v_scale, self.spec)) if v_scale is not None else None]
+        for update in updates:
+            if update is not None:
+                self._backend.upload(*update)
+
+    def scales_host(self) -> tuple[HostArray, HostArray]:
+        """``(k_scales, v_scales)`` as NumPy float32 ``[n_layers, n_kv_heads]`` (synchronises).
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it reads the device.
+        """
+        return self._backend.to_host(self.k_scales), self._backend.to_host(self.v_scales)
+
     def to_device(self, host_array: npt.ArrayLike) -> DeviceArray:
         """A copy of a NumPy array on this cache's backend, ready to pass to cupykv ops.
 
-        bfloat16 (``ml_dtypes.bfloat16``) becomes what the backend stores: uint16
-        bit patterns on CuPy. Integer arrays made this way are device-resident
+        bfloat16 (``ml_dtypes.bfloat16``) and E4M3 (``ml_dtypes.float8_e4m3fn``)
+        become what the backend stores: uint16 and uint8 bit patterns on CuPy. Integer arrays made this way are device-resident
         per-sequence values for ``advance``/``truncate``/``reset`` (graph-safe).
 
         Graph-safe: no — refused inside a captured step (CaptureError): it
@@ -237,7 +302,8 @@ class KVCache:
         """
         self._check_device()
         layer = _args.check_layer(layer, self.spec)
-        return KernelView(self._backend, self.k, self.v, self.lengths, self.overflow, *self._layout(layer))
+        return KernelView(self._backend, self.k, self.v, self.lengths, self.overflow, self.k_scales, self.v_scales,
+                          layer, *self._layout(layer))
 
     def owned_ranges(self) -> tuple[tuple[str, int, int], ...]:
         """``(what, first, last)`` byte addresses of every buffer the cache owns: no op's output may write there.
@@ -285,8 +351,9 @@ class KVCache:
         layer : int
             Layer index in ``0..n_layers-1``.
         k, v : device array ``[batch, n_new, n_kv_heads, head_dim]``
-            New rows in the cache's storage dtype, C-contiguous, ``n_new`` in
-            ``1..2**30-1``. Neither may overlap the cache's own buffers (rows
+            New rows in the cache's ``io_dtype`` (its storage dtype, except
+            for an fp8 cache, which quantizes them with its scales),
+            C-contiguous, ``n_new`` in ``1..2**30-1``. Neither may overlap the cache's own buffers (rows
             read from the cache itself would race with the writes: copy them first).
         rope : Rope, optional
             Rotate each key row at its position before storing it.
@@ -319,10 +386,11 @@ class KVCache:
         grid = (spec.batch * n_new,)
         _args.check_launch("k", f"batch * n_new = {spec.batch} * {n_new} rows", grid, (_APPEND_THREADS,))
         out = self._allocated_positions_out(out, return_positions, n_new)
+        view = self.kernel_view(layer)
         self._launch(
-            "append", f"cupykv_append<{CUDA_TYPES[spec.dtype]}>", grid, (_APPEND_THREADS,),
+            "append", f"cupykv_append<{cache_types(spec.dtype, spec.io_dtype)}>", grid, (_APPEND_THREADS,),
             (self.k, self.v, k, v, self.lengths, self.overflow, self._per_seq if out is None else out,
-             np.int32(out is not None), *self.kernel_view(layer).layout_args(),
+             np.int32(out is not None), *view.scale_args(), *view.layout_args(),
              np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
              np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
         return out
@@ -392,10 +460,11 @@ class KVCache:
         if host_positions is not None:   # every check passed: upload (refused inside a captured step)
             device_positions = self._backend.asarray(host_positions.astype(np.int32))
         out = self._allocated_positions_out(out, return_positions, n_new, shape)
+        view = self.kernel_view(layer)
         self._launch(
-            "write", f"cupykv_write<{CUDA_TYPES[spec.dtype]}>", grid, (_APPEND_THREADS,),
+            "write", f"cupykv_write<{cache_types(spec.dtype, spec.io_dtype)}>", grid, (_APPEND_THREADS,),
             (self.k, self.v, k, v, device_positions, self.overflow, self._per_seq if out is None else out,
-             np.int32(out is not None), *self.kernel_view(layer).layout_args(),
+             np.int32(out is not None), *view.scale_args(), *view.layout_args(),
              np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
              np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
         return out
@@ -409,8 +478,8 @@ class KVCache:
         _args.check_rows("v", v, spec)
         _args.check_same_shape("k", k, "v", v)
         checked_rope = _args.check_rope(rope, spec)
-        k_rows = _args.device_operand("k", k, self._backend, spec.dtype)
-        v_rows = _args.device_operand("v", v, self._backend, spec.dtype)
+        k_rows = _args.device_operand("k", k, self._backend, str(spec.io_dtype))
+        v_rows = _args.device_operand("v", v, self._backend, str(spec.io_dtype))
         _args.check_apart_from_caches("k", k_rows, self, others=False)
         _args.check_apart_from_caches("v", v_rows, self, others=False)
         return layer, n_new, k_rows, v_rows, checked_rope

@@ -159,8 +159,9 @@ def has_capacity(self: KVCache, n: IntLike | Sequence[IntLike] | npt.NDArray[np.
 
 # -- footprint -------------------------------------------------------------------------------------
 def nbytes(self: KVCache) -> int:
-    """Device bytes this cache allocated: K, V, its overflow flags and staging, and its lengths unless shared."""
-    owned = [self.k, self.v, self.overflow, self._per_seq] + ([] if self.shares_lengths else [self.lengths])
+    """Device bytes this cache allocated: K, V, its scales, overflow flags and staging, and its lengths unless shared."""
+    owned = [self.k, self.v, self.k_scales, self.v_scales, self.overflow, self._per_seq] + \
+        ([] if self.shares_lengths else [self.lengths])
     return int(sum(a.nbytes for a in owned))
 
 
@@ -168,5 +169,6 @@ def kv_cache_repr(self: KVCache) -> str:
     """``KVCache(shape=... [axes], dtype=..., layout=..., backend=..., <size> MiB)``."""
     spec = self.spec
     shared = ", shared lengths" if self.shares_lengths else ""
-    return (f"KVCache(shape={spec.shape} {_AXES[spec.layout]}, dtype={spec.dtype}, layout={spec.layout}, "
+    io = f", io_dtype={spec.io_dtype}" if spec.io_dtype != spec.dtype else ""
+    return (f"KVCache(shape={spec.shape} {_AXES[spec.layout]}, dtype={spec.dtype}{io}, layout={spec.layout}, "
             f"backend={self.backend}, {self.nbytes / 2**20:.3g} MiB{shared})")

@@ -1,7 +1,10 @@
 """The NumPy oracle: the executable form of docs/contract.md.
 
 Plain and slow on purpose. All arithmetic is float64; each stored value is
-rounded to the storage dtype exactly once (round to nearest even). The fast
+rounded to the storage dtype exactly once (round to nearest even), except in
+an fp8 cache, which quantizes as the kernels do (:func:`cupykv.fp8.quantize_e4m3`:
+through float32, divided by the head's scale, saturated, rounded to E4M3)
+and whose attention reads ``code * scale``. The fast
 path never imports this module; tests, notebooks and the demo compare
 against it.
 """
@@ -15,6 +18,7 @@ import numpy.typing as npt
 
 from ._args.cache_args import (
     check_advance,
+    check_kv_scale,
     check_capacity_request,
     check_layer,
     check_lengths_shape,
@@ -39,6 +43,7 @@ from ._args.cache_args import (
 from ._args.scalars import check_bool, check_int, got
 from ._typing import FloatLike, HostArray, IntLike
 from .errors import CacheOverflowError
+from .fp8 import dequantize_e4m3, quantize_e4m3
 from .rope import Rope, rope_angles
 from .spec import MASK_VALUE, CacheSpec
 
@@ -98,6 +103,9 @@ class KVCache:
     lengths : numpy.ndarray, int32, shape ``[batch]``, optional
         Share this array as the lengths (used in place, not copied): values in
         ``0..max_seq``, C-contiguous and writeable. Overflow flags stay per cache.
+    k_scale, v_scale : float or array broadcastable to ``[n_layers, n_kv_heads]``, default 1.0
+        The per-head scales of an fp8 cache (1 for any other cache), as for
+        :class:`cupykv.KVCache`.
 
     Attributes
     ----------
@@ -108,6 +116,7 @@ class KVCache:
         zero-initialised.
     lengths : numpy.ndarray, int32, shape ``[batch]``
         Committed length of each sequence.
+    k_scales, v_scales : numpy.ndarray, float32, shape ``[n_layers, n_kv_heads]``
     overflow : numpy.ndarray, bool, shape ``[batch]``
         Set when a sequence was appended or advanced past ``max_seq``.
     shares_lengths : bool
@@ -122,9 +131,12 @@ class KVCache:
         strided or read-only.
     """
 
-    def __init__(self, spec: CacheSpec, *, lengths: npt.NDArray[np.int32] | None = None) -> None:
+    def __init__(self, spec: CacheSpec, *, lengths: npt.NDArray[np.int32] | None = None,
+                 k_scale: float | npt.ArrayLike = 1.0, v_scale: float | npt.ArrayLike = 1.0) -> None:
         if not isinstance(spec, CacheSpec):
             raise TypeError(f"spec: expected a cupykv.CacheSpec, got {spec!r} ({type(spec).__name__})")
+        self.k_scales = check_kv_scale("k_scale", k_scale, spec)
+        self.v_scales = check_kv_scale("v_scale", v_scale, spec)
         if lengths is not None:
             _check_int32_array("lengths", lengths)
             check_lengths_shape("lengths", lengths, spec)
@@ -135,6 +147,30 @@ class KVCache:
         self.v = np.zeros(spec.shape, dtype=spec.np_dtype)
         self.lengths = np.zeros(spec.batch, dtype=np.int32) if lengths is None else lengths
         self.overflow = np.zeros(spec.batch, dtype=np.bool_)
+
+    def set_scales(self, k_scale: float | npt.ArrayLike | None = None,
+                   v_scale: float | npt.ArrayLike | None = None) -> None:
+        """Replace the K and/or V scales (``None`` keeps one); stored codes are kept, as :meth:`cupykv.KVCache.set_scales`."""
+        new_k = None if k_scale is None else check_kv_scale("k_scale", k_scale, self.spec)
+        new_v = None if v_scale is None else check_kv_scale("v_scale", v_scale, self.spec)
+        if new_k is not None:
+            self.k_scales = new_k
+        if new_v is not None:
+            self.v_scales = new_v
+
+    def _values(self, array: HostArray, layer: int, b: int) -> npt.NDArray[np.float64]:
+        """The values one sequence of ``array`` (k or v) of ``layer`` stands for, float64 ``[max_seq, n_kv, hd]``."""
+        stored = self._sequence(array, layer, b)
+        if not self.spec.quantized:
+            return stored.astype(np.float64)
+        scales = (self.k_scales if array is self.k else self.v_scales)[layer]   # [n_kv]
+        return dequantize_e4m3(stored, scales[:, None])
+
+    def _rounded(self, x: npt.NDArray[np.float64], scales: npt.NDArray[np.float32]) -> HostArray:
+        """float64 rows ``[n, n_kv, hd]`` as stored: rounded once, or quantized with ``scales`` ``[n_kv]``."""
+        if self.spec.quantized:
+            return quantize_e4m3(x, scales[:, None])
+        return round_to_storage(x, self.spec.np_dtype)
 
     def _sequence(self, array: HostArray, layer: int, b: int) -> HostArray:
         """View of one sequence of one layer of ``array`` (k or v): [max_seq, n_kv, hd].
@@ -251,8 +287,8 @@ class KVCache:
             keys = k64[b, fits]  # [n_fit, n_kv, hd]
             if rope is not None:
                 keys = _rotate(keys, where[:, None], rope.theta)
-            self._sequence(self.k, layer, b)[where] = round_to_storage(keys, spec.np_dtype)
-            self._sequence(self.v, layer, b)[where] = round_to_storage(v64[b, fits], spec.np_dtype)
+            self._sequence(self.k, layer, b)[where] = self._rounded(keys, self.k_scales[layer])
+            self._sequence(self.v, layer, b)[where] = self._rounded(v64[b, fits], self.v_scales[layer])
             written[b, fits] = where
         if out is not None:
             out.reshape(-1)[:] = written.reshape(-1)
@@ -397,8 +433,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of ``k``, ``v``, the overflow flags and, unless shared, the lengths."""
-        own = [self.k, self.v, self.overflow] + ([] if self.shares_lengths else [self.lengths])
+        """Bytes of ``k``, ``v``, the scales, the overflow flags and, unless shared, the lengths."""
+        own = [self.k, self.v, self.k_scales, self.v_scales, self.overflow] + \
+            ([] if self.shares_lengths else [self.lengths])
         return int(sum(a.nbytes for a in own))
 
     def __repr__(self) -> str:
@@ -409,13 +446,13 @@ class KVCache:
 
     def copy(self) -> KVCache:
         """Deep copy: a new KVCache with the same spec and copied arrays (the lengths are not shared)."""
-        other = KVCache(self.spec)
+        other = KVCache(self.spec, k_scale=self.k_scales, v_scale=self.v_scales)
         for name in ("k", "v", "lengths", "overflow"):
             getattr(other, name)[...] = getattr(self, name)
         return other
 
     def rows(self, layer: IntLike, b: IntLike) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """Live rows of sequence ``b`` of ``layer`` as float64.
+        """Live rows of sequence ``b`` of ``layer`` as float64 (the values they stand for: ``code * scale`` when fp8).
 
         Parameters
         ----------
@@ -431,7 +468,7 @@ class KVCache:
         index = check_layer(layer, self.spec)
         b = check_int("b", b, 0, self.spec.batch - 1)
         length = int(self.lengths[b])
-        k, v = (self._sequence(arr, index, b)[:length].astype(np.float64) for arr in (self.k, self.v))
+        k, v = (self._values(arr, index, b)[:length] for arr in (self.k, self.v))
         return k, v
 
 
@@ -487,7 +524,7 @@ def attention(q: HostArray, cache: KVCache, layer: IntLike, scale: FloatLike | N
     kv_head = np.arange(n_heads) // (n_heads // spec.n_kv_heads)  # [n_heads]
     out = np.zeros((spec.batch, q.shape[1], n_heads, spec.head_dim))
     for b, i, first, last, weights in _attended(q, cache, layer, scale, window, softcap, rope):
-        values = cache._sequence(cache.v, layer, b).astype(np.float64)[first : last + 1, kv_head]
+        values = cache._values(cache.v, layer, b)[first : last + 1, kv_head]
         out[b, i] = np.einsum("hj,jhd->hd", weights, values)   # unattended rows are never read
     return out
 
@@ -536,7 +573,7 @@ def _attended(q: HostArray, cache: KVCache, layer: int, scale: float, window: in
     kv_head = np.arange(n_heads) // (n_heads // spec.n_kv_heads)  # [n_heads]
     q64 = np.asarray(q).astype(np.float64)
     for b in range(spec.batch):
-        keys = cache._sequence(cache.k, layer, b).astype(np.float64)[:, kv_head]  # [max_seq, n_heads, hd]
+        keys = cache._values(cache.k, layer, b)[:, kv_head]  # [max_seq, n_heads, hd]
         for i in range(q.shape[1]):
             p = int(cache.lengths[b]) + i
             first = 0 if window is None else max(0, p - window + 1)

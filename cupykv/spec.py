@@ -15,9 +15,16 @@ import numpy as np
 from ._args.limits import INT32_MAX, MAX_NEW, MAX_SEQ
 from ._args.scalars import check_choice, check_int
 
-__all__ = ["CacheSpec", "DTYPES", "LAYOUTS", "MAX_HEAD_DIM", "MAX_SEQ", "MAX_NEW", "MASK_VALUE"]
+__all__ = ["CacheSpec", "DTYPES", "IO_DTYPES", "FP8_DTYPE", "FP8_MAX", "LAYOUTS", "MAX_HEAD_DIM", "MAX_SEQ", "MAX_NEW",
+           "MASK_VALUE", "host_dtype"]
 
-DTYPES = ("float32", "float16", "bfloat16")
+#: dtypes of values given to and returned by a cache (rows, q, out), and of 16- and 32-bit storage
+IO_DTYPES = ("float32", "float16", "bfloat16")
+#: the 8-bit storage dtype: E4M3 (cuda_fp8.h's __nv_fp8_e4m3, ml_dtypes.float8_e4m3fn), scaled per head
+FP8_DTYPE = "float8_e4m3"
+#: the largest finite E4M3 value: stores saturate to +-FP8_MAX
+FP8_MAX = 448.0
+DTYPES = IO_DTYPES + (FP8_DTYPE,)
 LAYOUTS = ("NHD", "HND")
 MAX_HEAD_DIM = 256
 
@@ -38,6 +45,12 @@ _PRODUCTS = (
 )
 
 
+def host_dtype(dtype: str) -> np.dtype[Any]:
+    """The NumPy dtype of a cupykv dtype name on the host (ml_dtypes for bfloat16 and float8_e4m3)."""
+    named = {"bfloat16": ml_dtypes.bfloat16, FP8_DTYPE: ml_dtypes.float8_e4m3fn}
+    return np.dtype(named.get(dtype, dtype))
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """Static description of a KV cache.
@@ -56,8 +69,15 @@ class CacheSpec:
         stays below 2**31, as the kernels' int positions need.
     batch : int, default 1
         Sequence slots (1..2**31-1).
-    dtype : {"float32", "float16", "bfloat16"}, default "float32"
-        Storage type of K and V.
+    dtype : {"float32", "float16", "bfloat16", "float8_e4m3"}, default "float32"
+        Storage type of K and V. ``"float8_e4m3"`` stores each value as
+        E4M3(x / scale) (round to nearest even, saturated to +-448) with one
+        fp32 scale per layer and kv head (see :class:`~cupykv.KVCache`): half
+        the bytes of a 16-bit cache.
+    io_dtype : {"float32", "float16", "bfloat16"}, optional
+        Type of the rows given to ``append``/``write`` and of ``q`` and ``out``
+        in attention. Defaults to ``dtype`` and must equal it for 16- and
+        32-bit caches; for ``"float8_e4m3"`` it defaults to ``"bfloat16"``.
     layout : {"NHD", "HND"}, default "NHD"
         Axis order of storage. ``"NHD"``:
         ``[n_layers, batch, max_seq, n_kv_heads, head_dim]``; ``"HND"``:
@@ -82,6 +102,7 @@ class CacheSpec:
     batch: int = 1
     dtype: str = "float32"
     layout: str = "NHD"
+    io_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name, hi in _INT_FIELDS:
@@ -94,6 +115,17 @@ class CacheSpec:
                                  f"got {a} * {b} = {a * b}")
         check_choice("CacheSpec.dtype", self.dtype, DTYPES)
         check_choice("CacheSpec.layout", self.layout, LAYOUTS)
+        if self.io_dtype is None:
+            object.__setattr__(self, "io_dtype", "bfloat16" if self.dtype == FP8_DTYPE else self.dtype)
+        check_choice("CacheSpec.io_dtype", self.io_dtype, IO_DTYPES)
+        if self.dtype != FP8_DTYPE and self.io_dtype != self.dtype:
+            raise ValueError(f"CacheSpec.io_dtype: expected {self.dtype!r} (a {self.dtype} cache takes and returns "
+                             f"its own dtype; only a {FP8_DTYPE!r} cache converts), got {self.io_dtype!r}")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K and V are stored as scaled 8-bit floats (``dtype == "float8_e4m3"``)."""
+        return self.dtype == FP8_DTYPE
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
@@ -124,9 +156,13 @@ class CacheSpec:
 
     @property
     def np_dtype(self) -> np.dtype[Any]:
-        """Host NumPy dtype of storage (bfloat16 is ``ml_dtypes.bfloat16``)."""
-        dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16 if self.dtype == "bfloat16" else self.dtype)
-        return dtype
+        """Host NumPy dtype of storage (``ml_dtypes.bfloat16``, ``ml_dtypes.float8_e4m3fn`` for those dtypes)."""
+        return host_dtype(self.dtype)
+
+    @property
+    def io_np_dtype(self) -> np.dtype[Any]:
+        """Host NumPy dtype of the rows, queries and outputs (``io_dtype``)."""
+        return host_dtype(str(self.io_dtype))
 
     @property
     def itemsize(self) -> int:

@@ -34,7 +34,7 @@ from cupykv._args.arrays import (FLOAT_DTYPES, backend_for, check_contiguous, ch
                                  describe, device_operand, float_operand, float_output, int32_operand,
                                  to_backend_array)
 from cupykv._args.cache_args import (check_advance, check_layer, check_new_lengths, check_q, check_q_len,
-                                     check_rope, check_rope_theta, check_rows, check_same_shape, check_scale,
+                                     check_kv_scale, check_rope, check_rope_theta, check_rows, check_same_shape, check_scale,
                                      check_slots, check_softcap, check_window,
                                      check_capacity_request, check_lengths_shape, check_lengths_values,
                                      check_pending, check_positions, check_positions_shape, check_seq,
@@ -50,7 +50,7 @@ __all__ = [
     "FLOAT_DTYPES", "backend_for", "check_contiguous", "check_shape", "check_writeable", "describe",
     "device_operand", "float_operand", "float_output", "int32_operand", "to_backend_array",
     "check_advance", "check_layer", "check_new_lengths", "check_q", "check_q_len", "check_rope", "check_rope_theta",
-    "check_rows", "check_same_shape", "check_scale", "check_slots", "check_softcap", "check_window",
+    "check_kv_scale", "check_rows", "check_same_shape", "check_scale", "check_slots", "check_softcap", "check_window",
     "check_capacity_request", "check_lengths_shape", "check_lengths_values", "check_pending", "check_positions",
     "check_positions_shape", "check_seq", "check_set_lengths", "check_view_layout",
     "INT32_MAX", "MAX_NEW", "MAX_SEQ", "check_launch", "check_memory",

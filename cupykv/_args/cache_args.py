@@ -357,3 +357,39 @@ def check_seq(seq: object, spec: CacheSpec) -> int:
 def check_pending(pending: object) -> int:
     """Return the pending rows a view includes: an int in ``0..MAX_NEW``."""
     return check_int("pending", pending, 0, MAX_NEW)
+
+
+def check_kv_scale(name: str, value: object, spec: CacheSpec) -> npt.NDArray[np.float32]:
+    """The K or V scales of a cache as float32 ``[n_layers, n_kv_heads]``.
+
+    ``value`` is a float or a host array broadcastable to ``[n_layers, n_kv_heads]``,
+    every element a normal float32 > 0 (the kernels divide by it); a cache that
+    is not fp8 stores values unscaled, so its scales must be 1.
+    """
+    expected = f"a float or an array broadcastable to [n_layers, n_kv_heads] = ({spec.n_layers}, {spec.n_kv_heads})"
+    if isinstance(value, (bool, np.bool_)) or (hasattr(value, "__cuda_array_interface__") or
+                                                 hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray)):
+        raise TypeError(f"{name}: expected {expected} on the host, got {got(value)}")
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected {expected}, got {got(value)}") from None
+    if array.dtype.kind not in "fiu" or array.dtype == np.bool_:
+        raise TypeError(f"{name}: expected {expected} of real numbers, got dtype {array.dtype}")
+    try:
+        shaped = np.broadcast_to(array.astype(np.float64), (spec.n_layers, spec.n_kv_heads))
+    except ValueError:
+        raise ValueError(f"{name}: expected {expected}, got shape {array.shape}") from None
+    with np.errstate(over="ignore", under="ignore"):
+        scales = shaped.astype(np.float32)
+    tiny = np.finfo(np.float32).tiny
+    bad = ~(np.isfinite(scales) & (scales >= tiny))
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: expected every scale finite, > 0 and normal in float32 (stores divide by it), "
+                         f"got {shaped[where]!r} at [layer, kv_head] = {where}")
+    if not spec.quantized and (scales != 1).any():
+        where = tuple(int(i) for i in np.argwhere(scales != 1)[0])
+        raise ValueError(f"{name}: expected 1.0 for a {spec.dtype} cache (only dtype='float8_e4m3' stores values "
+                         f"scaled), got {shaped[where]!r} at [layer, kv_head] = {where}")
+    return np.ascontiguousarray(scales)

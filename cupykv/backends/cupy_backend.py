@@ -1,9 +1,10 @@
 """The CuPy backend: device arrays and RawModule kernels on the current stream.
 
 bfloat16 caches and outputs are stored as uint16 arrays holding the bfloat16
-bit patterns. Inputs may be those bit patterns or CuPy's own bfloat16 dtype
-(``ml_dtypes.bfloat16``, as ``cupy.from_dlpack`` of a torch bfloat16 tensor
-gives); ``cupykv._args.device_operand`` views either as uint16 without a copy.
+bit patterns (float8_e4m3 caches as uint8 arrays of E4M3 codes). Inputs may be
+those bit patterns or CuPy's own bfloat16 dtype (``ml_dtypes.bfloat16``, as
+``cupy.from_dlpack`` of a torch bfloat16 tensor gives);
+``cupykv._args.device_operand`` views either as uint16 without a copy.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from cupykv.backends.stream_capture import capture_on
 from cupykv.kernels import KERNEL_DIR, cuda_include_dirs
 
 _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-            "bfloat16": np.dtype(np.uint16)}
+            "bfloat16": np.dtype(np.uint16), "float8_e4m3": np.dtype(np.uint8)}
 
 
 class CupyBackend(Backend):
@@ -121,6 +122,8 @@ class CupyBackend(Backend):
         host_array = np.ascontiguousarray(host_array)
         if host_array.dtype == ml_dtypes.bfloat16:
             host_array = host_array.view(np.uint16)
+        elif host_array.dtype == ml_dtypes.float8_e4m3fn:
+            host_array = host_array.view(np.uint8)
         return cupy.asarray(host_array)
 
     def _to_host(self, array):

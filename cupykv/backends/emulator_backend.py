@@ -13,7 +13,7 @@ from cupykv.backends.capture import refuse_in_capture
 from cupykv.kernels import KERNEL_DIR
 
 _STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-            "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+            "bfloat16": np.dtype(ml_dtypes.bfloat16), "float8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn)}
 _HOST_MATH = "it would run once, at capture, not at every replay; use cupykv ops"
 
 

@@ -17,8 +17,17 @@ from cupykv.kernels.cexpr import eval_int
 
 KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
 
-#: cache dtype name -> the CUDA storage type of its template instances.
+#: dtype name -> the CUDA type of its template instances (activations, weights, and q/out/new rows).
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+#: cache storage dtype name -> its CUDA type: CUDA_TYPES plus the 8-bit float (kv_codec.cuh).
+CACHE_CUDA_TYPES = {**CUDA_TYPES, "float8_e4m3": "__nv_fp8_e4m3"}
+
+#: io dtypes an fp8 cache takes its rows in and attends with (CacheSpec.io_dtype).
+FP8_IO_DTYPES = ("bfloat16", "float16", "float32")
+
+#: every (storage dtype, io dtype) a cache can have: 16- and 32-bit caches store their io dtype.
+CACHE_DTYPE_PAIRS = tuple((dtype, dtype) for dtype in CUDA_TYPES) + tuple(("float8_e4m3", io) for io in FP8_IO_DTYPES)
 
 #: head sizes with a compile-time attention specialisation; others use HEAD_DIM = 0.
 ATTENTION_HEAD_DIMS = (64, 128)
@@ -66,9 +75,18 @@ def _per_type(template: str) -> tuple[str, ...]:
     return tuple(template.format(t=t) for t in CUDA_TYPES.values())
 
 
+def cache_types(dtype: str, io_dtype: str) -> str:
+    """``"T, TI"``: the template arguments of a cache kernel for storage ``dtype`` and ``io_dtype``."""
+    return f"{CACHE_CUDA_TYPES[dtype]}, {CUDA_TYPES[io_dtype]}"
+
+
+def _per_cache(template: str) -> tuple[str, ...]:
+    return tuple(template.format(types=cache_types(dtype, io)) for dtype, io in CACHE_DTYPE_PAIRS)
+
+
 KERNELS: dict[str, KernelFile] = {
-    "append": KernelFile("append.cu", _per_type("cupykv_append<{t}>")),
-    "write": KernelFile("write.cu", _per_type("cupykv_write<{t}>")),
+    "append": KernelFile("append.cu", _per_cache("cupykv_append<{types}>")),
+    "write": KernelFile("write.cu", _per_cache("cupykv_write<{types}>")),
     "advance": KernelFile("advance.cu", ("cupykv_advance",)),
     "set_lengths": KernelFile("set_lengths.cu", ("cupykv_set_lengths",)),
     "truncate": KernelFile("truncate.cu", ("cupykv_truncate",)),
@@ -76,14 +94,16 @@ KERNELS: dict[str, KernelFile] = {
     "additive_mask": KernelFile("additive_mask.cu", ("cupykv_additive_mask",)),
     "attention": KernelFile(
         "attention.cu",
-        # float32 at every head size; 16-bit caches at the sizes attention_mma.cu does not take
-        tuple(f"cupykv_attention<float, {hd}>" for hd in (0,) + ATTENTION_HEAD_DIMS)
-        + ("cupykv_attention<__half, 0>", "cupykv_attention<__nv_bfloat16, 0>"),
+        # float32 at every head size; 16-bit and fp8 caches at the sizes attention_mma.cu does not take
+        tuple(f"cupykv_attention<float, float, {hd}>" for hd in (0,) + ATTENTION_HEAD_DIMS)
+        + tuple(f"cupykv_attention<{cache_types(dtype, io)}, 0>" for dtype, io in CACHE_DTYPE_PAIRS
+                if dtype != "float32"),
     ),
-    # the tensor-core path of 16-bit caches at head_dim 64 and 128
+    # the tensor-core path of 16-bit and fp8 caches at head_dim 64 and 128
     "attention_mma": KernelFile(
         "attention_mma.cu",
-        tuple(f"cupykv_attention_mma<{t}, {hd}>" for t in ("__half", "__nv_bfloat16") for hd in ATTENTION_HEAD_DIMS),
+        tuple(f"cupykv_attention_mma<{cache_types(dtype, io)}, {hd}>" for dtype, io in CACHE_DTYPE_PAIRS
+              if dtype != "float32" for hd in ATTENTION_HEAD_DIMS),
     ),
     # decoder ops (cupykv.ops): everything a LLaMA-style decode step needs besides attention
     "linear": KernelFile(
@@ -146,16 +166,18 @@ def header_digest(kernel_dir: str = KERNEL_DIR) -> str:
     return digest.hexdigest()
 
 
-def attention_instance(dtype: str, head_dim: int) -> tuple[str, str]:
-    """``(op, instance)`` of the attention kernel for a cache dtype and head size.
+def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None) -> tuple[str, str]:
+    """``(op, instance)`` of the attention kernel for a cache's storage and io dtypes and head size.
 
-    16-bit caches at a specialised head size run on tensor cores (``attention_mma.cu``);
-    float32 caches and other head sizes on CUDA cores (``attention.cu``).
+    16-bit and fp8 caches at a specialised head size run on tensor cores (``attention_mma.cu``);
+    float32 caches and other head sizes on CUDA cores (``attention.cu``). ``io_dtype`` defaults
+    to ``dtype`` (it must be given for an fp8 cache).
     """
-    if head_dim in ATTENTION_HEAD_DIMS and dtype in ("float16", "bfloat16"):
-        return "attention_mma", f"cupykv_attention_mma<{CUDA_TYPES[dtype]}, {head_dim}>"
-    specialised = head_dim if head_dim in ATTENTION_HEAD_DIMS else 0
-    return "attention", f"cupykv_attention<{CUDA_TYPES[dtype]}, {specialised}>"
+    types = cache_types(dtype, io_dtype or dtype)
+    if head_dim in ATTENTION_HEAD_DIMS and dtype != "float32":
+        return "attention_mma", f"cupykv_attention_mma<{types}, {head_dim}>"
+    specialised = head_dim if head_dim in ATTENTION_HEAD_DIMS and dtype == "float32" else 0
+    return "attention", f"cupykv_attention<{types}, {specialised}>"
 
 
 def cuda_paths(wheel_globs, toolkit_glob) -> list[str]:

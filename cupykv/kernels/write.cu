@@ -30,21 +30,25 @@
 // 1), positions_out [batch, n_new] int32 (written when return_positions). Everything else
 // (layer, strides, theta) is fixed per launch.
 //
-// Strides are in elements, so one kernel serves the NHD and the HND layout. Without rope
-// the row is copied bit for bit. With rope the key is rotated in double precision and
-// rounded once to fp32, then to the storage type (exactly as append.cu does).
+// Strides are in elements, so one kernel serves the NHD and the HND layout. Storage type T,
+// io type TI and the fp8 scales as in append.cu; without rope a row of type T is copied bit for
+// bit, with rope the key is rotated in double precision and rounded once to fp32, then to the
+// storage type (exactly as append.cu does).
 #include "cache_row.cuh"
 
-template <typename T>
+template <typename T, typename TI>
 __global__ void __launch_bounds__(1024) cupykv_write(
     T* __restrict__ k_cache,               // [layers, batch, ...] by the strides below
     T* __restrict__ v_cache,               // same shape and strides as k_cache
-    const T* __restrict__ k_new,           // [batch, n_new, n_kv, head_dim], contiguous
-    const T* __restrict__ v_new,           // [batch, n_new, n_kv, head_dim], contiguous
+    const TI* __restrict__ k_new,          // [batch, n_new, n_kv, head_dim], contiguous, io type
+    const TI* __restrict__ v_new,          // [batch, n_new, n_kv, head_dim], contiguous, io type
     const int* __restrict__ positions,     // [batch, n_new], device-resident
     int* __restrict__ overflow,            // [batch], device-resident, set to 1 on overflow
     int* __restrict__ positions_out,       // [batch, n_new], written when return_positions
     int return_positions,
+    const float* __restrict__ k_scales,    // [layers, n_kv] float32, device-resident (fp8 caches)
+    const float* __restrict__ v_scales,    // [layers, n_kv] float32, device-resident (fp8 caches)
+    int layer,
     long long layer_offset,                // layer * stride of the layer axis
     long long stride_batch, long long stride_seq, long long stride_head,
     int n_new, int n_kv, int head_dim, int max_seq,
@@ -66,6 +70,6 @@ __global__ void __launch_bounds__(1024) cupykv_write(
     if (!in_range || superseded) return;   // uniform: no barrier below
     const long long src_row = ((long long)b * n_new + i) * n_kv * head_dim;
     const long long dst_row = layer_offset + b * stride_batch + (long long)pos * stride_seq;
-    cupykv::store_cache_row(k_cache, v_cache, k_new, v_new, src_row, dst_row, stride_head, n_kv, head_dim, pos,
-                            use_rope, rope_theta);
+    cupykv::store_cache_row(k_cache, v_cache, k_new, v_new, k_scales, v_scales, (long long)layer * n_kv, src_row,
+                            dst_row, stride_head, n_kv, head_dim, pos, use_rope, rope_theta);
 }

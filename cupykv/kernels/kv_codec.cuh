@@ -1,0 +1,67 @@
+// kv_codec.cuh: how a cache element type stores and loads K/V values, for caches whose storage type
+// T differs from the io type TI of the rows given to append and of q / out in attention.
+//
+// - float, __half, __nv_bfloat16 caches store values of their own type (T == TI): a store rounds
+//   fp32 to T (round-to-nearest-even), a load widens it; the per-head scales are 1 and unused.
+// - __nv_fp8_e4m3 caches (the float8_e4m3 dtype) store E4M3(x / scale), rounded to nearest even
+//   and saturated to +-448 (cuda_fp8.h's __NV_SATFINITE; NaN stays NaN), with one fp32 scale per
+//   layer and kv head; the value a code stands for is code * scale. Every E4M3 value is exact in
+//   __half and in __nv_bfloat16, so the tensor-core path widens codes without rounding and applies
+//   the scale to its fp32 results (attention_mma.cu).
+//
+// Compiles under NVRTC (sm_80, sm_90; cuda_fp8.h converts in hardware from sm_89) and under the
+// emulator, whose cuda_fp8.h shim is bit-exact against the toolkit's (tests/test_fp8_conversions.py).
+#pragma once
+#include "common.cuh"
+#include <cuda_fp8.h>
+
+namespace cupykv {
+
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
+template <typename T> struct is_fp8 { static constexpr bool value = false; };
+template <> struct is_fp8<__nv_fp8_e4m3> { static constexpr bool value = true; };
+
+// The raw value of a stored element, without its scale.
+template <typename T> __device__ __forceinline__ float load_kv(T x) { return to_float<T>(x); }
+template <> __device__ __forceinline__ float load_kv<__nv_fp8_e4m3>(__nv_fp8_e4m3 x) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E4M3)));
+}
+
+// The element that stores fp32 value x of a head with scale `scale` (ignored unless T is fp8).
+template <typename T> __device__ __forceinline__ T store_kv(float x, float scale) {
+    (void)scale;
+    return from_float<T>(x);
+}
+template <> __device__ __forceinline__ __nv_fp8_e4m3 store_kv<__nv_fp8_e4m3>(float x, float scale) {
+    __nv_fp8_e4m3 code;
+    code.__x = __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E4M3);
+    return code;
+}
+
+// The operand type of the tensor-core path: T itself for 16-bit caches; for fp8 caches the io
+// type when it is __half, else __nv_bfloat16 (which holds every E4M3 value and fp32's range).
+template <typename T, typename TI> struct mma_type { using type = T; };
+template <typename TI> struct mma_type<__nv_fp8_e4m3, TI> { using type = __nv_bfloat16; };
+template <> struct mma_type<__nv_fp8_e4m3, __half> { using type = __half; };
+
+// Two E4M3 codes (`low` code in bits 0-7) widened exactly to two M values packed in one register,
+// the low code in the low half (the mma fragment's element order).
+template <typename M> __device__ __forceinline__ unsigned widen_fp8_pair(unsigned short codes);
+template <> __device__ __forceinline__ unsigned widen_fp8_pair<__half>(unsigned short codes) {
+    const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3);
+    return (unsigned)pair.x | ((unsigned)pair.y << 16);
+}
+template <> __device__ __forceinline__ unsigned widen_fp8_pair<__nv_bfloat16>(unsigned short codes) {
+    const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3);
+    __half_raw low_raw, high_raw;
+    low_raw.x = pair.x;
+    high_raw.x = pair.y;
+    const __nv_bfloat16 low = __float2bfloat16_rn(__half2float(__half(low_raw)));    // exact
+    const __nv_bfloat16 high = __float2bfloat16_rn(__half2float(__half(high_raw)));
+    return (unsigned)*reinterpret_cast<const unsigned short*>(&low) |
+           ((unsigned)*reinterpret_cast<const unsigned short*>(&high) << 16);
+}
+
+}  // namespace cupykv
