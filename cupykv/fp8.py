@@ -53,8 +53,9 @@ def quantize_e4m3(x: npt.ArrayLike, scale: npt.ArrayLike) -> npt.NDArray[Any]:
         x32 = _flushed(np.asarray(x).astype(np.float32))
         quotient = _flushed(x32 / np.asarray(scale, dtype=np.float32))
         clamped = np.clip(quotient, -FP8_MAX, FP8_MAX)   # NaN stays NaN
-        codes = clamped.astype(E4M3)
-    codes.view(np.uint8)[np.isnan(clamped)] = _NAN_CODE
+        bits = np.asarray(clamped.astype(E4M3)).view(np.uint8)
+    bits = np.where(np.isnan(clamped), np.uint8(_NAN_CODE), bits).astype(np.uint8)
+    codes: npt.NDArray[Any] = bits.view(E4M3)
     return codes
 
 

@@ -29,6 +29,24 @@ factor within ``[e^(-2 eps), e^(2 eps)]``, so the output by at most
 ``value_scale * (e^(2 eps) - 1)`` (never more than ``2 * value_scale``: both
 are convex combinations of the same rows). :func:`logit_error_bound` gives
 ``eps``; pass it as ``logit_error`` where a test draws such scales.
+
+fp8 caches (``dtype="float8_e4m3"``). The kernels and the reference store the
+same E4M3 codes (bit for bit) and both attend over ``code * scale``, so a
+kernel's output is held to the bound above for its io dtype, with
+``value_scale`` taken over the dequantized V rows. What quantization itself
+costs, against attention over the K/V before they were stored, is a separate,
+data-dependent bound (:func:`fp8_attention_bound`). E4M3 has 3 mantissa bits:
+its relative step is ``2**-3``, so a value of normal range (``|x / scale| >=
+2**-6``) is stored within a relative ``2**-4`` (half a step), and a smaller one
+within an absolute ``2**-10 * scale`` (half the subnormal step ``2**-9``), as
+long as ``|x| <= 448 scale`` (beyond, stores saturate and nothing is bounded).
+So each logit moves by at most ``eps_q = scale * (2**-4 sum_d |q_d k_d| +
+2**-10 k_scale sum_d |q_d|)``, which moves the weights as above (``value_scale
+* min(2, e^(2 eps_q) - 1)``), and each value row by at most ``2**-4 |v| +
+2**-10 v_scale``: in all::
+
+    |attention(quantized) - attention(exact)| <= value_scale * (2**-4 + min(2, e^(2 eps_q) - 1))
+                                                 + 2**-10 * max v_scale
 """
 from __future__ import annotations
 
@@ -40,6 +58,45 @@ import numpy.typing as npt
 
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 FP32_ACCUMULATION = 256 * 2.0 ** -24
+#: E4M3: largest relative error of a stored value of normal range (half its relative step 2**-3) ...
+E4M3_RELATIVE = 2.0 ** -4
+#: ... and largest absolute error, in units of the scale, of a smaller one (half the subnormal step 2**-9)
+E4M3_ABSOLUTE = 2.0 ** -10
+
+
+def fp8_attention_bound(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, scale: float,
+                        k_scale: npt.ArrayLike, v_scale: npt.ArrayLike) -> float:
+    """Largest error quantizing K and V to E4M3 can cause in one attention output element.
+
+    Parameters
+    ----------
+    q : array_like ``[..., head_dim]``
+        The queries (after rope, if any), every row bounded against every key row.
+    k, v : array_like ``[..., head_dim]``
+        The attended K and V rows before quantization, each within ``448 * scale`` of zero.
+    scale : float
+        The logit scale.
+    k_scale, v_scale : array_like of float
+        The cache's scales of the heads involved (their largest value is used).
+
+    Returns
+    -------
+    float
+        ``value_scale * (2**-4 + min(2, e^(2 eps_q) - 1)) + 2**-10 * max(v_scale)`` with
+        ``value_scale = max |v|`` and ``eps_q = scale * max_rows (2**-4 sum |q_d k_d| + 2**-10
+        max(k_scale) sum |q_d|)`` (see the module).
+    """
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+    q_rows = np.abs(q64.reshape(-1, q64.shape[-1]))
+    k_rows = np.abs(k64.reshape(-1, k64.shape[-1]))
+    if q_rows.size == 0 or k_rows.size == 0:
+        return 0.0
+    largest_k_scale = float(np.max(k_scale))
+    products = (q_rows @ k_rows.T).max()          # max over row pairs of sum |q_d k_d|
+    logit_error = abs(float(scale)) * (E4M3_RELATIVE * products + E4M3_ABSOLUTE * largest_k_scale * q_rows.sum(1).max())
+    value_scale = float(np.abs(v64).max()) if v64.size else 0.0
+    weights_moved = min(2.0, math.expm1(min(2.0 * logit_error, 2.0)))
+    return value_scale * (E4M3_RELATIVE + weights_moved) + E4M3_ABSOLUTE * float(np.max(v_scale))
 
 
 def logit_error_bound(q: npt.ArrayLike, k: npt.ArrayLike, scale: float) -> float:
@@ -60,7 +117,10 @@ def logit_error_bound(q: npt.ArrayLike, k: npt.ArrayLike, scale: float) -> float
 
 
 def attention_tolerance(dtype: str, value_scale: float, logit_error: float = 0.0) -> float:
-    """Largest allowed absolute error of one attention output element (``logit_error``: see the module)."""
+    """Largest allowed absolute error of one attention output element (``logit_error``: see the module).
+
+    ``dtype`` is the dtype the output is rounded to: the cache's io dtype (its dtype, but for fp8 caches).
+    """
     scale = max(float(value_scale), float(np.finfo(np.float32).tiny))
     conditioning = math.expm1(min(2.0 * logit_error, 2.0)) if logit_error > 0 else 0.0   # e^2 - 1 > 2: capped below
     conditioning = min(2.0, conditioning)

@@ -10,7 +10,7 @@ from backends import BACKENDS
 
 @st.composite
 def append_cases(draw):
-    spec = draw(testing.specs(max_seqs=(1, 2, 5, 16)))
+    spec = draw(testing.specs(max_seqs=(1, 2, 5, 16), dtypes=cupykv.spec.DTYPES))   # fp8 caches too
     lengths = draw(testing.lengths(spec))
     shape = draw(testing.row_shapes(spec))
     rope = draw(st.none() | st.just(cupykv.Rope(theta=10000.0))) if spec.head_dim % 2 == 0 else None

@@ -25,7 +25,7 @@ import pytest
 from cupykv.graph import capture
 from cupykv.models import Llama, LlamaConfig
 from cupykv.rope import Rope
-from cupykv.spec import DTYPES
+from cupykv.spec import IO_DTYPES as DTYPES
 from cupykv.tolerances import FP32_ACCUMULATION, UNIT_ROUNDOFF
 from backends import BACKENDS
 

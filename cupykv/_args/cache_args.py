@@ -387,9 +387,9 @@ def check_kv_scale(name: str, value: object, spec: CacheSpec) -> npt.NDArray[np.
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{name}: expected every scale finite, > 0 and normal in float32 (stores divide by it), "
-                         f"got {shaped[where]!r} at [layer, kv_head] = {where}")
+                         f"got {float(shaped[where])!r} at [layer, kv_head] = {where}")
     if not spec.quantized and (scales != 1).any():
         where = tuple(int(i) for i in np.argwhere(scales != 1)[0])
         raise ValueError(f"{name}: expected 1.0 for a {spec.dtype} cache (only dtype='float8_e4m3' stores values "
-                         f"scaled), got {shaped[where]!r} at [layer, kv_head] = {where}")
+                         f"scaled), got {float(shaped[where])!r} at [layer, kv_head] = {where}")
     return np.ascontiguousarray(scales)
