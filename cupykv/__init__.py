@@ -8,6 +8,7 @@ from .attention import attention
 from .attention_plan import AttentionPlan
 from .cache import KernelView, KVCache
 from .errors import CacheOverflowError
+from .fp8 import calibrate_scales
 from .graph import CaptureError, Graph, capture
 from .ops import linear
 from .rope import Rope
@@ -16,4 +17,4 @@ from .spec import MASK_VALUE, CacheSpec
 __version__ = "0.1.0"
 
 __all__ = ["CacheSpec", "KVCache", "KernelView", "AttentionPlan", "attention", "capture", "Graph", "CaptureError", "CacheOverflowError", "Rope",
-           "MASK_VALUE", "linear", "__version__"]
+           "MASK_VALUE", "linear", "calibrate_scales", "__version__"]

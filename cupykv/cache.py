@@ -478,8 +478,8 @@ class KVCache:
         _args.check_rows("v", v, spec)
         _args.check_same_shape("k", k, "v", v)
         checked_rope = _args.check_rope(rope, spec)
-        k_rows = _args.device_operand("k", k, self._backend, str(spec.io_dtype))
-        v_rows = _args.device_operand("v", v, self._backend, str(spec.io_dtype))
+        k_rows = _args.device_operand("k", k, self._backend, spec.io_dtype)
+        v_rows = _args.device_operand("v", v, self._backend, spec.io_dtype)
         _args.check_apart_from_caches("k", k_rows, self, others=False)
         _args.check_apart_from_caches("v", v_rows, self, others=False)
         return layer, n_new, k_rows, v_rows, checked_rope

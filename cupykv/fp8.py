@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
+from cupykv.backends.capture import refuse_in_capture
 from cupykv.spec import FP8_MAX
 
 __all__ = ["E4M3", "FP8_MAX", "quantize_e4m3", "dequantize_e4m3", "calibrate_scales"]
@@ -50,8 +51,9 @@ def quantize_e4m3(x: npt.ArrayLike, scale: npt.ArrayLike) -> npt.NDArray[Any]:
     numpy.ndarray of ``ml_dtypes.float8_e4m3fn``, the broadcast shape of ``x`` and ``scale``
     """
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        x32 = _flushed(np.asarray(x).astype(np.float32))
-        quotient = _flushed(x32 / np.asarray(scale, dtype=np.float32))
+        x32: npt.NDArray[np.float32] = _flushed(np.asarray(x).astype(np.float32))
+        divisor: npt.NDArray[np.float32] = np.asarray(scale, dtype=np.float32)
+        quotient = _flushed((x32 / divisor).astype(np.float32))
         clamped = np.clip(quotient, -FP8_MAX, FP8_MAX)   # NaN stays NaN
         bits = np.asarray(clamped.astype(E4M3)).view(np.uint8)
     bits = np.where(np.isnan(clamped), np.uint8(_NAN_CODE), bits).astype(np.uint8)
@@ -71,14 +73,18 @@ def dequantize_e4m3(codes: npt.ArrayLike, scale: npt.ArrayLike) -> npt.NDArray[n
     -------
     numpy.ndarray, float64, the broadcast shape
     """
-    codes = np.asarray(codes)
-    if codes.dtype == np.uint8:
-        codes = codes.view(E4M3)
-    return codes.astype(np.float64) * np.asarray(scale, dtype=np.float32).astype(np.float64)
+    array = np.asarray(codes)
+    if array.dtype == np.uint8:
+        array = array.view(E4M3)
+    values: npt.NDArray[np.float64] = array.astype(np.float64) * np.asarray(scale, dtype=np.float32).astype(np.float64)
+    return values
 
 
 def calibrate_scales(samples: npt.ArrayLike) -> npt.NDArray[np.float32]:
     """Per-layer, per-head scales that map the largest sampled magnitude to 448.
+
+    Graph-safe: no — refused inside a captured step (CaptureError): it reads the samples on the
+    host (a device array is copied back, which synchronises). Calibrate before capture.
 
     Parameters
     ----------
@@ -99,7 +105,11 @@ def calibrate_scales(samples: npt.ArrayLike) -> npt.NDArray[np.float32]:
         ``samples`` is not a float array.
     ValueError
         Fewer than 3 axes, an empty axis, or a sample that is NaN or infinite.
+    CaptureError
+        Inside a captured step.
     """
+    refuse_in_capture("cupykv.calibrate_scales (it reads the samples on the host)",
+                      "calibrate before capture and pass the scales to the cache, or set_scales between replays")
     array = _host_array(samples)
     if array.dtype.kind != "f" and array.dtype not in (np.dtype(ml_dtypes.bfloat16),):
         raise TypeError(f"samples: expected a float array [n_layers, ..., n_kv_heads, head_dim], got dtype {array.dtype}")

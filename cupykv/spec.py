@@ -47,8 +47,9 @@ _PRODUCTS = (
 
 def host_dtype(dtype: str) -> np.dtype[Any]:
     """The NumPy dtype of a cupykv dtype name on the host (ml_dtypes for bfloat16 and float8_e4m3)."""
-    named = {"bfloat16": ml_dtypes.bfloat16, FP8_DTYPE: ml_dtypes.float8_e4m3fn}
-    return np.dtype(named.get(dtype, dtype))
+    named: dict[str, Any] = {"bfloat16": ml_dtypes.bfloat16, FP8_DTYPE: ml_dtypes.float8_e4m3fn}
+    result: np.dtype[Any] = np.dtype(named.get(dtype, dtype))
+    return result
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class CacheSpec:
         fp32 scale per layer and kv head (see :class:`~cupykv.KVCache`): half
         the bytes of a 16-bit cache.
     io_dtype : {"float32", "float16", "bfloat16"}, optional
-        Type of the rows given to ``append``/``write`` and of ``q`` and ``out``
+        (``""`` or ``None``: the default.) Type of the rows given to ``append``/``write`` and of ``q`` and ``out``
         in attention. Defaults to ``dtype`` and must equal it for 16- and
         32-bit caches; for ``"float8_e4m3"`` it defaults to ``"bfloat16"``.
     layout : {"NHD", "HND"}, default "NHD"
@@ -102,7 +103,7 @@ class CacheSpec:
     batch: int = 1
     dtype: str = "float32"
     layout: str = "NHD"
-    io_dtype: str | None = None
+    io_dtype: str = ""   # "" (or None): the default for the dtype, resolved in __post_init__
 
     def __post_init__(self) -> None:
         for name, hi in _INT_FIELDS:
@@ -115,7 +116,7 @@ class CacheSpec:
                                  f"got {a} * {b} = {a * b}")
         check_choice("CacheSpec.dtype", self.dtype, DTYPES)
         check_choice("CacheSpec.layout", self.layout, LAYOUTS)
-        if self.io_dtype is None:
+        if self.io_dtype in ("", None):
             object.__setattr__(self, "io_dtype", "bfloat16" if self.dtype == FP8_DTYPE else self.dtype)
         check_choice("CacheSpec.io_dtype", self.io_dtype, IO_DTYPES)
         if self.dtype != FP8_DTYPE and self.io_dtype != self.dtype:
@@ -162,7 +163,7 @@ class CacheSpec:
     @property
     def io_np_dtype(self) -> np.dtype[Any]:
         """Host NumPy dtype of the rows, queries and outputs (``io_dtype``)."""
-        return host_dtype(str(self.io_dtype))
+        return host_dtype(self.io_dtype)
 
     @property
     def itemsize(self) -> int:

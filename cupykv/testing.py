@@ -59,7 +59,7 @@ def specs(draw: st.DrawFn, *, max_layers: int = 2, kv_heads: Sequence[int] = (1,
         batch=draw(st.integers(1, max_batch)),
         dtype=dtype,
         layout=draw(st.sampled_from(layouts)),
-        io_dtype=draw(st.sampled_from(IO_DTYPES)) if dtype == FP8_DTYPE else None,
+        io_dtype=draw(st.sampled_from(IO_DTYPES)) if dtype == FP8_DTYPE else "",
     )
 
 

@@ -195,7 +195,8 @@ def test_caches_sharing_lengths_see_each_others_length_changes(backend):
     assert target.lengths_host().tolist() == draft.lengths_host().tolist() == [3, 0, 2]
     assert host(target, target.overflow).tolist() == [0, 0, 0]
     assert host(draft, draft.overflow).tolist() == [0, 1, 0]
-    assert draft.nbytes == target.nbytes - SPEC.nbytes + draft_spec.nbytes - 4 * 3
+    scales = lambda spec: 2 * 4 * spec.n_layers * spec.n_kv_heads   # float32 K and V scales [n_layers, n_kv_heads]
+    assert draft.nbytes == target.nbytes - SPEC.nbytes - scales(SPEC) + draft_spec.nbytes + scales(draft_spec) - 4 * 3
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -348,7 +349,7 @@ def test_footprint_repr_and_creation_record(backend, caplog):
     spec = cupykv.CacheSpec(n_layers=4, n_kv_heads=2, head_dim=64, max_seq=512, batch=2, dtype="bfloat16")
     with caplog.at_level(logging.DEBUG, logger="cupykv"):
         cache = cupykv.KVCache(spec, backend=backend)
-    assert cache.nbytes == spec.nbytes + 3 * 4 * spec.batch
+    assert cache.nbytes == spec.nbytes + 3 * 4 * spec.batch + 2 * 4 * spec.n_layers * spec.n_kv_heads   # and scales
     text = repr(cache)
     assert text == (f"KVCache(shape=(4, 2, 512, 2, 64) [n_layers, batch, max_seq, n_kv_heads, head_dim], "
                     f"dtype=bfloat16, layout=NHD, backend={backend}, {cache.nbytes / 2**20:.3g} MiB)")

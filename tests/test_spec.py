@@ -51,7 +51,8 @@ def test_frozen_and_hashable():
 
 @given(specs)
 def test_derived_match_numpy(spec):
-    expected_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[spec.dtype]
+    expected_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+                      "float8_e4m3": ml_dtypes.float8_e4m3fn}[spec.dtype]
     assert spec.np_dtype == np.dtype(expected_dtype)
     array = np.empty(spec.shape, dtype=spec.np_dtype)
     assert spec.itemsize == array.itemsize
@@ -85,9 +86,9 @@ BAD_FIELDS = [
     ("max_seq", np.int64(2**31), ValueError, "an int in 1..1073741824", "2147483648"),
     ("batch", 0, ValueError, "an int in 1..2147483647", "0"),
     ("batch", [2], TypeError, "an int in 1..2147483647", "[2]"),
-    ("dtype", "float64", ValueError, "one of 'float32', 'float16', 'bfloat16'", "'float64'"),
-    ("dtype", "fp16", ValueError, "one of 'float32', 'float16', 'bfloat16'", "'fp16'"),
-    ("dtype", np.float16, TypeError, "one of 'float32', 'float16', 'bfloat16'", "float16"),
+    ("dtype", "float64", ValueError, "one of 'float32', 'float16', 'bfloat16', 'float8_e4m3'", "'float64'"),
+    ("dtype", "fp16", ValueError, "one of 'float32', 'float16', 'bfloat16', 'float8_e4m3'", "'fp16'"),
+    ("dtype", np.float16, TypeError, "one of 'float32', 'float16', 'bfloat16', 'float8_e4m3'", "float16"),
     ("layout", "NDH", ValueError, "one of 'NHD', 'HND'", "'NDH'"),
     ("layout", "nhd", ValueError, "one of 'NHD', 'HND'", "'nhd'"),
     ("layout", 0, TypeError, "one of 'NHD', 'HND'", "0"),
