@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cupykv.kernels import CACHE_CUDA_TYPES
 from cupykv.spec import MAX_HEAD_DIM
 
 if TYPE_CHECKING:
@@ -98,6 +99,10 @@ def blocks_per_sm(limits: SmLimits, registers: int, threads: int, shared_bytes: 
 GENERIC_HEAD_DIM = MAX_HEAD_DIM
 
 
+#: CUDA type of a template instance -> the cupykv dtype name
+_DTYPE_OF = {cuda: name for name, cuda in CACHE_CUDA_TYPES.items()}
+
+
 @dataclass(frozen=True)
 class LaunchShape:
     """A kernel instance's launch as the host code makes it: threads and dynamic shared memory per block."""
@@ -117,11 +122,11 @@ def launch_shape(instance: str) -> LaunchShape | None:
         note = f"head_dim {head_dim}" if head_dim else f"head_dim {GENERIC_HEAD_DIM} (generic: its largest)"
         return LaunchShape(attention_plan.THREADS, attention_plan.shared_memory_bytes(head_dim or GENERIC_HEAD_DIM),
                            note)
-    tensor_cores = re.fullmatch(r"cupykv_attention_mma<(.+), (\d+)>", instance)
+    tensor_cores = re.fullmatch(r"cupykv_attention_mma<(.+), (.+), (\d+)>", instance)
     if tensor_cores:
-        dtype = {"__half": "float16", "__nv_bfloat16": "bfloat16"}[tensor_cores.group(1)]
-        kernel = attention_plan.attention_kernel(dtype, int(tensor_cores.group(2)))
-        return LaunchShape(kernel.threads, kernel.shared_mem_bytes, f"head_dim {tensor_cores.group(2)}, tensor cores")
+        dtype, io_dtype = (_DTYPE_OF[name] for name in tensor_cores.group(1, 2))
+        kernel = attention_plan.attention_kernel(dtype, int(tensor_cores.group(3)), io_dtype)
+        return LaunchShape(kernel.threads, kernel.shared_mem_bytes, f"head_dim {tensor_cores.group(3)}, tensor cores")
     if instance.startswith("cupykv_linear<"):
         return LaunchShape(ops.LINEAR_THREADS, 0)
     return None

@@ -32,8 +32,8 @@ from cupykv.backends import get_backend
 from cupykv.backends.base import Backend
 from cupykv.bench import PLANS
 from cupykv.bench.arrays import fill_random, random_array
-from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNELS, LINEAR_ROW_TILES
-from cupykv.spec import DTYPES
+from cupykv.kernels import ATTENTION_HEAD_DIMS, CACHE_DTYPE_PAIRS, KERNELS, LINEAR_ROW_TILES
+from cupykv.spec import IO_DTYPES
 
 #: head sizes launched: the specialised ones and one that takes the generic (HEAD_DIM = 0) instance.
 HEAD_DIMS = (*ATTENTION_HEAD_DIMS, 40)
@@ -94,14 +94,15 @@ def recording_launches() -> Iterator[list[tuple[str, str]]]:
         Backend.launch = original  # type: ignore[method-assign]
 
 
-def _attention_round(backend: Backend, dtype: str, head_dim: int, seed: int) -> None:
-    """Cache ops and attention for one dtype and head size, unsplit and split."""
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=SMALL_MAX_SEQ, batch=2, dtype=dtype)
+def _attention_round(backend: Backend, dtype: str, io_dtype: str, head_dim: int, seed: int) -> None:
+    """Cache ops and attention for one storage and io dtype and head size, unsplit and split."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=SMALL_MAX_SEQ, batch=2, dtype=dtype,
+                            io_dtype=io_dtype)
     cache = cupykv.KVCache(spec, backend=backend.name)
     rope = cupykv.Rope()
-    k = random_array(backend, (2, 3, 1, head_dim), dtype, seed)        # [batch, n_new, n_kv, head_dim]
-    v = random_array(backend, (2, 3, 1, head_dim), dtype, seed + 1)
-    q = random_array(backend, (2, 1, 2, head_dim), dtype, seed + 2)    # [batch, q_len, n_heads, head_dim]
+    k = random_array(backend, (2, 3, 1, head_dim), io_dtype, seed)        # [batch, n_new, n_kv, head_dim]
+    v = random_array(backend, (2, 3, 1, head_dim), io_dtype, seed + 1)
+    q = random_array(backend, (2, 1, 2, head_dim), io_dtype, seed + 2)    # [batch, q_len, n_heads, head_dim]
     cache.append(0, k, v, rope=rope, return_positions=True)
     positions = backend.asarray(np.array([[0, 1, 2], [0, 1, 2]], np.int32))          # where append wrote
     cache.write(0, positions, k, v, rope=rope, return_positions=True)                 # the same rows again
@@ -170,9 +171,10 @@ def launch_every_kernel(backend=None) -> list[tuple[str, str]]:
     """
     backend = get_backend(backend)
     with recording_launches() as launched:
-        for i, dtype in enumerate(DTYPES):
+        for i, (dtype, io_dtype) in enumerate(CACHE_DTYPE_PAIRS):
             for j, head_dim in enumerate(HEAD_DIMS):
-                _attention_round(backend, dtype, head_dim, seed=100 * i + 10 * j)
+                _attention_round(backend, dtype, io_dtype, head_dim, seed=100 * i + 10 * j)
+        for i, dtype in enumerate(IO_DTYPES):
             _decoder_ops_round(backend, dtype, seed=1000 + i)
         _bench_delay_round(backend)
         _decoding_round(backend)

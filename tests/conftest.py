@@ -82,3 +82,21 @@ def pytest_runtest_setup(item):
         available, reason = cuda_available()
         if not available:
             pytest.skip(f"no usable CUDA GPU: {reason}")
+
+
+@pytest.fixture(scope="session")
+def validate_cpu_run(tmp_path_factory):
+    """``python -m cupykv validate --backend emulator`` run once in a subprocess, for test_validate.py and
+    test_bench.py: its bench part is the emulator's smoke bench, so CI runs that bench once, not twice."""
+    import json
+    import subprocess
+    import time
+
+    from cupykv.validate import EMULATOR_BUDGETS
+
+    out = tmp_path_factory.mktemp("validate")
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "cupykv", "validate", "--backend", "emulator", "--out", str(out)],
+                          capture_output=True, text=True, timeout=EMULATOR_BUDGETS.total_s + 60)
+    return {"done": done, "out": out, "elapsed": time.perf_counter() - started,
+            "summary": json.loads((out / "validate.json").read_text())}

@@ -35,7 +35,7 @@ def test_the_plan_picks_tensor_cores_for_16_bit_caches_at_64_and_128_only():
         for head_dim in (64, 128):
             kernel = attention_kernel(dtype, head_dim)
             cuda_type = "__half" if dtype == "float16" else "__nv_bfloat16"
-            assert kernel.tensor_cores and kernel.instance == f"cupykv_attention_mma<{cuda_type}, {head_dim}>"
+            assert kernel.tensor_cores and kernel.instance == f"cupykv_attention_mma<{cuda_type}, {cuda_type}, {head_dim}>"
             assert kernel.threads == 32 * WARPS[head_dim] and kernel.shared_mem_bytes <= 48 * 1024
         assert not attention_kernel(dtype, 96).tensor_cores
     assert not attention_kernel("float32", 128).tensor_cores

@@ -1,38 +1,40 @@
 """``python -m cupykv bench`` on the emulator: the smoke run, its JSON, its PNG and its arithmetic.
 
-The bench runs once for the module (through the CLI, into a temporary
-folder); the tests read what it wrote. Every ratio, bandwidth and percentage
+The bench runs once per session, as the ``bench`` part of ``python -m cupykv
+validate --backend emulator`` (through the CLI, into a temporary folder; see
+conftest.py); the tests read what it wrote. Every ratio, bandwidth and percentage
 is recomputed from the stored figures, not compared with constants.
 """
-import contextlib
-import io
 import itertools
 import json
 import math
+import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from cupykv.__main__ import main
 from cupykv.bench import PLANS, SCHEMA, plan_for
 from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits
 from cupykv.bench.peers import CPU_LABEL
 from cupykv.bench.report import EMULATOR_LABEL
 
-SECTIONS = ("copy", "attention_decode", "attention_shapes", "full_axis", "linear", "model_decode", "smollm2_decode", "decode_loops",
+SECTIONS = ("copy", "attention_decode", "attention_shapes", "attention_fp8", "full_axis", "linear", "model_decode", "smollm2_decode", "decode_loops",
             "peers", "traffic")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        status = main(["bench", "--backend", "emulator", "--out", str(out)])
+def bench(validate_cpu_run):
+    """The smoke bench of ``python -m cupykv validate --backend emulator`` (its ``bench`` part runs
+    ``python -m cupykv bench --backend emulator`` into the same folder; conftest.py runs it once)."""
+    out, summary = validate_cpu_run["out"], validate_cpu_run["summary"]
+    part = summary["parts"]["bench"]
+    assert "python -m cupykv bench --backend emulator" in " ".join(part["commands"]).replace(sys.executable, "python")
     data = json.loads((out / "bench.json").read_text())
-    return {"status": status, "out": out, "printed": printed.getvalue(), "data": data}
+    status = 0 if part["status"] == "passed" else 1
+    return {"status": status, "out": out, "printed": (out / "validate.log").read_text(), "data": data,
+            "reason": part.get("reason", "")}
 
 
 def _figures(row):
@@ -44,7 +46,7 @@ def _close(a, b):
 
 
 def test_smoke_run_succeeds(bench):
-    assert bench["status"] == 0, bench["printed"]
+    assert bench["status"] == 0, bench["reason"] + "\n" + bench["printed"]
 
 
 def test_emulator_label_everywhere(bench):
@@ -113,6 +115,12 @@ def test_ratios_are_quotients_of_stored_figures(bench):
         alone = next(r for r in sections["attention_shapes"]["results"] if r["q_len"] == 1 and all(
             r[key] == row[key] for key in ("batch", "group", "live_len")))
         assert _close(row["time_vs_q_len_1"], row["time_ms"] / alone["time_ms"])
+    for row in sections["attention_fp8"]["results"]:   # head_dim 64, 2 kv heads (the smoke plan)
+        for name, itemsize in (("bf16", 2), ("fp8", 1)):
+            assert row[f"{name}_kv_bytes"] == row["batch"] * row["live_len"] * 2 * 64 * 2 * itemsize
+            assert _close(row[f"{name}_pct_of_copy"], 100 * row[f"{name}_kv_bytes"] / (row[f"{name}_time_ms"] * 1e-3)
+                          / 1e9 / copy["bandwidth_GBps"])
+        assert _close(row["fp8_speedup"], row["bf16_time_ms"] / row["fp8_time_ms"])
     for row in sections["linear"]["results"]:
         assert row["weight_bytes"] == row["out_features"] * row["in_features"] * 2
         assert _close(row["bandwidth_GBps"], row["weight_bytes"] / (row["time_ms"] * 1e-3) / 1e9)
@@ -138,6 +146,8 @@ def test_sections_cover_the_plan(bench):
               for row in data["sections"]["attention_shapes"]["results"]}
     assert shapes == set(itertools.product(plan.shapes.batches, plan.shapes.groups, plan.shapes.lives,
                                            plan.shapes.q_lens))
+    fp8 = {(row["batch"], row["group"], row["live_len"]) for row in data["sections"]["attention_fp8"]["results"]}
+    assert fp8 == set(itertools.product(plan.fp8.batches, plan.fp8.groups, plan.fp8.lives))
     lives = [row["live_len"] for row in data["sections"]["full_axis"]["results"]]
     assert lives == [plan.full_axis_max_seq // d for d in plan.full_axis_divisors]
     assert len(data["sections"]["linear"]["results"]) == len(plan.linear_rows) * len(plan.linear_shapes)

@@ -35,11 +35,11 @@ def test_every_instance_compiles_for_both_archs_without_spills(reports):
 def test_command_line_prints_the_table_and_succeeds():
     result = subprocess.run([sys.executable, "-m", "cupykv", "check"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert "cupykv_attention_mma<__nv_bfloat16, 128>" in result.stdout
+    assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128>" in result.stdout
     assert "no spills" in result.stdout
     assert "occupancy at or above every declared minimum" in result.stdout
     # the tensor-core decode block: 2 warps, 48128 bytes of stages + 16 static, 4 blocks an SM (shared memory)
-    assert re.search(r"^sm_90  cupykv_attention_mma<__nv_bfloat16, 128> +\d+ +64 +48144 +4 +8 +3  shared",
+    assert re.search(r"^sm_90  cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128> +\d+ +64 +48144 +4 +8 +3  shared",
                      result.stdout, re.M), result.stdout
     major, minor = nvrtc_check.PINNED_NVRTC.split(".")[:2]
     assert f"NVRTC {major}.{minor} (nvidia-cuda-nvrtc {nvrtc_check.PINNED_NVRTC}) from " in result.stdout
@@ -170,8 +170,8 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
         r = row.report
         if r.instance.startswith("cupykv_attention<"):   # attention_min_blocks<T>(): 3 for float, else 4
             assert r.min_blocks == (3 if "<float," in r.instance else 4), r
-        elif r.instance.startswith("cupykv_attention_mma<"):   # __launch_bounds__(warps * 32, 3)
-            assert r.min_blocks == 3, r
+        elif r.instance.startswith("cupykv_attention_mma<"):   # attention_mma_min_blocks<T>(): 4 for fp8, else 3
+            assert r.min_blocks == (4 if "__nv_fp8_e4m3" in r.instance else 3), r
         elif r.instance.startswith("cupykv_linear<"):
             assert r.min_blocks == 4, r
         assert not row.below_minimum, (r, row.occupancy)
@@ -196,7 +196,8 @@ def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
                 for row in occupancy.rows(reports)}
     for kernel, cuda_type, size, by_arch in rows:
         for cuda in ([cuda_type] if cuda_type else ["float", "__half", "__nv_bfloat16"]):
-            instance = f"cupykv_{kernel}<{cuda}, {size}>"
+            # attention kernels take the cache type and the io type (the same but for fp8 caches)
+            instance = f"cupykv_{kernel}<{cuda}, {size}>" if kernel == "linear" else f"cupykv_{kernel}<{cuda}, {cuda}, {size}>"
             for arch, documented in by_arch.items():
                 assert computed[(arch, instance)] == documented, (instance, arch)
 
@@ -211,16 +212,16 @@ def _report_exit(reports):
 
 
 def test_a_planted_low_register_occupancy_fails():
-    planted = nvrtc_check.InstanceReport("sm_80", "cupykv_attention<__nv_bfloat16, 128>", registers=168, stack_bytes=0,
+    planted = nvrtc_check.InstanceReport("sm_80", "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128>", registers=168, stack_bytes=0,
                                          spill_store_bytes=0, spill_load_bytes=0, shared_bytes=0, max_threads=128,
                                          min_blocks=4)
     code, stdout, stderr = _report_exit([planted])
     assert code == 1
     assert "BELOW MINIMUM" in stdout
-    assert ("FAILED, occupancy below the design minimum in 1 instance(s): cupykv_attention<__nv_bfloat16, 128> "
+    assert ("FAILED, occupancy below the design minimum in 1 instance(s): cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128> "
             "(sm_80): 3 blocks/SM, limited by registers (168 registers, 16576 bytes of shared memory), but "
             "__launch_bounds__ declares 4") in stderr
-    fine = nvrtc_check.InstanceReport("sm_80", "cupykv_attention<__nv_bfloat16, 128>", 128, 0, 0, 0, 0, 128, 4)
+    fine = nvrtc_check.InstanceReport("sm_80", "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128>", 128, 0, 0, 0, 0, 128, 4)
     assert _report_exit([fine])[0] == 0
 
 
@@ -236,9 +237,9 @@ def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
                                               "    planted_stage[tid * 64] = 0.0f;\n    __syncthreads();\n"
                                               "    if (planted_stage[(tid * 64 + 64) % 8192] != 0.0f) __trap();\n")
     (tmp_path / "attention.cu").write_text(planted)
-    bf16 = KernelFile("attention.cu", ("cupykv_attention<__nv_bfloat16, 128>",))
+    bf16 = KernelFile("attention.cu", ("cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128>",))
     reports = nvrtc_check.check_all(archs=("sm_80",), kernels=[bf16], kernel_dir=str(tmp_path))
     (row,) = occupancy.rows(reports)
     assert row.report.shared_bytes >= 32768 and row.occupancy.limiter == "shared" and row.occupancy.blocks == 3
     code, _, stderr = _report_exit(reports)
-    assert code == 1 and "cupykv_attention<__nv_bfloat16, 128> (sm_80): 3 blocks/SM, limited by shared" in stderr
+    assert code == 1 and "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128> (sm_80): 3 blocks/SM, limited by shared" in stderr

@@ -190,7 +190,7 @@ def test_attention_without_the_barrier_before_pv_is_reported_at_q_len_1():
     with pytest.raises(E.RaceError) as caught:
         one_query_attention(PatchedBackend("attention", attention_without_barrier_before_pv))
     message = str(caught.value)
-    assert message.startswith("kernel 'cupykv_attention<float, 64>': data race in shared memory")
+    assert message.startswith("kernel 'cupykv_attention<float, float, 64>': data race in shared memory")
     softmax_writes = {line_of(path, "row[c] = p;"), line_of(path, "row_rescale[r] = rescale;")}
     pv_reads = {line_of(path, "const float rescale = row_rescale[row_group + m * kRowGroups];"),
                 line_of(path, "const float4 p = *reinterpret_cast<const float4*>(scores + r * kChunk + c);"),

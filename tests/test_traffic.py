@@ -344,7 +344,7 @@ def test_a_protected_tail_makes_a_whole_axis_read_fault():
             else:
                 results.append(np.asarray(cupykv.attention(q, cache, 0)))
     message = str(caught.value)
-    assert message.startswith("kernel 'cupykv_attention<float, 64>' block (0,0,0) thread (")
+    assert message.startswith("kernel 'cupykv_attention<float, float, 64>' block (0,0,0) thread (")
     found = re.search(r"read of protected bytes of argument \d+ at element (\d+) \(0, 0, (\d+), 0, 0\) "
                       r"\(byte offset \d+; bytes \[8192, 16384\) are protected by emulator.protected\(\); "
                       r"float32 array of shape \(1, 1, 64, 1, 64\)", message)

@@ -37,13 +37,9 @@ PY = sys.executable
 
 # -- the CPU run, end to end ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("validate")
-    started = time.perf_counter()
-    done = subprocess.run([PY, "-m", "cupykv", "validate", "--backend", "emulator", "--out", str(out)],
-                          capture_output=True, text=True, timeout=EMULATOR_BUDGETS.total_s + 60)
-    return {"done": done, "out": out, "elapsed": time.perf_counter() - started,
-            "summary": json.loads((out / "validate.json").read_text())}
+def cpu_run(validate_cpu_run):
+    """The CPU run (conftest.py runs it once per session: test_bench.py reads its bench output)."""
+    return validate_cpu_run
 
 
 def test_cpu_run_passes_with_exit_code_zero(cpu_run):
@@ -231,7 +227,7 @@ def test_gpu_plan_profiles_attention_and_linear_once_each(tmp_path):
         assert command[command.index("--launch-count") + 1] == "1" and "--csv" in command
         assert command[-2:] == ("--workload", "profile")
     attention, linear = (regex for _, regex in NCU_KERNELS)
-    assert re.search(attention, "void cupykv_attention<__nv_bfloat16, 128>(__nv_bfloat16 *, float *)")
+    assert re.search(attention, "void cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128>(__nv_bfloat16 *, float *)")
     assert not re.search(attention, "void cupykv_attention_combine<__nv_bfloat16>(__nv_bfloat16 *, float *)")
     assert re.search(linear, "void cupykv_linear<__nv_bfloat16, 1>(__nv_bfloat16 *)")
     assert parts["bench"].commands[0][-5:] == ("--backend", "cupy", "--out", str(tmp_path / "out"), "--quick")
@@ -299,7 +295,7 @@ def test_profile_workload_launches_the_kernels_ncu_selects():
         profile_workload("emulator")
     instances = [instance for _, instance in launched]
     attention, linear = (regex for _, regex in NCU_KERNELS)
-    assert "cupykv_attention_mma<__nv_bfloat16, 128>" in instances and "cupykv_linear<__nv_bfloat16, 1>" in instances
+    assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128>" in instances and "cupykv_linear<__nv_bfloat16, 1>" in instances
     assert sum(bool(re.search(attention, name)) for name in instances) == 1
     assert sum(bool(re.search(linear, name)) for name in instances) == 1
 

@@ -12,6 +12,9 @@ side by side:
   for q_len 1, 4, 8, 16 (decode and speculative verification), batch 1, 8, 32,
   live 1k to 128k and GQA group 1, 4, 8: percent of copy bandwidth, TFLOPS, and
   time as a ratio to q_len 1 at the same batch, group and live length.
+- ``attention_fp8`` (:mod:`cupykv.bench.attention_fp8`): decode attention over
+  an fp8 (E4M3) cache against a bf16 cache of the same shape: the fp8 speed-up
+  and the fp8 cache's bandwidth as a percentage of copy.
 - ``full_axis``: at a fixed large ``max_seq``, cupykv.attention against the
   whole-axis attention of other static caches (matmul over every position,
   plus the additive mask, softmax, matmul), per live length.
@@ -49,7 +52,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cupykv.backends import get_backend
-from cupykv.bench import attention_shapes, model, peers, report, sections
+from cupykv.bench import attention_fp8, attention_shapes, model, peers, report, sections
+from cupykv.bench.attention_fp8 import Fp8Plan
 from cupykv.bench.attention_shapes import ShapesPlan
 from cupykv.bench.peers import PeersPlan
 from cupykv.bench.timing import make_timer
@@ -92,6 +96,7 @@ class Plan:
     full_axis_check_divisor: int = 8
     peers: PeersPlan = PeersPlan()   # the peers section: torch SDPA and transformers on the same data
     shapes: ShapesPlan = ShapesPlan()   # attention_shapes: q_len x batch x live x GQA group
+    fp8: Fp8Plan = Fp8Plan()            # attention_fp8: fp8 against bf16 caches, batch x live x GQA group
 
     def __post_init__(self):
         steps = self.warmup + self.repeat + 1   # per model phase: warm-up, timed calls, capture's own step
@@ -131,7 +136,8 @@ PLANS = {
         # unless the attention cases finish with 60 s to spare
         peers=PeersPlan(batches=(1, 32), lives=(1024, 32768), groups=(1, 8), e2e_batches=(1,), e2e_repeat=2,
                         budget_s=60.0, compile_reserve_s=60.0),
-        shapes=ShapesPlan(batches=(1, 8), lives=(8192, 32768), groups=(4, 8), q_lens=(1, 8))),
+        shapes=ShapesPlan(batches=(1, 8), lives=(8192, 32768), groups=(4, 8), q_lens=(1, 8)),
+        fp8=Fp8Plan(batches=(1, 8), lives=(8192, 32768), groups=(8,))),
     # The emulator's smoke run: the real head configuration, tiny lengths and weights.
     "smoke": Plan(
         mode="smoke", warmup=1, repeat=3, copy_bytes=32 * MiB,
@@ -151,12 +157,13 @@ PLANS = {
                         new_tokens=8, e2e_repeat=0, compile=False),
         # the tensor-core kernel at q_len 1 and 4 (two warp rounds of keys), GQA 1 and 4
         shapes=ShapesPlan(batches=(1,), lives=(40, 100), groups=(1, 4), q_lens=(1, 4), n_kv_heads=2, head_dim=64,
-                          check_live=70)),
+                          check_live=70),
+        fp8=Fp8Plan(batches=(1,), lives=(100,), groups=(1, 4), n_kv_heads=2, head_dim=64, check_live=70)),
 }
 
 #: section name -> function of a Context, in run order (copy first: the others divide by it).
 SECTIONS = (("copy", sections.copy_bandwidth), ("attention_decode", sections.attention_decode),
-            ("attention_shapes", attention_shapes.attention_shapes),
+            ("attention_shapes", attention_shapes.attention_shapes), ("attention_fp8", attention_fp8.attention_fp8),
             ("full_axis", sections.full_axis), ("linear", sections.linear), ("model_decode", model.model_decode),
             ("smollm2_decode", model.smollm2_decode), ("decode_loops", model.decode_loops), ("peers", peers.peers),
             ("traffic", sections.traffic))

@@ -47,20 +47,27 @@ def _flops(plan: ShapesPlan, batch: int, q_len: int, group: int, live: int) -> i
 
 
 def _reference(backend, q, cache, length: int):
-    """float32 causal attention of ``q [batch, q_len, n_heads, hd]`` at positions length + i."""
-    xp, spec = backend.xp, cache.spec
+    """float32 causal attention of ``q [batch, q_len, n_heads, hd]`` at positions length + i (NHD cache, layer 0)."""
+    seq = length + q.shape[1]
+    return reference_f32(backend, q, to_f32(backend, cache.k[0][:, :seq]), to_f32(backend, cache.v[0][:, :seq]),
+                         length)
+
+
+def reference_f32(backend, q, k, v, length: int):
+    """float32 causal attention of ``q [batch, q_len, n_heads, hd]`` over float32 ``k``, ``v``
+    ``[batch, length + q_len, n_kv, hd]``, query i at position length + i."""
+    xp = backend.xp
     batch, q_len, n_heads, hd = q.shape
-    group, seq = n_heads // spec.n_kv_heads, length + q_len
-    k = to_f32(backend, cache.k[0][:, :seq])                 # [batch, seq, n_kv, hd]
-    v = to_f32(backend, cache.v[0][:, :seq])
-    rows = to_f32(backend, q).reshape(batch, q_len, spec.n_kv_heads, group, hd).transpose(0, 2, 1, 3, 4)
-    rows = xp.ascontiguousarray(rows).reshape(batch, spec.n_kv_heads, q_len * group, hd)
+    n_kv_heads = k.shape[2]
+    group, seq = n_heads // n_kv_heads, length + q_len
+    rows = to_f32(backend, q).reshape(batch, q_len, n_kv_heads, group, hd).transpose(0, 2, 1, 3, 4)
+    rows = xp.ascontiguousarray(rows).reshape(batch, n_kv_heads, q_len * group, hd)
     query_of_row = np.arange(q_len * group) // group
     mask = np.where(np.arange(seq)[None, :] <= length + query_of_row[:, None], 0.0, -np.inf).astype(np.float32)
     out = _attention_f32(xp, rows, xp.ascontiguousarray(k.transpose(0, 2, 3, 1)),
                          xp.ascontiguousarray(v.transpose(0, 2, 1, 3)), xp.asarray(mask)[None, None],
                          1.0 / math.sqrt(hd))
-    out = out.reshape(batch, spec.n_kv_heads, q_len, group, hd).transpose(0, 2, 1, 3, 4)
+    out = out.reshape(batch, n_kv_heads, q_len, group, hd).transpose(0, 2, 1, 3, 4)
     return xp.ascontiguousarray(out).reshape(batch, q_len, n_heads, hd)
 
 

@@ -9,8 +9,16 @@
 //     out[b,i,h] = sum_j softmax(s)_j * v[b,j,g], or zeros if no j is attended.
 // This is reference.attention, exactly; accumulation is fp32.
 //
-// Versions: cupykv_attention<T, HEAD_DIM> with HEAD_DIM = 64 or 128 (compile-time
-// head size, 16-byte vector loads of K) or 0 (any head_dim in 1..256, scalar loads).
+// Versions: cupykv_attention<T, TI, HEAD_DIM>: the cache stores T; q and out are of the io
+// type TI. Caches of float, __half and __nv_bfloat16 have T == TI, with HEAD_DIM = 64 or 128
+// (compile-time head size, 16-byte vector loads of K; instantiated for float) or 0 (any
+// head_dim in 1..256, scalar loads). An fp8 cache (T = __nv_fp8_e4m3; TI = __nv_bfloat16,
+// __half or float; HEAD_DIM = 0 only) holds codes that stand for code * scale, one fp32
+// scale per layer and kv head in k_scales / v_scales [n_layers, n_kv] (device-resident,
+// read at run time; kv_codec.cuh). Its K and V are read as raw codes and the scales applied
+// once instead: q is pre-multiplied by scale * k_scale (s_j = scale * k_scale * q . code_j),
+// and the output by v_scale before it is normalised or written as a split's partial, so the
+// merge is that of any cache. Caches with T == TI never read the scales.
 //
 // Launch geometry of cupykv_attention: block (128); grid (batch * n_kv * tiles,
 // num_splits) where group = n_heads / n_kv and tiles = ceil(q_len * group / 16):
@@ -30,12 +38,13 @@
 // `out`; otherwise it writes unnormalised fp32 partial results, and the last
 // block of the tile to finish merges them into `out` (attention_merge.cuh).
 //
-// Device-resident arguments: lengths [batch] int32 (read), q, k/v cache (read),
-// out, the partial_* workspace and split_counters (written). Every other argument is
+// Device-resident arguments: lengths [batch] int32, k_scales / v_scales (fp8), q, k/v cache
+// (read), out, the partial_* workspace and split_counters (written). Every other argument is
 // fixed per launch, so a captured graph replays correctly as lengths change.
 #include "common.cuh"
 #include "attention_keys.cuh"
 #include "attention_merge.cuh"
+#include "kv_codec.cuh"
 
 namespace attention_tiling {
 constexpr int kThreads = 128;
@@ -44,33 +53,42 @@ constexpr int kTileRows = 16;     // query rows (query x head of one group) per 
 constexpr int kWarps = kThreads / 32;
 }  // namespace attention_tiling
 
-// Minimum resident blocks per SM (ptxas's register budget): 4 (<= 128 registers) for 16-bit
-// storage; 3 (<= 168) for float, where NVRTC 13.5 allocates <float, 64> on sm_80 at 164 to
-// 168 registers (168 since the in-launch split merge; 13.0.88: 162 before it) and spilled 16
-// bytes under the 128 cap. `python -m cupykv check` prints every instance's registers.
+// Minimum resident blocks per SM (ptxas's register budget), keyed on the storage type: 4 (<= 128
+// registers) for 16-bit and fp8 storage (NVRTC 13.5 allocates the fp8 instances, HEAD_DIM = 0
+// with any io type, at 93 registers on sm_80 and 95 on sm_90, within one of the 16-bit ones);
+// 3 (<= 168) for float, where NVRTC 13.5 allocates <float, float, 64> on sm_80 at 164 to 168
+// registers (168 since the in-launch split merge; 13.0.88: 162 before it) and spilled 16 bytes
+// under the 128 cap. `python -m cupykv check` prints every instance's registers.
 template <typename T> constexpr int attention_min_blocks() { return sizeof(T) == 4 ? 3 : 4; }
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename TI, int HEAD_DIM>
 __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_blocks<T>()) cupykv_attention(
-    T* __restrict__ out,                  // [batch, q_len, n_heads, head_dim] (num_splits == 1)
+    TI* __restrict__ out,                 // [batch, q_len, n_heads, head_dim] (num_splits == 1)
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
     float* __restrict__ partial_max,      // [num_splits, batch * q_len * n_heads]
     float* __restrict__ partial_sum,      // [num_splits, batch * q_len * n_heads]
     unsigned* __restrict__ split_counters,  // [batch * n_kv * tiles], 0 before the first launch (and after each)
-    const T* __restrict__ q,              // [batch, q_len, n_heads, head_dim], contiguous
+    const TI* __restrict__ q,             // [batch, q_len, n_heads, head_dim], contiguous
     const T* __restrict__ k_cache,        // cache base, strides below
     const T* __restrict__ v_cache,
     const int* __restrict__ lengths,      // [batch], device-resident
+    const float* __restrict__ k_scales,   // [n_layers, n_kv] float32, device-resident (read for fp8 only)
+    const float* __restrict__ v_scales,   // [n_layers, n_kv] float32, device-resident (read for fp8 only)
+    int layer,                            // the layer of layer_offset: its row of k_scales / v_scales
     long long layer_offset, long long stride_batch, long long stride_seq, long long stride_head,
     int q_len, int n_heads, int n_kv, int head_dim_runtime, int max_seq, int num_splits, int split_keys,
     float scale, float softcap, int window, int use_rope, double rope_theta) {
     using namespace attention_tiling;
+    constexpr bool kFp8 = cupykv::is_fp8<T>::value;
+    static_assert(kFp8 || cupykv::same_type<T, TI>::value, "a 16- or 32-bit cache attends in its own type");
+    static_assert(!kFp8 || HEAD_DIM == 0, "fp8 caches use the scalar-load path (HEAD_DIM = 0) only");
     constexpr int kVec = (HEAD_DIM > 0 && HEAD_DIM % (16 / (int)sizeof(T)) == 0) ? 16 / (int)sizeof(T) : 1;
     constexpr int kDimsPerThread = HEAD_DIM == 0 ? 2 : (HEAD_DIM + kThreads - 1) / kThreads;
     constexpr int kRowGroups = (HEAD_DIM > 0 && HEAD_DIM < kThreads && kThreads % HEAD_DIM == 0)
                                    ? kThreads / HEAD_DIM : 1;
     constexpr int kRowsPerThread = kTileRows / kRowGroups;
     constexpr int kDimStride = kThreads / kRowGroups;
+    static_assert(!kFp8 || kVec == 1, "no 16-byte vector loads of fp8 codes");
     const int head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_runtime;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
@@ -90,7 +108,10 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     float* row_rescale = row_sum + kTileRows;                        // [kTileRows]
 
     const int length = min(max(lengths[b], 0), max_seq);
-    // q rows of this tile, pre-multiplied by scale, rotated at their position.
+    // q rows of this tile, pre-multiplied by scale (fp8: by scale * k_scale, so that the dot
+    // product with raw codes is the logit), rotated at their position.
+    float q_scale = scale;
+    if constexpr (kFp8) q_scale = scale * k_scales[(long long)layer * n_kv + kv_head];
     const int half_dim = head_dim / 2;
     for (int e = tid; e < kTileRows * head_dim; e += kThreads) {
         const int r = e / head_dim, d = e - r * head_dim;
@@ -98,14 +119,14 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
         if (r < tile_rows && (!use_rope || d < half_dim)) {
             const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
             const long long base = (((long long)b * q_len + i) * n_heads + h) * head_dim;
-            value = cupykv::to_float(q[base + d]);
+            value = cupykv::to_float<TI>(q[base + d]);
             if (use_rope) {
-                float partner = cupykv::to_float(q[base + d + half_dim]);
+                float partner = cupykv::to_float<TI>(q[base + d + half_dim]);
                 cupykv::rope_rotate_pair(&value, &partner, length + i, d, head_dim, rope_theta);
-                q_tile[r * head_dim + d + half_dim] = partner * scale;
+                q_tile[r * head_dim + d + half_dim] = partner * q_scale;
             }
         }
-        if (!use_rope || d < half_dim || r >= tile_rows) q_tile[e] = value * scale;
+        if (!use_rope || d < half_dim || r >= tile_rows) q_tile[e] = value * q_scale;
     }
     if (tid < kTileRows) {
         row_max[tid] = cupykv::neg_infinity();
@@ -131,12 +152,12 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
             const T* k_row = k_cache + head_base + (long long)j * stride_seq;
             for (int d = 0; d < head_dim; d += kVec) {
                 float k_val[kVec];
-                if (kVec > 1) {
+                if constexpr (kVec > 1) {
                     const uint4 packed = *reinterpret_cast<const uint4*>(k_row + d);
                     const T* raw = reinterpret_cast<const T*>(&packed);
-                    for (int v = 0; v < kVec; ++v) k_val[v] = cupykv::to_float(raw[v]);
+                    for (int v = 0; v < kVec; ++v) k_val[v] = cupykv::load_kv<T>(raw[v]);
                 } else {
-                    k_val[0] = cupykv::to_float(k_row[d]);
+                    k_val[0] = cupykv::load_kv<T>(k_row[d]);   // fp8: the raw code
                 }
                 for (int r = 0; r < kTileRows; ++r)
                     if (r < tile_rows)
@@ -193,7 +214,7 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
                 for (int k = 0; k < kDimsPerThread; ++k) {
                     const int d = dim0 + k * kDimStride;
                     v_val[key][k] =
-                        d < head_dim ? cupykv::to_float(v_chunk[(long long)(c + key) * stride_seq + d]) : 0.0f;
+                        d < head_dim ? cupykv::load_kv<T>(v_chunk[(long long)(c + key) * stride_seq + d]) : 0.0f;
                 }
             for (int m = 0; m < kRowsPerThread; ++m) {
                 const int r = row_group + m * kRowGroups;
@@ -210,7 +231,7 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
             float v_val[kDimsPerThread];
             for (int k = 0; k < kDimsPerThread; ++k) {
                 const int d = dim0 + k * kDimStride;
-                v_val[k] = d < head_dim ? cupykv::to_float(v_chunk[(long long)c * stride_seq + d]) : 0.0f;
+                v_val[k] = d < head_dim ? cupykv::load_kv<T>(v_chunk[(long long)c * stride_seq + d]) : 0.0f;
             }
             for (int m = 0; m < kRowsPerThread; ++m) {
                 const int r = row_group + m * kRowGroups;
@@ -223,7 +244,9 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
         __syncthreads();
     }
 
-    // 4. write out (normalised) or the split's partial result.
+    // 4. write out (normalised) or the split's partial result; fp8: acc sums p * code, times v_scale.
+    float v_scale = 1.0f;
+    if constexpr (kFp8) v_scale = v_scales[(long long)layer * n_kv + kv_head];
     const int row_group = tid / kDimStride, dim0 = tid % kDimStride;
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
     const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows};
@@ -235,10 +258,12 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
         for (int k = 0; k < kDimsPerThread; ++k) {
             const int d = dim0 + k * kDimStride;
             if (d >= head_dim) continue;
+            float value = acc[m][k];
+            if constexpr (kFp8) value *= v_scale;
             if (num_splits == 1) {
-                out[out_row * head_dim + d] = cupykv::from_float<T>(sum > 0.0f ? acc[m][k] / sum : 0.0f);
+                out[out_row * head_dim + d] = cupykv::from_float<TI>(sum > 0.0f ? value / sum : 0.0f);
             } else {
-                partial_out[(split * rows_total + out_row) * head_dim + d] = acc[m][k];
+                partial_out[(split * rows_total + out_row) * head_dim + d] = value;
             }
         }
         if (num_splits > 1 && dim0 == 0) {

@@ -1,9 +1,12 @@
-// attention_mma.cu: masked multi-query attention over one layer of a 16-bit cache on tensor cores,
-// with K/V tiles staged through shared memory by asynchronous copies.
+// attention_mma.cu: masked multi-query attention over one layer of a 16-bit or fp8 cache on tensor
+// cores, with K/V tiles staged through shared memory by asynchronous copies.
 //
 // The same contract, arguments, launch grid and split-KV workspace as cupykv_attention
-// (attention.cu), for __half and __nv_bfloat16 caches with head_dim 64 or 128: for sequence b,
-// query i (position p = lengths[b] + i) and head h of kv head g = h / group,
+// (attention.cu), for head_dim 64 or 128. cupykv_attention_mma<T, TI, HEAD_DIM>: the cache stores
+// T, q and out have the io type TI (kv_codec.cuh): T == TI for __half and __nv_bfloat16 caches;
+// T = __nv_fp8_e4m3 with TI __nv_bfloat16, __half or float, each element standing for
+// code * k_scales[layer, kv_head] (v_scales for V). For sequence b, query i (position
+// p = lengths[b] + i) and head h of kv head g = h / group,
 //     s_j = scale * q[b,i,h] . k[b,j,g]    (q rotated at p when use_rope; softcap when > 0)
 //     attended j: j <= p, j < max_seq, and j > p - window (when window > 0)
 //     out[b,i,h] = sum_j softmax(s)_j * v[b,j,g], or zeros if no j is attended.
@@ -15,31 +18,49 @@
 //   of its split (attention_keys.cuh). Its kWarps warps take 16-key steps of that range in turn
 //   (warp w: steps w, w + kWarps, ...), each with its own online-softmax state, and merge at the
 //   end in a fixed order. No barrier runs inside the key loop.
-// - Each warp double-buffers its steps: the K and V rows of step n + kWarps are copied with
-//   16-byte cp.async (.cg, L2 only) while step n is computed. Sixteen lanes read one 256-byte row
-//   (8 for head_dim 64), so a warp request covers whole rows; keys past the split are zero-filled,
-//   never read, so a stale row (NaN) past the live length cannot reach a product.
-// - S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulation. The operands are split
-//   into 16-bit pieces whose sum is the fp32 value: q is exact in T unless rotated (rope: three
-//   pieces, 24 bits of mantissa for bf16, 22 and more for fp16), and P = hi + lo, so the products
-//   carry fp32 precision, as on the CUDA-core kernel, and the stated tolerances hold unchanged.
+// - Each warp double-buffers its steps (16-bit caches; fp8 below): the K and V rows of step
+//   n + kWarps are copied with 16-byte cp.async (.cg, L2 only) while step n is computed. Sixteen
+//   lanes read one 256-byte row (8 for head_dim 64), so a warp request covers whole rows; keys past
+//   the split are zero-filled, never read, so a stale row (NaN) past the live length cannot reach
+//   a product.
+// - S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulation on operands of type
+//   M = mma_type<T, TI> (T for 16-bit caches). The operands are split into 16-bit pieces whose sum
+//   is the fp32 value: q is exact in M unless rotated or float (rope or TI float: three pieces, 24
+//   bits of mantissa for bf16, 22 and more for fp16), and P = hi + lo, so the products carry fp32
+//   precision, as on the CUDA-core kernel, and the stated tolerances hold unchanged.
 // - Masks only where a step can hold a masked key (the split's last step, the diagonal of a
 //   verification tile, a window's first keys): a block-uniform test per step, no integer division
 //   in the loop. Rows past the tile (q_len * group < 16) are zero queries, computed, never stored.
 // - A row's result depends only on its own query and the split's keys (the mma sums each output
 //   element over its own row), so with split_keys a row is bit-identical for every q_len.
 //
+// The fp8 load path (T = __nv_fp8_e4m3): the same steps, copies and masks, with K/V staged as raw
+// codes. A row is head_dim bytes, copied 16 codes per cp.async (8 lanes on a 128-byte row, 4 at
+// head_dim 64) into a stage row of head_dim + 16 bytes; a warp keeps kStagesFp8 = 3 stages, so steps
+// n + kWarps and n + 2 kWarps are in flight while n is computed: as many bytes as the 16-bit path's
+// one step. The mma B fragments are built from the bytes (no ldmatrix, no M tile), holding what
+// ldmatrix would: for S = Q K^T, lane (g = lane / 4, t = lane % 4) loads the code pairs K[g][k0+2t..],
+// K[g][k0+8+2t..], K[8+g][k0+2t..] and K[8+g][k0+8+2t..] (16 bits each); for P V it packs
+// V[2t][d0+g] with V[2t+1][d0+g] (two byte loads), and the same at keys 8 + 2t and at dims d0 + 8 + g.
+// Each pair is widened exactly to M (widen_fp8_pair). At that row stride both reads are free of bank
+// conflicts. The scales stay out of the loop: the logits are (scale * k_scale) * (q . codes), and the
+// output (unnormalised, before the partial write or the normalised store) is multiplied by v_scale,
+// so the split merge is unchanged. The smaller stages also hold the row max and sum at the end, and
+// let 4 blocks share an SM (attention_mma_min_blocks).
+//
 // Launch geometry: block (kWarps * 32); grid (batch * n_kv * tiles, num_splits), tiles =
 // ceil(q_len * group / 16), block x = (b * n_kv + kv_head) * tiles + tile, block y = split.
-// Dynamic shared memory: kShared64 or kShared128 bytes (attention_mma_tiling; at most 48 KiB, no opt-in).
+// Dynamic shared memory (attention_mma_tiling; at most 48 KiB, no opt-in): kShared64 or kShared128
+// bytes for 16-bit caches, kShared64Fp8 or kShared128Fp8 for fp8 caches.
 //
-// Device-resident arguments: lengths [batch] int32 (read), q, k/v cache (read), out, the partial_*
-// workspace and split_counters (written). Every other argument is fixed per launch, so a captured
-// graph replays correctly as lengths change.
+// Device-resident arguments: lengths [batch] int32, k_scales / v_scales [layers, n_kv] float32, q,
+// k/v cache (read), out, the partial_* workspace and split_counters (written). Every other argument
+// is fixed per launch, so a captured graph replays correctly as lengths and scales change.
 #include "common.cuh"
 #include "async_copy.cuh"
 #include "attention_keys.cuh"
 #include "attention_merge.cuh"
+#include "kv_codec.cuh"
 #include "mma.cuh"
 
 namespace attention_mma_tiling {
@@ -47,23 +68,36 @@ constexpr int kTileRows = 16;      // query rows per block: the m of mma.m16n8k1
 constexpr int kStepKeys = 16;      // keys of one warp step: two n8 blocks of S, the k16 of P.V
 constexpr int kSplitAlign = 128;   // split boundaries (num_splits mode) fall on multiples of this
 constexpr int kStages = 2;         // K/V buffers per warp: one computed while the next lands
-constexpr int kQPieces = 3;        // 16-bit pieces of a rotated q
+constexpr int kStagesFp8 = 3;      // fp8 caches: one computed while the next two land
+constexpr int kQPieces = 3;        // 16-bit pieces of a rotated (or float) q
 constexpr int kRowPad = 8;         // elements after each shared row: ldmatrix reads 8 rows conflict-free
+constexpr int kRowPadFp8 = 16;     // bytes after each fp8 stage row: 16-byte rows, conflict-free fragments
 // Warps per block: 4 at head_dim 64, 2 at 128, so that the stages fit in 48 KiB (no opt-in).
 constexpr int kWarps64 = 4;
 constexpr int kWarps128 = 2;
-// Dynamic shared memory, bytes: q pieces [kQPieces][16][head_dim + pad] T; K and V stages
+// Dynamic shared memory, bytes: q pieces [kQPieces][16][head_dim + pad] M; K and V stages
 // [warps][kStages][2][16][head_dim + pad] T (the warps' fp32 accumulators at the end); each
 // warp's row max and sum [2][warps][16] float.
 constexpr int kShared64 = (kQPieces * kTileRows + kWarps64 * kStages * 2 * kStepKeys) * (64 + kRowPad) * 2
                           + 2 * kWarps64 * kTileRows * 4;
 constexpr int kShared128 = (kQPieces * kTileRows + kWarps128 * kStages * 2 * kStepKeys) * (128 + kRowPad) * 2
                            + 2 * kWarps128 * kTileRows * 4;
+// fp8 caches: the same q pieces; stages [warps][kStagesFp8][2][16][head_dim + 16] bytes, which at the end
+// hold the fp32 accumulators and, after them, the row max and sum (no bytes of their own).
+constexpr int kShared64Fp8 = kQPieces * kTileRows * (64 + kRowPad) * 2
+                             + kWarps64 * kStagesFp8 * 2 * kStepKeys * (64 + kRowPadFp8);
+constexpr int kShared128Fp8 = kQPieces * kTileRows * (128 + kRowPad) * 2
+                              + kWarps128 * kStagesFp8 * 2 * kStepKeys * (128 + kRowPadFp8);
 }  // namespace attention_mma_tiling
 
 template <int HEAD_DIM> constexpr int attention_mma_warps() {
     return HEAD_DIM == 128 ? attention_mma_tiling::kWarps128 : attention_mma_tiling::kWarps64;
 }
+
+// Blocks per SM the design assumes (__launch_bounds__; `python -m cupykv check` holds every instance
+// to it): 3 for 16-bit caches, whose stages bind shared memory; 4 for fp8 caches, whose stages are
+// smaller (at head_dim 64 this caps registers at 128).
+template <typename T> constexpr int attention_mma_min_blocks() { return cupykv::is_fp8<T>::value ? 4 : 3; }
 
 namespace cupykv {
 
@@ -73,32 +107,60 @@ template <typename T> __device__ __forceinline__ unsigned pack_pair(T low, T hig
            ((unsigned)*reinterpret_cast<const unsigned short*>(&high) << 16);
 }
 
+// Two adjacent fp8 codes of shared memory (the lower address in the low byte) as one 16-bit load.
+__device__ __forceinline__ unsigned short fp8_codes(const unsigned char* at) {
+    return *reinterpret_cast<const unsigned short*>(at);
+}
+
 }  // namespace cupykv
 
-template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupykv_attention_mma(
-    T* __restrict__ out,                  // [batch, q_len, n_heads, head_dim] (num_splits == 1)
+template <typename T, typename TI, int HEAD_DIM>
+__global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attention_mma_min_blocks<T>())
+    cupykv_attention_mma(
+    TI* __restrict__ out,                 // [batch, q_len, n_heads, head_dim] (num_splits == 1)
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
     float* __restrict__ partial_max,      // [num_splits, batch * q_len * n_heads]
     float* __restrict__ partial_sum,      // [num_splits, batch * q_len * n_heads]
     unsigned* __restrict__ split_counters,  // [batch * n_kv * tiles], 0 before the first launch (and after each)
-    const T* __restrict__ q,              // [batch, q_len, n_heads, head_dim], contiguous
+    const TI* __restrict__ q,             // [batch, q_len, n_heads, head_dim], contiguous
     const T* __restrict__ k_cache,        // cache base, strides below
     const T* __restrict__ v_cache,
     const int* __restrict__ lengths,      // [batch], device-resident
+    const float* __restrict__ k_scales,   // [layers, n_kv], device-resident (read by fp8 caches only)
+    const float* __restrict__ v_scales,   // [layers, n_kv], device-resident (read by fp8 caches only)
+    int layer,
     long long layer_offset, long long stride_batch, long long stride_seq, long long stride_head,
     int q_len, int n_heads, int n_kv, int head_dim_runtime, int max_seq, int num_splits, int split_keys,
     float scale, float softcap, int window, int use_rope, double rope_theta) {
     using namespace attention_mma_tiling;
+    using M = typename cupykv::mma_type<T, TI>::type;   // the mma operand type
+    constexpr bool kFp8 = cupykv::is_fp8<T>::value;
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "cupykv_attention_mma: head_dim 64 or 128");
-    static_assert(sizeof(T) == 2, "cupykv_attention_mma: __half or __nv_bfloat16");
+    static_assert(kFp8 ? sizeof(T) == 1 : sizeof(T) == 2 && cupykv::same_type<T, TI>::value,
+                  "cupykv_attention_mma: __half or __nv_bfloat16 caches of their own type, or __nv_fp8_e4m3");
     constexpr int kWarps = attention_mma_warps<HEAD_DIM>();
     constexpr int kThreads = kWarps * 32;
-    constexpr int kRow = HEAD_DIM + kRowPad;          // shared row stride, elements
-    constexpr int kTile = kStepKeys * kRow;           // one K or V tile of a stage, elements
-    constexpr int kPiecesPerRow = HEAD_DIM * 2 / 16;  // 16-byte copies per K/V row
+    constexpr int kRow = HEAD_DIM + kRowPad;          // shared q row stride, elements of M
+    constexpr int kStageRow = kFp8 ? HEAD_DIM + kRowPadFp8 : kRow;   // shared K/V row stride, elements of T
+    constexpr int kTile = kStepKeys * kStageRow;      // one K or V tile of a stage, elements of T
+    constexpr int kStageCount = kFp8 ? kStagesFp8 : kStages;
+    constexpr int kCodesPerCopy = 16 / (int)sizeof(T);            // elements of one 16-byte copy
+    constexpr int kPiecesPerRow = HEAD_DIM / kCodesPerCopy;       // 16-byte copies per K/V row
     constexpr int kDimBlocks = HEAD_DIM / 8;          // n8 blocks of the output
-    static_assert((HEAD_DIM == 128 ? kShared128 : kShared64) <= 48 * 1024, "attention_mma: shared memory past 48 KiB");
+    constexpr int kQBytes = kQPieces * kTileRows * kRow * (int)sizeof(M);
+    constexpr int kStageBytes = kWarps * kStageCount * 2 * kTile * (int)sizeof(T);
+    constexpr int kAccBytes = kWarps * kTileRows * HEAD_DIM * (int)sizeof(float);   // the warps' accumulators
+    constexpr int kStatBytes = 2 * kWarps * kTileRows * (int)sizeof(float);          // their row max and sum
+    // The row max and sum follow the stages (16-bit caches) or the accumulators inside them (fp8 caches).
+    constexpr int kStatOffset = kQBytes + (kFp8 ? kAccBytes : kStageBytes);
+    constexpr int kSharedBytes = kQBytes + kStageBytes + (kFp8 ? 0 : kStatBytes);
+    static_assert(kSharedBytes == (kFp8 ? (HEAD_DIM == 128 ? kShared128Fp8 : kShared64Fp8)
+                                        : (HEAD_DIM == 128 ? kShared128 : kShared64)),
+                  "attention_mma: the shared memory layout differs from attention_mma_tiling");
+    static_assert(kSharedBytes <= 48 * 1024, "attention_mma: shared memory past 48 KiB");
+    static_assert(kAccBytes + (kFp8 ? kStatBytes : 0) <= kStageBytes,
+                  "attention_mma: the stages hold the warps' fp32 accumulators (fp8: and row statistics) at the end");
+    static_assert(kQBytes % 16 == 0 && kStageRow * (int)sizeof(T) % 16 == 0, "attention_mma: 16-byte stage rows");
     (void)head_dim_runtime;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int quad_row = lane / 4, quad_col = lane % 4;   // the mma fragment coordinates
@@ -111,16 +173,24 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
     const int first_row = (blockIdx.x - head_of_batch * tiles) * kTileRows;
     const int tile_rows = min(kTileRows, q_len * group - first_row);
     const int length = min(max(lengths[b], 0), max_seq);
-    const int pieces = use_rope ? kQPieces : 1;
+    const int pieces = use_rope || cupykv::same_type<TI, float>::value ? kQPieces : 1;
+    // The logit factor and, for fp8 caches, the head's V scale (16-bit caches: scale alone, no scales read).
+    float logit_scale = scale, v_scale = 1.0f;
+    if constexpr (kFp8) {
+        logit_scale = scale * k_scales[layer * n_kv + kv_head];
+        v_scale = v_scales[layer * n_kv + kv_head];
+    } else {
+        (void)k_scales, (void)v_scales, (void)layer, (void)v_scale;
+    }
 
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    T* q_tile = reinterpret_cast<T*>(smem_bytes);                     // [kQPieces][16][kRow]
-    T* stages = q_tile + kQPieces * kTileRows * kRow;                 // [kWarps][kStages][K, V][kTile]
-    float* warp_max = reinterpret_cast<float*>(stages + kWarps * kStages * 2 * kTile);   // [kWarps][16]
-    float* warp_sum = warp_max + kWarps * kTileRows;                                   // [kWarps][16]
+    M* q_tile = reinterpret_cast<M*>(smem_bytes);                     // [kQPieces][16][kRow]
+    T* stages = reinterpret_cast<T*>(smem_bytes + kQBytes);           // [kWarps][kStageCount][K, V][kTile]
+    float* warp_max = reinterpret_cast<float*>(smem_bytes + kStatOffset);   // [kWarps][16], written after the loop
+    float* warp_sum = warp_max + kWarps * kTileRows;                        // [kWarps][16]
 
-    // 1. The tile's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 and cut
-    //    into hi + mid + lo. Rows past the tile are zeros.
+    // 1. The tile's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 (or a
+    //    float q) cut into hi + mid + lo. Rows past the tile are zeros.
     const int half_dim = HEAD_DIM / 2;
     for (int e = tid; e < kTileRows * half_dim; e += kThreads) {
         const int r = e / half_dim, d = e - r * half_dim;
@@ -128,12 +198,12 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
         if (r < tile_rows) {
             const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
             const long long base = (((long long)b * q_len + i) * n_heads + h) * HEAD_DIM;
-            lo = cupykv::to_float(q[base + d]);
-            hi = cupykv::to_float(q[base + d + half_dim]);
+            lo = cupykv::to_float<TI>(q[base + d]);
+            hi = cupykv::to_float<TI>(q[base + d + half_dim]);
             if (use_rope) cupykv::rope_rotate_pair(&lo, &hi, length + i, d, HEAD_DIM, rope_theta);
         }
         for (int p = 0; p < kQPieces; ++p) {
-            const T lo_piece = cupykv::from_float<T>(lo), hi_piece = cupykv::from_float<T>(hi);
+            const M lo_piece = cupykv::from_float<M>(lo), hi_piece = cupykv::from_float<M>(hi);
             q_tile[(p * kTileRows + r) * kRow + d] = lo_piece;
             q_tile[(p * kTileRows + r) * kRow + d + half_dim] = hi_piece;
             lo -= cupykv::to_float(lo_piece);   // exact: the remainder of a rounding fits in fp32
@@ -154,20 +224,28 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
     const int last_open = min(keys.end - 1, length + first_row / group);
 
     const long long head_base = layer_offset + b * stride_batch + kv_head * stride_head;
-    T* my_stages = stages + warp * kStages * 2 * kTile;
+    T* my_stages = stages + warp * kStageCount * 2 * kTile;
     const int steps = (keys.end - keys.begin + kStepKeys - 1) / kStepKeys;
 
     // Copies the K and V rows of step `step` into stage `stage`; keys past the split are zero-filled.
+    // Copy c of the step is (key c / kPiecesPerRow, piece c % kPiecesPerRow); lane l issues copies
+    // l, l + 32, ...: a fixed column, and keys kKeysPerPass apart.
+    constexpr int kKeysPerPass = 32 / kPiecesPerRow;
+    static_assert(32 % kPiecesPerRow == 0 && kStepKeys % kKeysPerPass == 0, "attention_mma: whole rows per warp pass");
+    const int lane_key = lane / kPiecesPerRow, lane_column = (lane % kPiecesPerRow) * kCodesPerCopy;
+    const T* k_lane = k_cache + head_base + lane_column;
+    const T* v_lane = v_cache + head_base + lane_column;
     auto load_step = [&](int step, int stage) {
         const int first_key = keys.begin + step * kStepKeys;
-        T* k_stage = my_stages + stage * 2 * kTile;
+        T* k_stage = my_stages + stage * 2 * kTile + lane_key * kStageRow + lane_column;
         T* v_stage = k_stage + kTile;
-        for (int piece = lane; piece < kStepKeys * kPiecesPerRow; piece += 32) {
-            const int key = piece / kPiecesPerRow, column = (piece - key * kPiecesPerRow) * 8;
-            const bool live = first_key + key < keys.end;
-            const long long offset = head_base + (long long)(live ? first_key + key : keys.begin) * stride_seq + column;
-            cupykv::cp_async_16(k_stage + key * kRow + column, k_cache + offset, live ? 16 : 0);
-            cupykv::cp_async_16(v_stage + key * kRow + column, v_cache + offset, live ? 16 : 0);
+#pragma unroll
+        for (int pass = 0; pass < kStepKeys / kKeysPerPass; ++pass) {
+            const int key = first_key + lane_key + pass * kKeysPerPass;
+            const bool live = key < keys.end;
+            const long long offset = (long long)(live ? key : keys.begin) * stride_seq;
+            cupykv::cp_async_16(k_stage + pass * kKeysPerPass * kStageRow, k_lane + offset, live ? 16 : 0);
+            cupykv::cp_async_16(v_stage + pass * kKeysPerPass * kStageRow, v_lane + offset, live ? 16 : 0);
         }
     };
 
@@ -177,30 +255,44 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
     float row_max[2] = {cupykv::neg_infinity(), cupykv::neg_infinity()};
     float row_sum[2] = {0.0f, 0.0f};   // this lane's share; the quad's four shares are added at the end
 
-    if (warp < steps) load_step(warp, 0);
-    cupykv::cp_async_commit();
+    for (int ahead = 0; ahead + 1 < kStageCount; ++ahead) {   // steps warp, warp + kWarps, ... in flight
+        if (warp + ahead * kWarps < steps) load_step(warp + ahead * kWarps, ahead);
+        cupykv::cp_async_commit();
+    }
     __syncthreads();   // the q pieces, written by every thread
 
     for (int step = warp, n = 0; step < steps; step += kWarps, ++n) {
-        if (step + kWarps < steps) load_step(step + kWarps, (n + 1) % kStages);
+        const int next = step + (kStageCount - 1) * kWarps;
+        if (next < steps) load_step(next, (n + kStageCount - 1) % kStageCount);
         cupykv::cp_async_commit();
-        cupykv::cp_async_wait<1>();   // this lane's copies of step `step` have landed
-        __syncwarp();                 // ... and every lane's
-        const T* k_stage = my_stages + (n % kStages) * 2 * kTile;
+        cupykv::cp_async_wait<kStageCount - 1>();   // this lane's copies of step `step` have landed
+        __syncwarp();                               // ... and every lane's
+        const T* k_stage = my_stages + (n % kStageCount) * 2 * kTile;
         const T* v_stage = k_stage + kTile;
         const int first_key = keys.begin + step * kStepKeys;
 
         // 2. S = Q K^T for 16 rows x 16 keys: s[n8 block][c], rows quad_row (c < 2) and quad_row + 8.
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
         for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
             unsigned k_frag[4];   // keys 0-7 (k_frag[0..1]) and 8-15 (k_frag[2..3]), dims k0..k0+15
-            cupykv::ldmatrix_x4(k_frag, k_stage + ((lane / 16) * 8 + lane % 8) * kRow + k0 + ((lane / 8) % 2) * 8);
+            if constexpr (kFp8) {
+                // the registers of the ldmatrix below: keys quad_row and 8 + quad_row, dims 2t.. and 8 + 2t..
+                const unsigned char* codes = reinterpret_cast<const unsigned char*>(k_stage)
+                                             + quad_row * kStageRow + k0 + 2 * quad_col;
+                k_frag[0] = cupykv::widen_fp8_pair<M>(cupykv::fp8_codes(codes));
+                k_frag[1] = cupykv::widen_fp8_pair<M>(cupykv::fp8_codes(codes + 8));
+                k_frag[2] = cupykv::widen_fp8_pair<M>(cupykv::fp8_codes(codes + 8 * kStageRow));
+                k_frag[3] = cupykv::widen_fp8_pair<M>(cupykv::fp8_codes(codes + 8 * kStageRow + 8));
+            } else {
+                cupykv::ldmatrix_x4(k_frag, k_stage + ((lane / 16) * 8 + lane % 8) * kRow + k0 + ((lane / 8) % 2) * 8);
+            }
             const unsigned keys_lo[2] = {k_frag[0], k_frag[1]}, keys_hi[2] = {k_frag[2], k_frag[3]};
             for (int p = 0; p < pieces; ++p) {
                 unsigned q_frag[4];
                 cupykv::ldmatrix_x4(q_frag, q_tile + (p * kTileRows + lane % 16) * kRow + k0 + (lane / 16) * 8);
-                cupykv::mma_m16n8k16<T>(s[0], q_frag, keys_lo, s[0]);
-                cupykv::mma_m16n8k16<T>(s[1], q_frag, keys_hi, s[1]);
+                cupykv::mma_m16n8k16<M>(s[0], q_frag, keys_lo, s[0]);
+                cupykv::mma_m16n8k16<M>(s[1], q_frag, keys_hi, s[1]);
             }
         }
 
@@ -208,7 +300,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
         const bool open = first_key >= first_open && first_key + kStepKeys - 1 <= last_open;
         for (int nb = 0; nb < 2; ++nb)
             for (int c = 0; c < 4; ++c) {
-                float value = s[nb][c] * scale;
+                float value = s[nb][c] * logit_scale;
                 if (softcap > 0.0f) value = softcap * tanhf(value / softcap);
                 if (!open) {
                     const int key = first_key + nb * 8 + 2 * quad_col + (c & 1), pos = position[c / 2];
@@ -236,22 +328,33 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
             }
             // a0a1: (row, keys 2t..2t+1); a2a3: (row + 8, ...); a4a5: (row, keys 8 + 2t..); a6a7: (row + 8, ...)
             for (int nb = 0; nb < 2; ++nb) {
-                const T hi0 = cupykv::from_float<T>(p[nb][0]), hi1 = cupykv::from_float<T>(p[nb][1]);
+                const M hi0 = cupykv::from_float<M>(p[nb][0]), hi1 = cupykv::from_float<M>(p[nb][1]);
                 p_hi[2 * nb + half] = cupykv::pack_pair(hi0, hi1);
-                p_lo[2 * nb + half] = cupykv::pack_pair(cupykv::from_float<T>(p[nb][0] - cupykv::to_float(hi0)),
-                                                        cupykv::from_float<T>(p[nb][1] - cupykv::to_float(hi1)));
+                p_lo[2 * nb + half] = cupykv::pack_pair(cupykv::from_float<M>(p[nb][0] - cupykv::to_float(hi0)),
+                                                        cupykv::from_float<M>(p[nb][1] - cupykv::to_float(hi1)));
             }
         }
 
         // 4. O += P V, 16 dims (two n8 blocks) per ldmatrix; V rows of keys past the split are zeros.
+#pragma unroll
         for (int d0 = 0; d0 < HEAD_DIM; d0 += 16) {
             unsigned v_frag[4];   // dims d0..d0+7 (v_frag[0..1]) and d0+8..d0+15 (v_frag[2..3])
-            cupykv::ldmatrix_x4_trans(v_frag, v_stage + (lane % 16) * kRow + d0 + (lane / 16) * 8);
+            if constexpr (kFp8) {
+                // the registers of the ldmatrix below: keys 2t, 2t + 1 (and 8 + ...) of dims d0 + g, d0 + 8 + g
+                const unsigned char* codes = reinterpret_cast<const unsigned char*>(v_stage)
+                                             + 2 * quad_col * kStageRow + d0 + quad_row;
+                for (int m = 0; m < 4; ++m) {
+                    const unsigned char* at = codes + (m % 2) * 8 * kStageRow + (m / 2) * 8;
+                    v_frag[m] = cupykv::widen_fp8_pair<M>((unsigned short)(at[0] | (at[kStageRow] << 8)));
+                }
+            } else {
+                cupykv::ldmatrix_x4_trans(v_frag, v_stage + (lane % 16) * kRow + d0 + (lane / 16) * 8);
+            }
             const unsigned dims_lo[2] = {v_frag[0], v_frag[1]}, dims_hi[2] = {v_frag[2], v_frag[3]};
-            cupykv::mma_m16n8k16<T>(acc[d0 / 8], p_hi, dims_lo, acc[d0 / 8]);
-            cupykv::mma_m16n8k16<T>(acc[d0 / 8], p_lo, dims_lo, acc[d0 / 8]);
-            cupykv::mma_m16n8k16<T>(acc[d0 / 8 + 1], p_hi, dims_hi, acc[d0 / 8 + 1]);
-            cupykv::mma_m16n8k16<T>(acc[d0 / 8 + 1], p_lo, dims_hi, acc[d0 / 8 + 1]);
+            cupykv::mma_m16n8k16<M>(acc[d0 / 8], p_hi, dims_lo, acc[d0 / 8]);
+            cupykv::mma_m16n8k16<M>(acc[d0 / 8], p_lo, dims_lo, acc[d0 / 8]);
+            cupykv::mma_m16n8k16<M>(acc[d0 / 8 + 1], p_hi, dims_hi, acc[d0 / 8 + 1]);
+            cupykv::mma_m16n8k16<M>(acc[d0 / 8 + 1], p_lo, dims_hi, acc[d0 / 8 + 1]);
         }
         __syncwarp();   // every lane is done with this stage before a later step refills it
     }
@@ -296,9 +399,10 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, 3) cupyk
                 value += warp_acc[(w * kTileRows + r) * HEAD_DIM + d] * weight;
             }
         }
+        if constexpr (kFp8) value *= v_scale;   // the codes' sum times the head's scale
         const long long out_row = tile.out_row(r);
         if (num_splits == 1) {
-            out[out_row * HEAD_DIM + d] = cupykv::from_float<T>(sum > 0.0f ? value / sum : 0.0f);
+            out[out_row * HEAD_DIM + d] = cupykv::from_float<TI>(sum > 0.0f ? value / sum : 0.0f);
         } else {
             partial_out[(split * rows_total + out_row) * HEAD_DIM + d] = value;
             if (d == 0) {
