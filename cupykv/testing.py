@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from cupykv import reference
 from cupykv._typing import ArrayLike, DeviceArray, HostArray
 from cupykv.rope import Rope
-from cupykv.spec import FP8_DTYPE, IO_DTYPES, LAYOUTS, CacheSpec
+from cupykv.spec import DTYPES, FP8_DTYPE, IO_DTYPES, LAYOUTS, CacheSpec
 from cupykv.tolerances import assert_attention_close as assert_attention_close   # re-exported
 from cupykv.tolerances import ulp_distance as ulp_distance                       # re-exported
 
@@ -116,10 +116,19 @@ def apply_operation(cache: KVCache, oracle: reference.KVCache, operation: Operat
     getattr(oracle, name)(argument)
 
 
-def to_numpy(array: ArrayLike, spec: CacheSpec) -> HostArray:
-    """Host copy of a backend array that holds cache-dtype values, viewed as ``spec.np_dtype``."""
+def to_numpy(array: ArrayLike, spec: CacheSpec, *, io: bool = False) -> HostArray:
+    """Host copy of a backend array that holds cache-dtype values, viewed as ``spec.np_dtype``
+    (``io=True``: io-dtype values, such as attention's output, viewed as ``spec.io_np_dtype``)."""
     host: HostArray = array.get() if hasattr(array, "get") and not isinstance(array, np.ndarray) else np.asarray(array)
-    return np.array(host, copy=True).view(spec.np_dtype) if host.dtype.itemsize == spec.itemsize else host
+    dtype = spec.io_np_dtype if io else spec.np_dtype
+    return np.array(host, copy=True).view(dtype) if host.dtype.itemsize == dtype.itemsize else host
+
+
+def value_scale(oracle: reference.KVCache, layer: int) -> float:
+    """``max |v|`` over every stored V row of ``layer`` (the values an fp8 cache's codes stand for):
+    the ``value_scale`` of :func:`assert_attention_close`."""
+    values = [np.abs(oracle._values(oracle.v, layer, b)) for b in range(oracle.spec.batch)]
+    return float(max(np.nanmax(v, initial=0.0) for v in values))
 
 
 def bits(array: npt.ArrayLike) -> npt.NDArray[np.unsignedinteger[Any]]:
@@ -216,7 +225,7 @@ class CacheMachine(RuleBasedStateMachine):
     """
 
     backend: str | None = "emulator"
-    spec_strategy: st.SearchStrategy[CacheSpec] = specs(max_seqs=(4, 9, 16), head_dims=(2, 8, 16, 64))
+    spec_strategy: st.SearchStrategy[CacheSpec] = specs(max_seqs=(4, 9, 16), head_dims=(2, 8, 16, 64), dtypes=DTYPES)
     # made by the initialize rule ``create``
     spec: CacheSpec
     rng: np.random.Generator
@@ -234,7 +243,15 @@ class CacheMachine(RuleBasedStateMachine):
 
         self.spec = spec = data.draw(self.spec_strategy, label="spec")
         self.rng = np.random.default_rng(seed)
-        self.cache, self.oracle = KVCache(spec, backend=self.backend), reference.KVCache(spec)
+        scales = {}
+        if spec.quantized:   # per-head scales around the rows' magnitude (standard normal): some saturate
+            choices = st.sampled_from([1.0, 0.25, 1 / 64, 2.0 ** -10])
+            shape = (spec.n_layers, spec.n_kv_heads)
+            scales = {name: np.array(data.draw(st.lists(choices, min_size=shape[0] * shape[1],
+                                                        max_size=shape[0] * shape[1]), label=name)).reshape(shape)
+                      for name in ("k_scale", "v_scale")}
+        self.cache = KVCache(spec, backend=self.backend, **scales)
+        self.oracle = reference.KVCache(spec, **scales)
 
     # -- helpers ---------------------------------------------------------------
     def _rows(self, n_new: int, heads: int | None = None) -> HostArray:
@@ -303,8 +320,8 @@ class CacheMachine(RuleBasedStateMachine):
         q = self._rows(q_len, heads=group * self.spec.n_kv_heads)
         got = attention(self._device(q), self.cache, layer, window=window, softcap=softcap, rope=rope)
         want = reference.attention(q, self.oracle, layer, window=window, softcap=softcap, rope=rope)
-        scale = float(np.abs(self.oracle.v[layer].astype(np.float64)).max())
-        assert_attention_close(to_numpy(got, self.spec), want, self.spec.dtype, scale)
+        assert_attention_close(to_numpy(got, self.spec, io=True), want, self.spec.io_dtype,
+                               value_scale(self.oracle, layer))
 
     @rule(replays=st.integers(0, 3))
     def capture_and_replay(self, replays: int) -> None:
@@ -316,7 +333,7 @@ class CacheMachine(RuleBasedStateMachine):
         vs = [self._rows(1) for _ in range(spec.n_layers)]
         q = self._rows(1, heads=spec.n_kv_heads)
         k_dev, v_dev, q_dev = [self._device(x) for x in ks], [self._device(x) for x in vs], self._device(q)
-        out = backend.zeros(q.shape, backend.storage_dtype(spec.dtype))
+        out = backend.zeros(q.shape, backend.storage_dtype(spec.io_dtype))
 
         def step() -> None:
             for layer in range(spec.n_layers):
@@ -331,8 +348,8 @@ class CacheMachine(RuleBasedStateMachine):
                 self.oracle.append(layer, ks[layer], vs[layer])
                 want = reference.attention(q, self.oracle, layer)
             self.oracle.advance(1)
-        scale = float(np.abs(self.oracle.v[spec.n_layers - 1].astype(np.float64)).max())
-        assert_attention_close(to_numpy(out, spec), want, spec.dtype, scale)
+        assert_attention_close(to_numpy(out, spec, io=True), want, spec.io_dtype,
+                               value_scale(self.oracle, spec.n_layers - 1))
 
     @invariant()
     def matches_reference(self) -> None:

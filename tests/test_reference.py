@@ -23,7 +23,7 @@ from cupykv import MASK_VALUE, CacheOverflowError, CacheSpec, Rope
 from cupykv.reference import KVCache, attention
 from cupykv.testing import bits
 from cupykv.rope import rope_angles
-from cupykv.spec import DTYPES, LAYOUTS
+from cupykv.spec import IO_DTYPES as DTYPES, LAYOUTS   # fp8 caches: test_fp8_cache.py
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 INPUT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), BF16)
