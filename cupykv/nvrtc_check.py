@@ -15,6 +15,8 @@ lands.
 """
 from __future__ import annotations
 
+import concurrent.futures
+
 import ctypes
 import glob
 import os
@@ -271,15 +273,22 @@ def check_all(archs=ARCHS, nvrtc: Nvrtc | None = None, kernels=None, kernel_dir:
     every file of :data:`cupykv.kernels.KERNELS`, read from ``kernel_dir``.
     """
     nvrtc = nvrtc or load_nvrtc()
+    jobs = [(kernel, kernel.source(kernel_dir), arch) for kernel in (KERNELS.values() if kernels is None else kernels)
+            for arch in archs]
+
+    def compile_one(job):
+        kernel, source, arch = job
+        return arch, compile_program(nvrtc, kernel.filename, source, kernel.instances, arch, (kernel_dir,))
+
+    # NVRTC releases the GIL while it compiles: one program per core (reports keep the jobs' order)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        programs = list(pool.map(compile_one, jobs))
     reports = []
-    for kernel in (KERNELS.values() if kernels is None else kernels):
-        source = kernel.source(kernel_dir)
-        for arch in archs:
-            program = compile_program(nvrtc, kernel.filename, source, kernel.instances, arch, (kernel_dir,))
-            bounds = parse_launch_bounds(program.ptx, program.lowered)
-            for r in parse_ptxas_log(program.log, program.lowered, arch):
-                max_threads, min_blocks = bounds.get(r.instance, (None, None))
-                reports.append(replace(r, max_threads=max_threads, min_blocks=min_blocks))
+    for arch, program in programs:
+        bounds = parse_launch_bounds(program.ptx, program.lowered)
+        for r in parse_ptxas_log(program.log, program.lowered, arch):
+            max_threads, min_blocks = bounds.get(r.instance, (None, None))
+            reports.append(replace(r, max_threads=max_threads, min_blocks=min_blocks))
     return reports
 
 
