@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     generate.add_argument("--backend", choices=("cupy", "emulator"), default=None,
                           help="default: cupy when a GPU is usable, else the emulator")
     generate.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="bfloat16")
+    generate.add_argument("--kv-dtype", choices=("float8_e4m3",), default=None,
+                          help="store the cache as fp8 (E4M3), scales calibrated on the prompt (default: --dtype)")
     args = parser.parse_args(argv)
     from cupykv.errors import UserError
 
@@ -88,7 +90,8 @@ def _run(args) -> int:
     if args.command == "generate":
         from cupykv.models.generate import run_generate
         return run_generate(args.prompt, gguf=args.gguf, model=args.model, max_new_tokens=args.max_new_tokens,
-                            chat=args.chat, use_graph=not args.no_graph, backend=args.backend, dtype=args.dtype)
+                            chat=args.chat, use_graph=not args.no_graph, backend=args.backend, dtype=args.dtype,
+                            kv_dtype=args.kv_dtype)
     if args.command == "validate":
         from cupykv.validate import main as validate_main
         return validate_main(out=args.out, backend=args.backend)

@@ -126,7 +126,7 @@ def to_numpy(array: ArrayLike, spec: CacheSpec, *, io: bool = False) -> HostArra
 
 def value_scale(oracle: reference.KVCache, layer: int) -> float:
     """``max |v|`` over every stored V row of ``layer`` (the values an fp8 cache's codes stand for):
-    the ``value_scale`` of :func:`assert_attention_close`."""
+    the ``value_scale`` of :func:`cupykv.tolerances.assert_attention_close`."""
     values = [np.abs(oracle._values(oracle.v, layer, b)) for b in range(oracle.spec.batch)]
     return float(max(np.nanmax(v, initial=0.0) for v in values))
 

@@ -92,6 +92,7 @@ GRAPH_API = (
     "cupykv.models.Llama", "cupykv.models.Llama.random", "cupykv.models.Llama.from_safetensors",
     "cupykv.models.Llama.from_gguf", "cupykv.models.Llama.first_layers", "cupykv.models.Llama.decode_step",
     "cupykv.models.Llama.feed", "cupykv.models.Llama.next_tokens", "cupykv.models.Llama.generate",
+    "cupykv.models.Llama.calibrate_kv_scales",
     "cupykv.backends.base.Backend.launch", "cupykv.backends.base.Backend.zeros", "cupykv.backends.base.Backend.asarray",
     "cupykv.backends.base.Backend.to_host", "cupykv.backends.base.Backend.upload", "cupykv.backends.base.Backend.copy",
     "cupykv.backends.base.Backend.synchronize",

@@ -56,6 +56,7 @@ class Env:
         self.logits, self.ids_out = rand(2, 16), zeros(2, dtype=np.int32)
         self.weights = CONFIG.random_weights(0)
         self.model = Llama(CONFIG, self.weights, backend=backend, **MODEL)
+        self.fp8_model = Llama(CONFIG, self.weights, backend=backend, kv_dtype="float8_e4m3", **MODEL)
 
     def launch_advance(self):
         """``Backend.launch`` of advance.cu by hand: what ``cache.advance(self.steps)`` launches."""
@@ -122,6 +123,7 @@ CALLS = {
     "cupykv.models.Llama.feed": (None, lambda e: e.model.feed([1, 2])),
     "cupykv.models.Llama.next_tokens": (None, lambda e: e.model.next_tokens()),
     "cupykv.models.Llama.generate": (None, lambda e: e.model.generate([[1, 2], [3]], 2, use_graph=False)),
+    "cupykv.models.Llama.calibrate_kv_scales": (None, lambda e: e.fp8_model.calibrate_kv_scales([[1, 2]])),
     "cupykv.backends.base.Backend.launch": (lambda e: e.launch_advance(), None),
     "cupykv.backends.base.Backend.zeros": (None, lambda e: e.backend.zeros((2,), np.int32)),
     "cupykv.backends.base.Backend.asarray": (None, lambda e: e.backend.asarray(np.zeros(2, np.int32))),

@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cupykv import _args
-from cupykv.spec import MAX_HEAD_DIM
+from cupykv.spec import FP8_DTYPE, IO_DTYPES, MAX_HEAD_DIM, CacheSpec
 
 _SUPPORTED_ROPE = ("default",)
 _SUPPORTED_ACT = ("silu",)
@@ -113,6 +113,34 @@ class LlamaConfig:
             vocab_size=config["vocab_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=theta,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), **derived,
         )
+
+    # -- the cache --------------------------------------------------------------
+    def cache_spec(self, dtype: str, max_seq: int, batch: int, kv_dtype: str | None = None) -> CacheSpec:
+        """The KV cache of a model of this shape: ``num_hidden_layers`` layers of ``num_key_value_heads`` heads.
+
+        Parameters
+        ----------
+        dtype : {"float32", "float16", "bfloat16"}
+            The model's dtype: the cache's ``io_dtype`` (its K/V rows, q and attention's output).
+        max_seq, batch : int
+            As for :class:`cupykv.CacheSpec`.
+        kv_dtype : {None, dtype, "float8_e4m3"}, optional
+            What the cache stores: ``None`` (or ``dtype`` itself) for ``dtype``,
+            ``"float8_e4m3"`` for an fp8 cache with per-head scales.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``dtype`` or ``kv_dtype`` is not one of those, named (the other fields as for CacheSpec).
+        """
+        io_dtype = _args.check_choice("dtype", dtype, IO_DTYPES)
+        if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype not in (io_dtype, FP8_DTYPE)):
+            error, what = (ValueError, _args.shown) if isinstance(kv_dtype, str) else (TypeError, _args.got)
+            raise error(f"kv_dtype: expected None, {io_dtype!r} (the model's dtype) or {FP8_DTYPE!r}, "
+                        f"got {what(kv_dtype)}")
+        stored = io_dtype if kv_dtype is None else kv_dtype
+        return CacheSpec(n_layers=self.num_hidden_layers, n_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                         max_seq=max_seq, batch=batch, dtype=stored, io_dtype=io_dtype)
 
     # -- weights --------------------------------------------------------------
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -467,5 +467,5 @@ def decode(model, loop, padded, n_prompts: int, max_new_tokens: int, stops, *, u
 
 
 def _host_float(model, array) -> np.ndarray:
-    """A device array of the model's storage dtype as float32 on the host."""
-    return model.backend.to_host(array).view(model.cache.spec.np_dtype).astype(np.float32)
+    """A device array of the model's activation (io) dtype as float32 on the host."""
+    return model.backend.to_host(array).view(model.cache.spec.io_np_dtype).astype(np.float32)

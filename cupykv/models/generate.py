@@ -59,8 +59,13 @@ class _Stream:
 
 
 def run_generate(prompt: str, *, gguf=None, model=None, max_new_tokens: int = 32, chat: bool = False,
-                 use_graph: bool = True, backend=None, dtype: str = "bfloat16", out=sys.stdout, err=sys.stderr) -> int:
+                 use_graph: bool = True, backend=None, dtype: str = "bfloat16", kv_dtype: str | None = None,
+                 out=sys.stdout, err=sys.stderr) -> int:
     """Generate greedily from ``prompt``; returns the process exit code.
+
+    ``kv_dtype="float8_e4m3"`` runs the model on an fp8 cache whose scales are
+    calibrated on the prompt itself (:meth:`Llama.calibrate_kv_scales
+    <cupykv.models.Llama.calibrate_kv_scales>`, one extra prefill) before generating.
 
     Raises :class:`~cupykv.errors.InputError` (a ``ValueError``) for inputs that cannot be used: not
     exactly one of ``gguf`` and ``model``, a missing, unreadable or unsupported file (GGUFError is one),
@@ -87,7 +92,9 @@ def run_generate(prompt: str, *, gguf=None, model=None, max_new_tokens: int = 32
     if not ids:
         raise InputError("prompt: expected text that encodes to at least one token, got an empty prompt")
     max_seq = -(-(len(ids) + max_new_tokens) // 16) * 16
-    llama = Llama.from_gguf(checkpoint, dtype=dtype, max_seq=max_seq, batch=1, backend=backend)
+    llama = Llama.from_gguf(checkpoint, dtype=dtype, kv_dtype=kv_dtype, max_seq=max_seq, batch=1, backend=backend)
+    if llama.cache.spec.quantized:
+        llama.calibrate_kv_scales([ids])
     loaded = time.perf_counter()
     stream = _Stream(tokenizer, out)
     (tokens,) = llama.generate([ids], max_new_tokens, use_graph=use_graph, stop_ids=tokenizer.stop_ids,
@@ -98,6 +105,7 @@ def run_generate(prompt: str, *, gguf=None, model=None, max_new_tokens: int = 32
     where = llama.cache.backend
     label = " (emulator timings: CPU emulation, NOT GPU figures)" if llama.cache.device_info().emulated else ""
     err.write(f"{len(ids)} prompt tokens, {len(tokens)} new tokens in {done - loaded:.2f} s: "
-              f"{len(tokens) / (done - loaded):.2f} tokens/s on {where}, {dtype}, "
+              f"{len(tokens) / (done - loaded):.2f} tokens/s on {where}, {dtype}"
+              f"{f' ({llama.cache.spec.dtype} cache)' if llama.cache.spec.quantized else ''}, "
               f"{'graph' if use_graph else 'eager'}{label}; loading took {loaded - started:.1f} s\n")
     return 0

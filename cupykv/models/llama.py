@@ -31,11 +31,13 @@ from cupykv._typing import DeviceArray, IntLike
 from cupykv.attention import attention
 from cupykv.attention_plan import CHUNK, AttentionPlan
 from cupykv.backends.base import Backend
+from cupykv.backends.capture import refuse_in_capture
 from cupykv.cache import KVCache
+from cupykv.fp8 import calibrate_scales
 from cupykv.models.config import LlamaConfig
 from cupykv.models.weights import load_config, load_weights
 from cupykv.rope import Rope
-from cupykv.spec import DTYPES, MAX_SEQ, CacheSpec
+from cupykv.spec import FP8_DTYPE, IO_DTYPES, MAX_SEQ
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -56,6 +58,9 @@ class ModelOptions(TypedDict, total=False):
     """The keyword arguments of :class:`Llama` that its constructors pass on."""
 
     dtype: str
+    kv_dtype: str | None
+    k_scale: float | npt.ArrayLike
+    v_scale: float | npt.ArrayLike
     max_seq: IntLike
     batch: IntLike
     backend: str | Backend | None
@@ -105,7 +110,20 @@ class Llama:
         ``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``)
         to host arrays; converted to ``dtype`` and moved to the backend.
     dtype : {"float32", "float16", "bfloat16"}, default "float32"
-        Storage type of weights, activations and the cache.
+        Storage type of weights and activations, and of the cache unless ``kv_dtype`` says otherwise.
+    kv_dtype : {None, dtype, "float8_e4m3"}, optional
+        What the cache stores: ``dtype`` by default; ``"float8_e4m3"`` makes an
+        fp8 cache (half the bytes of bfloat16) whose ``io_dtype`` is ``dtype``:
+        each layer's K (rotated) and V are quantized as they are appended, with
+        one scale per layer and kv head, and attention reads them back
+        dequantized (see :class:`cupykv.KVCache`).
+    k_scale, v_scale : float or array broadcastable to ``[num_hidden_layers, num_key_value_heads]``, default 1.0
+        The fp8 cache's scales: a value ``x`` is stored as
+        ``E4M3(clamp(x / scale, -448, 448))``. 1.0 keeps values as they are,
+        which suits magnitudes of about 0.02..448; :meth:`calibrate_kv_scales`
+        measures them on sample prompts instead, and ``cache.set_scales``
+        changes them later (a captured step reads the new ones at its next
+        replay). Must be 1.0 for a cache that is not fp8.
     max_seq : int, default 256
         Cache capacity per sequence (prompt plus new tokens), in 1..2**30.
     batch : int, default 1
@@ -127,14 +145,17 @@ class Llama:
     """
 
     def __init__(self, config: LlamaConfig, weights: Mapping[str, npt.ArrayLike], *, dtype: str = "float32",
-                 max_seq: IntLike = 256, batch: IntLike = 1, backend: str | Backend | None = None) -> None:
+                 kv_dtype: str | None = None, k_scale: float | npt.ArrayLike = 1.0,
+                 v_scale: float | npt.ArrayLike = 1.0, max_seq: IntLike = 256, batch: IntLike = 1,
+                 backend: str | Backend | None = None) -> None:
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
-        dtype = _args.check_choice("dtype", dtype, DTYPES)
+        dtype = _args.check_choice("dtype", dtype, IO_DTYPES)
         max_seq = _args.check_int("max_seq", max_seq, 1, MAX_SEQ)
         batch = _args.check_int32("batch", batch, lo=1)
-        cache = KVCache(_cache_spec(config, dtype, max_seq, batch), backend=backend)
-        host_dtype = cache.spec.np_dtype
+        cache = KVCache(config.cache_spec(dtype, max_seq, batch, kv_dtype), backend=backend,
+                        k_scale=k_scale, v_scale=v_scale)
+        host_dtype = cache.spec.io_np_dtype
         weights = {name: cache._backend.asarray(np.asarray(array, dtype=np.float32).astype(host_dtype))
                    for name, array in config.check_weights(weights).items()}
         if config.tie_word_embeddings:
@@ -147,7 +168,7 @@ class Llama:
         backend = self.backend = cache._backend
         batch = cache.spec.batch
         self.rope = Rope(theta=config.rope_theta)
-        storage = self._storage = backend.storage_dtype(cache.spec.dtype)
+        storage = self._storage = backend.storage_dtype(str(cache.spec.io_dtype))   # activations: the io dtype
         self._decode = _Activations(backend, config, storage, batch, 1)
         self._logits = backend.zeros((batch, config.vocab_size), storage)
         self._embedding_error = backend.zeros((1,), np.int32)
@@ -191,7 +212,8 @@ class Llama:
         path_or_checkpoint : str, os.PathLike or GGUFCheckpoint
             The file, or what :func:`cupykv.models.gguf.read_gguf` returned for it.
         **kwargs
-            ``dtype``, ``max_seq``, ``batch``, ``backend``, as for :class:`Llama`.
+            ``dtype``, ``kv_dtype``, ``k_scale``, ``v_scale``, ``max_seq``, ``batch``, ``backend``, as for
+            :class:`Llama`.
 
         Raises
         ------
@@ -210,7 +232,8 @@ class Llama:
         The draft runs the embedding, layers ``0..n_layers-1``, the final norm
         and the LM head of this model, reading its device weights (nothing is
         copied), with a cache of its own: pass it as ``generate(...,
-        draft=model.first_layers(n))``.
+        draft=model.first_layers(n))``. Its cache has this cache's dtypes and,
+        for fp8, a copy of the scales of those layers as they are now.
 
         Graph-safe: no — refused inside a captured step (CaptureError): the draft's cache and buffers
         are allocated.
@@ -231,10 +254,80 @@ class Llama:
         spec = self.cache.spec
         capacity = spec.max_seq if max_seq is None else _args.check_int("max_seq", max_seq, 1, MAX_SEQ)
         config = dataclasses.replace(self.config, num_hidden_layers=layers)
-        cache = KVCache(_cache_spec(config, spec.dtype, capacity, spec.batch), backend=self.backend)
+        k_scales, v_scales = self.cache.scales_host()
+        cache = KVCache(config.cache_spec(str(spec.io_dtype), capacity, spec.batch, spec.dtype), backend=self.backend,
+                        k_scale=k_scales[:layers], v_scale=v_scales[:layers])
         draft = Llama.__new__(Llama)
         draft._setup(config, cache, {name: self.weights[name] for name in (*config.weight_shapes(), "lm_head.weight")})
         return draft
+
+    def calibrate_kv_scales(self, prompts: Sequence[Prompt]) -> tuple[npt.NDArray[np.float32],
+                                                                       npt.NDArray[np.float32]]:
+        """Set an fp8 cache's scales from the K and V that sample prompts produce (per layer and kv head).
+
+        Runs the prompts (``batch`` at a time) through this model once with a
+        temporary cache that stores the model's dtype (nothing quantized; the
+        same weights and kernels), takes each layer's keys as the cache stores
+        them (rotated) and its values over every prompt token, and sets
+        ``cache.set_scales(k_scale, v_scale)`` with
+        :func:`cupykv.fp8.calibrate_scales`: ``max |x| / 448`` per layer and kv
+        head, so the largest sampled value is stored as +-448. Later values
+        beyond it saturate there: calibrate on text like the text you decode,
+        or scale the returned arrays up and set them yourself. The model's own
+        cache and buffers are left alone; a graph captured before reads the
+        new scales at its next replay.
+
+        Graph-safe: no — refused inside a captured step (CaptureError): it allocates a cache and buffers,
+        runs prefills and reads the keys and values on the host.
+
+        Parameters
+        ----------
+        prompts : list of list of int
+            Sample prompts of token ids (any number, any lengths >= 1).
+
+        Returns
+        -------
+        k_scale, v_scale : np.ndarray float32 ``[num_hidden_layers, num_key_value_heads]``
+            The scales now set (pass them to :class:`~cupykv.models.llama_reference.LlamaReference`
+            to compare).
+
+        Raises
+        ------
+        ValueError
+            The cache is not fp8 (``kv_dtype`` is not ``"float8_e4m3"``), or a prompt is empty or has
+            an id outside ``0..vocab_size-1``.
+        CaptureError
+            Inside a captured step.
+        """
+        refuse_in_capture("Llama.calibrate_kv_scales (it allocates and runs a prefill)",
+                          "calibrate before capturing; a captured step reads the new scales at its next replay")
+        spec = self.cache.spec
+        if not spec.quantized:
+            raise ValueError(f"calibrate_kv_scales: expected a model with kv_dtype={FP8_DTYPE!r}, got a "
+                             f"{spec.dtype} cache (its scales are 1)")
+        if not isinstance(prompts, (list, tuple)) or not prompts or not all(
+                self._is_token_list(p) and len(p) > 0 for p in prompts):
+            raise ValueError(f"prompts: expected a non-empty list of non-empty token lists in "
+                             f"0..{self.config.vocab_size - 1}, got {prompts!r:.80}")
+        longest = _args.check_int("the longest prompt's length", max(len(p) for p in prompts), 1, MAX_SEQ)
+        io_dtype = str(spec.io_dtype)
+        probe = Llama.__new__(Llama)   # this model's weights, a cache of the io dtype
+        probe._setup(self.config, KVCache(self.config.cache_spec(io_dtype, longest, spec.batch),
+                                          backend=self.backend), self.weights)
+        k_max = np.zeros((spec.n_layers, spec.n_kv_heads), np.float32)
+        v_max = np.zeros_like(k_max)
+        for first in range(0, len(prompts), spec.batch):
+            chunk = [[int(t) for t in p] for p in prompts[first : first + spec.batch]]
+            probe._prefill(chunk + [[0]] * (spec.batch - len(chunk)))
+            for stored, running in ((probe.cache.k, k_max), (probe.cache.v, v_max)):
+                rows = self.backend.to_host(stored).view(spec.io_np_dtype)   # [n_layers, batch, longest, n_kv, hd]
+                for b, prompt in enumerate(chunk):
+                    np.maximum(running, np.abs(rows[:, b, : len(prompt)].astype(np.float32)).max(axis=(1, 3)),
+                               out=running)
+        # calibrate_scales takes samples [n_layers, ..., n_kv_heads, head_dim]: the maxima are enough
+        k_scale, v_scale = (calibrate_scales(m[:, None, :, None]) for m in (k_max, v_max))
+        self.cache.set_scales(k_scale, v_scale)
+        return k_scale, v_scale
 
     # -- the forward pass ------------------------------------------------------
     def _w(self, layer: int, name: str) -> DeviceArray:
@@ -548,12 +641,7 @@ class Llama:
 
     def _host_logits(self) -> npt.NDArray[np.float32]:
         host = self.backend.to_host(self._logits)
-        return host.view(self.cache.spec.np_dtype).astype(np.float32)
+        return host.view(self.cache.spec.io_np_dtype).astype(np.float32)
 
 
 _LOOPS_KEPT = 4
-
-
-def _cache_spec(config: LlamaConfig, dtype: str, max_seq: int, batch: int) -> CacheSpec:
-    return CacheSpec(n_layers=config.num_hidden_layers, n_kv_heads=config.num_key_value_heads,
-                     head_dim=config.head_dim, max_seq=max_seq, batch=batch, dtype=dtype)
