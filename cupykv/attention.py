@@ -43,7 +43,7 @@ def plan_for(cache: KVCache, q_len: int, n_heads: int, *, scale: float | None = 
 def attention(q: ArrayLike, cache: KVCache, layer: IntLike, *, scale: FloatLike | None = None,
               window: IntLike | None = None, softcap: FloatLike | None = None, rope: Rope | None = None,
               out: ArrayLike | None = None, num_splits: IntLike | None = None,
-              split_keys: IntLike | None = None) -> DeviceArray:
+              split_keys: IntLike | None = None, run_if: ArrayLike | None = None) -> DeviceArray:
     """Causal GQA attention of ``q`` over the live rows of one cache layer.
 
     Query ``i`` of sequence ``b`` sits at position ``lengths[b] + i`` (rows
@@ -85,11 +85,19 @@ def attention(q: ArrayLike, cache: KVCache, layer: IntLike, *, scale: FloatLike 
         ``[s * split_keys, (s + 1) * split_keys)`` (a multiple of 128), so a
         query row's result does not depend on ``q_len`` (see
         :class:`~cupykv.AttentionPlan`).
+    run_if : device int32 array ``[1]``, optional
+        The launch's gate, read on the device at run time (a captured step sees
+        its value at every replay): 0 makes the launch return at once, reading
+        nothing else and writing nothing (``out`` keeps its bytes, the plan's
+        split counters stay at 0); any other value, or ``None``, attends. The
+        caller's word (or ``Backend.always_run()``), C-contiguous; it may not
+        overlap ``out`` or a buffer of any cache or plan.
 
     Returns
     -------
     device array ``[batch, q_len, n_heads, head_dim]`` in the storage dtype.
-    A query with nothing to attend to gets zeros.
+    A query with nothing to attend to gets zeros. With ``run_if`` holding 0,
+    ``out`` as it was (zeros when the call allocated it).
 
     Raises
     ------
@@ -109,7 +117,7 @@ def attention(q: ArrayLike, cache: KVCache, layer: IntLike, *, scale: FloatLike 
         num_splits = _args.check_int("num_splits", num_splits, 1, max_splits(spec.max_seq))
     if split_keys is not None:
         split_keys = _args.check_int("split_keys", split_keys, 1)   # the plan checks the rest
-    operands = check_operands(cache, q_len, n_heads, q, layer, out)   # before a new plan allocates
+    operands = check_operands(cache, q_len, n_heads, q, layer, out, run_if)   # before a new plan allocates
     plan = plan_for(cache, q_len, n_heads, scale=scale, window=window, softcap=softcap, rope=rope,
                     num_splits=num_splits, split_keys=split_keys)
     return plan._launch(*operands)

@@ -120,9 +120,10 @@ def _check_n_heads(n_heads: object, spec: CacheSpec) -> int:
     return n_heads
 
 
-def check_operands(cache: KVCache, q_len: int, n_heads: int, q: ArrayLike, layer: IntLike,
-                   out: ArrayLike | None) -> tuple[KernelView, DeviceArray, DeviceArray | None]:
-    """The cache's kernel view of ``layer``, and ``q`` and ``out`` as kernel operands (see :meth:`AttentionPlan.run`)."""
+def check_operands(cache: KVCache, q_len: int, n_heads: int, q: ArrayLike, layer: IntLike, out: ArrayLike | None,
+                   run_if: ArrayLike | None = None) -> tuple[KernelView, DeviceArray, DeviceArray | None, DeviceArray]:
+    """The cache's kernel view of ``layer``, and ``q``, ``out`` and the ``run_if`` word as kernel operands (see
+    :meth:`AttentionPlan.run`; ``Backend.always_run()`` for ``run_if=None``)."""
     spec = cache.spec
     view = cache.kernel_view(layer)
     backend = view.backend
@@ -137,7 +138,8 @@ def check_operands(cache: KVCache, q_len: int, n_heads: int, q: ArrayLike, layer
         output = _args.device_operand("out", out, backend, spec.io_dtype, shape, written=True)
         _args.check_no_overlap("out", output, [("q", queries)])
         _args.check_apart_from_caches("out", output, cache)   # and every other cache and plan
-    return view, queries, output
+    word = _args.run_if_operand(run_if, backend, cache)   # apart from every cache and plan (their workspaces)
+    return view, queries, output, _args.run_if_word(word, backend, [("out", output)])
 
 
 @dataclass(frozen=True)
@@ -301,7 +303,8 @@ class AttentionPlan:
                 f"n_kv_heads={spec.n_kv_heads}, head_dim={spec.head_dim}, dtype={spec.dtype!r}, "
                 f"num_splits={self.num_splits}, split_keys={self.split_keys}, grid={self.grid}, workspace_bytes={self.workspace_bytes})")
 
-    def run(self, q: ArrayLike, layer: IntLike, out: ArrayLike | None = None) -> DeviceArray:
+    def run(self, q: ArrayLike, layer: IntLike, out: ArrayLike | None = None, *,
+            run_if: ArrayLike | None = None) -> DeviceArray:
         """Attend ``q`` over ``layer`` of the plan's cache.
 
         Graph-safe: yes, with ``out=`` — launches only, into the plan's workspace and ``out``; without
@@ -318,11 +321,21 @@ class AttentionPlan:
             storage dtype; the dtype forms of ``q`` are accepted. C-contiguous,
             writeable, and overlapping neither ``q`` nor any buffer of a cache
             or plan.
+        run_if : device int32 array ``[1]``, optional
+            The launch's gate, read on the device at run time (a captured step
+            sees its value at every replay): 0 makes the launch return at once,
+            reading nothing else and writing nothing (``out`` keeps its bytes,
+            and the split counters of the workspace stay at 0, so the next
+            launch merges its splits as usual); any other value, or ``None``,
+            attends. The caller's word (or ``Backend.always_run()``),
+            C-contiguous; it may not overlap ``out`` or a buffer of any cache
+            or plan.
 
         Returns
         -------
         device array ``[batch, q_len, n_heads, head_dim]`` in the storage dtype.
-        A query with nothing to attend to gets zeros.
+        A query with nothing to attend to gets zeros. With ``run_if`` holding
+        0, ``out`` as it was (zeros when the call allocated it).
 
         Raises
         ------
@@ -331,10 +344,10 @@ class AttentionPlan:
         CaptureError
             No ``out`` inside a captured step.
         """
-        return self._launch(*check_operands(self.cache, self.q_len, self.n_heads, q, layer, out))
+        return self._launch(*check_operands(self.cache, self.q_len, self.n_heads, q, layer, out, run_if))
 
-    def _launch(self, view: KernelView, q: DeviceArray, out: DeviceArray | None) -> DeviceArray:
-        """Launch on checked operands (``out=None``: a new output array)."""
+    def _launch(self, view: KernelView, q: DeviceArray, out: DeviceArray | None, run_if: DeviceArray) -> DeviceArray:
+        """Launch on checked operands (``out=None``: a new output array; ``run_if``: the gate word)."""
         spec = self.cache.spec
         backend = view.backend
         if out is None:
@@ -347,7 +360,7 @@ class AttentionPlan:
                 np.int32(self.q_len), np.int32(self.n_heads), np.int32(spec.n_kv_heads), np.int32(spec.head_dim),
                 np.int32(spec.max_seq), np.int32(self.num_splits), np.int32(self.split_keys or 0),
                 np.float32(self.scale), np.float32(self.softcap or 0.0), np.int32(self.window or 0),
-                np.int32(rope is not None), np.float64(rope.theta if rope else 0.0))
+                np.int32(rope is not None), np.float64(rope.theta if rope else 0.0), run_if)
         try:
             backend.launch(self.kernel.op, self.kernel.instance, self.grid, self.block, args, self.shared_mem_bytes)
         except BaseException:

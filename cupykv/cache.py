@@ -333,7 +333,8 @@ class KVCache:
 
     # -- writes --------------------------------------------------------------
     def append(self, layer: IntLike, k: ArrayLike, v: ArrayLike, rope: Rope | None = None, *,
-               return_positions: bool = False, positions_out: ArrayLike | None = None) -> DeviceArray | None:
+               return_positions: bool = False, positions_out: ArrayLike | None = None,
+               run_if: ArrayLike | None = None) -> DeviceArray | None:
         """Write new rows at each sequence's pending positions of one layer.
 
         Row ``i`` of sequence ``b`` goes to position ``lengths[b] + i``. The rows
@@ -364,12 +365,22 @@ class KVCache:
             ``return_positions``): the graph-safe form, since a captured step
             may not allocate. C-contiguous, writeable, apart from ``k``, ``v``
             and every cache's buffers.
+        run_if : device int32 array ``[1]``, optional
+            The launch's gate, read on the device at run time (a captured step
+            sees its value at every replay): 0 makes the launch return at once,
+            reading nothing else and writing nothing (K, V, the overflow flags
+            and ``positions_out`` keep their bytes); any other value, or
+            ``None``, appends. The caller's word (or ``Backend.always_run()``),
+            C-contiguous; it may not overlap ``positions_out`` or a buffer of
+            any cache or plan (this cache's ``lengths`` included).
 
         Returns
         -------
         None, or device int32 ``[batch, n_new]`` with ``return_positions`` or ``positions_out``
             ``lengths[b] + i`` where row ``i`` of sequence ``b`` was written,
-            ``-1`` where it overflowed; filled on the device, at run time.
+            ``-1`` where it overflowed; filled on the device, at run time. With
+            ``run_if`` holding 0, ``positions_out`` as it was (all ``-1`` when
+            the call allocated it: no row was written).
 
         Raises
         ------
@@ -383,8 +394,10 @@ class KVCache:
         layer, n_new, k, v, rope = self._rows_args(layer, k, v, rope)
         out = _args.positions_output(return_positions, positions_out, spec, n_new, self._backend,
                                      [("k", k), ("v", v)])
+        word = _args.run_if_operand(run_if, self._backend, self)
         grid = (spec.batch * n_new,)
         _args.check_launch("k", f"batch * n_new = {spec.batch} * {n_new} rows", grid, (_APPEND_THREADS,))
+        word = _args.run_if_word(word, self._backend, [("positions_out", out)])
         out = self._allocated_positions_out(out, return_positions, n_new)
         view = self.kernel_view(layer)
         self._launch(
@@ -392,11 +405,12 @@ class KVCache:
             (self.k, self.v, k, v, self.lengths, self.overflow, self._per_seq if out is None else out,
              np.int32(out is not None), *view.scale_args(), *view.layout_args(),
              np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
-             np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
+             np.int32(rope is not None), np.float64(rope.theta if rope else 0.0), word))
         return out
 
     def write(self, layer: IntLike, positions: Positions, k: ArrayLike, v: ArrayLike, rope: Rope | None = None, *,
-              return_positions: bool = False, positions_out: ArrayLike | None = None) -> DeviceArray | None:
+              return_positions: bool = False, positions_out: ArrayLike | None = None,
+              run_if: ArrayLike | None = None) -> DeviceArray | None:
         """Write new rows of one layer at positions given per row (GraphSafeKV's ``write``).
 
         Row ``i`` of sequence ``b`` goes to position ``positions[b, i]``;
@@ -431,10 +445,16 @@ class KVCache:
         return_positions, positions_out
             As for :meth:`append`; a position is ``-1`` where the row was not
             written (out of range, or replaced by a later row at that position).
+        run_if : device int32 array ``[1]``, optional
+            As for :meth:`append`: 0 makes the launch read nothing but this
+            word (not even ``positions``) and write nothing. It may not overlap
+            ``positions_out`` or a buffer of any cache or plan.
 
         Returns
         -------
         None, or device int32 of the shape of ``positions`` (with ``return_positions`` or ``positions_out``)
+            With ``run_if`` holding 0, ``positions_out`` as it was (all ``-1``
+            when the call allocated it).
 
         Raises
         ------
@@ -455,8 +475,10 @@ class KVCache:
         if device_positions is not None:
             inputs.append(("positions", device_positions))
         out = _args.positions_output(return_positions, positions_out, spec, n_new, self._backend, inputs)
+        word = _args.run_if_operand(run_if, self._backend, self)
         grid = (spec.batch * n_new,)
         _args.check_launch("k", f"batch * n_new = {spec.batch} * {n_new} rows", grid, (_APPEND_THREADS,))
+        word = _args.run_if_word(word, self._backend, [("positions_out", out)])
         if host_positions is not None:   # every check passed: upload (refused inside a captured step)
             device_positions = self._backend.asarray(host_positions.astype(np.int32))
         out = self._allocated_positions_out(out, return_positions, n_new, shape)
@@ -466,7 +488,7 @@ class KVCache:
             (self.k, self.v, k, v, device_positions, self.overflow, self._per_seq if out is None else out,
              np.int32(out is not None), *view.scale_args(), *view.layout_args(),
              np.int32(n_new), np.int32(spec.n_kv_heads), np.int32(spec.head_dim), np.int32(spec.max_seq),
-             np.int32(rope is not None), np.float64(rope.theta if rope else 0.0)))
+             np.int32(rope is not None), np.float64(rope.theta if rope else 0.0), word))
         return out
 
     def _rows_args(self, layer: object, k: object, v: object,
@@ -486,9 +508,10 @@ class KVCache:
 
     def _allocated_positions_out(self, out: DeviceArray | None, return_positions: bool, n_new: int,
                                  shape: Shape | None = None) -> DeviceArray | None:
-        """``out``, or a new device int32 array ``shape`` (default ``[batch, n_new]``) when positions are asked for."""
+        """``out``, or a new device int32 array ``shape`` (default ``[batch, n_new]``) of -1 (no row written, as a
+        gated-off launch leaves it) when positions are asked for."""
         if out is None and return_positions:
-            out = self._backend.zeros(shape or (self.spec.batch, n_new), np.int32)
+            out = self._backend.asarray(np.full(shape or (self.spec.batch, n_new), -1, np.int32))
         return out
 
     # -- lengths -------------------------------------------------------------

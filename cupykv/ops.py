@@ -23,6 +23,17 @@ launch past CUDA's limits. Every operand is C-contiguous (a strided or
 reversed view is refused; a contiguous view at an offset is used as it is).
 An output may not share memory with an input, except where an op says it may
 be that input exactly (in place), nor with the buffers of any KVCache.
+
+Every op takes ``run_if=``, a device int32 array ``[1]`` that its kernel reads
+first, at run time: where it holds 0 the launch returns at once, reading
+nothing else and writing nothing (``out``, ``error_flag`` keep their bytes; an
+output the call allocated holds zeros); any other value, or ``None``, runs the
+op as usual. Because the word is read on the device, a captured graph sees its
+value at every replay: a decode loop that captures several steps in one graph
+clears it once every sequence has stopped, and the remaining launches do no
+work. It is the caller's buffer (or ``Backend.always_run()``), C-contiguous,
+and may not overlap what the launch writes or any buffer of a KVCache or
+AttentionPlan; it may be an input.
 """
 from __future__ import annotations
 
@@ -64,7 +75,7 @@ def _row_threads(n: int, limit: int) -> int:
 
 # -- ops --------------------------------------------------------------------------
 def linear(x: ArrayLike, weight: ArrayLike, *, out: ArrayLike | None = None,
-           backend: str | Backend | None = None) -> DeviceArray:
+           backend: str | Backend | None = None, run_if: ArrayLike | None = None) -> DeviceArray:
     """``out = x @ weight.T``: the projection of a few rows (GEMV / skinny GEMM).
 
     Each weight element is read from global memory once per launch for up to
@@ -84,18 +95,26 @@ def linear(x: ArrayLike, weight: ArrayLike, *, out: ArrayLike | None = None,
         Written in place and returned; must not overlap ``x`` or ``weight``.
     backend : {"cupy", "emulator"}, optional
         Inferred from ``x`` by default.
+    run_if : device int32 array ``[1]``, optional
+        The launch's gate, read on the device at run time: 0 makes the launch
+        return at once, reading nothing else (not one weight byte) and writing
+        nothing, so ``out`` keeps its bytes; any other value, or ``None``, runs
+        the op. Must not overlap ``out`` or a buffer of a KVCache or
+        AttentionPlan (see the module docstring).
 
     Returns
     -------
-    device array ``[rows, out_features]`` in the dtype of ``x``.
+    device array ``[rows, out_features]`` in the dtype of ``x``; with ``run_if`` holding 0,
+    ``out`` as it was (zeros when the call allocated it).
 
     Raises
     ------
     TypeError
-        An argument of the wrong type, device or dtype.
+        An argument of the wrong type, device or dtype (``run_if`` included).
     ValueError
-        Mismatched ``in_features``, a wrong shape, a non-contiguous array, a
-        read-only ``out``, or ``out`` overlapping an input.
+        Mismatched ``in_features``, a wrong shape (``run_if`` not ``[1]``), a
+        non-contiguous array, a read-only ``out``, ``out`` overlapping an
+        input, or ``run_if`` overlapping ``out`` or a cache's or plan's buffers.
     CaptureError
         No ``out`` inside a captured step.
     """
@@ -104,18 +123,21 @@ def linear(x: ArrayLike, weight: ArrayLike, *, out: ArrayLike | None = None,
     rows, in_features = _args.check_shape("x", x, (None, None), ("rows", "in_features"))
     weight, _ = _args.float_operand("weight", weight, backend, dtype, "x")
     out_features, _ = _args.check_shape("weight", weight, (None, in_features), ("out_features", "in_features"))
+    word = _args.run_if_operand(run_if, backend)
     split_k = linear_split_k(out_features)
     grid, block = (math.ceil(out_features / (LINEAR_WARPS // split_k * LINEAR_OUTS_PER_WARP)),), (LINEAR_THREADS,)
     _args.check_launch("weight", f"out_features = {out_features}", grid, block)
     out = _args.float_output(out, backend, dtype, (rows, out_features), "x", inputs=[("x", x), ("weight", weight)])
+    word = _args.run_if_word(word, backend, [("out", out)])
     tile = next((t for t in LINEAR_ROW_TILES if t >= rows), LINEAR_ROW_TILES[-1])
     backend.launch("linear", f"cupykv_linear<{CUDA_TYPES[dtype]}, {tile}>", grid, block,
-                   (out, x, weight, np.int32(rows), np.int32(in_features), np.int32(out_features), np.int32(split_k)))
+                   (out, x, weight, np.int32(rows), np.int32(in_features), np.int32(out_features), np.int32(split_k),
+                    word))
     return out
 
 
 def embedding(ids: ArrayLike, table: ArrayLike, *, out: ArrayLike | None = None, error_flag: ArrayLike | None = None,
-              backend: str | Backend | None = None) -> DeviceArray:
+              backend: str | Backend | None = None, run_if: ArrayLike | None = None) -> DeviceArray:
     """``out[r] = table[ids[r]]``: token embeddings gathered at device-resident ids.
 
     Rows are copied bit for bit. An id outside ``0..vocab-1`` gives a row of
@@ -137,10 +159,15 @@ def embedding(ids: ArrayLike, table: ArrayLike, *, out: ArrayLike | None = None,
         ids only show as zero rows.
     backend : {"cupy", "emulator"}, optional
         Inferred from ``ids`` by default.
+    run_if : device int32 array ``[1]``, optional
+        The launch's gate, as for :func:`linear`: 0 leaves ``out`` and
+        ``error_flag`` untouched. Must not overlap either, nor a buffer of a
+        KVCache or AttentionPlan.
 
     Returns
     -------
-    device array ``[rows, hidden]`` in the dtype of ``table``.
+    device array ``[rows, hidden]`` in the dtype of ``table``; with ``run_if`` holding 0,
+    ``out`` as it was (zeros when the call allocated it).
 
     Raises
     ------
@@ -154,6 +181,7 @@ def embedding(ids: ArrayLike, table: ArrayLike, *, out: ArrayLike | None = None,
     (rows,) = _args.check_shape("ids", ids, (None,), ("rows",))
     table, dtype = _args.float_operand("table", table, backend)
     vocab, hidden = _args.check_shape("table", table, (None, None), ("vocab", "hidden"))
+    word = _args.run_if_operand(run_if, backend)
     grid, block = (rows,), (EMBEDDING_THREADS,)
     _args.check_launch("ids", f"rows = {rows}", grid, block)
     if error_flag is not None:
@@ -162,15 +190,16 @@ def embedding(ids: ArrayLike, table: ArrayLike, *, out: ArrayLike | None = None,
         _args.check_no_overlap("error_flag", error_flag, [("ids", ids), ("table", table)])
     out = _args.float_output(out, backend, dtype, (rows, hidden), "table",
                              inputs=[("ids", ids), ("table", table), ("error_flag", error_flag)])
+    word = _args.run_if_word(word, backend, [("out", out), ("error_flag", error_flag)])
     if error_flag is None:
         error_flag = backend.zeros((1,), np.int32)
     backend.launch("embedding", f"cupykv_embedding<{CUDA_TYPES[dtype]}>", grid, block,
-                   (out, table, ids, error_flag, np.int32(vocab), np.int32(hidden)))
+                   (out, table, ids, error_flag, np.int32(vocab), np.int32(hidden), word))
     return out
 
 
 def rmsnorm(x: ArrayLike, weight: ArrayLike, eps: FloatLike, *, out: ArrayLike | None = None,
-            backend: str | Backend | None = None) -> DeviceArray:
+            backend: str | Backend | None = None, run_if: ArrayLike | None = None) -> DeviceArray:
     """``out = x * rsqrt(mean(x**2, axis=-1) + eps) * weight``, per row, in fp32.
 
     Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
@@ -187,10 +216,14 @@ def rmsnorm(x: ArrayLike, weight: ArrayLike, eps: FloatLike, *, out: ArrayLike |
         not otherwise overlap ``x`` or ``weight``.
     backend : {"cupy", "emulator"}, optional
         Inferred from ``x`` by default.
+    run_if : device int32 array ``[1]``, optional
+        The launch's gate, as for :func:`linear`: 0 leaves ``out`` untouched.
+        Must not overlap ``out`` or a buffer of a KVCache or AttentionPlan.
 
     Returns
     -------
-    device array ``[rows, hidden]`` in the dtype of ``x``.
+    device array ``[rows, hidden]`` in the dtype of ``x``; with ``run_if`` holding 0, ``out``
+    as it was (zeros when the call allocated it).
 
     Raises
     ------
@@ -205,17 +238,19 @@ def rmsnorm(x: ArrayLike, weight: ArrayLike, eps: FloatLike, *, out: ArrayLike |
     weight, _ = _args.float_operand("weight", weight, backend, dtype, "x")
     _args.check_shape("weight", weight, (hidden,), ("hidden",))
     eps = _args.check_positive_float32("eps", eps)
+    word = _args.run_if_operand(run_if, backend)
     grid, block = (rows,), (_row_threads(hidden, RMSNORM_MAX_THREADS),)
     _args.check_launch("x", f"rows = {rows}", grid, block)
     out = _args.float_output(out, backend, dtype, (rows, hidden), "x", inputs=[("weight", weight)],
                              in_place_inputs=[("x", x)])
+    word = _args.run_if_word(word, backend, [("out", out)])
     backend.launch("rmsnorm", f"cupykv_rmsnorm<{CUDA_TYPES[dtype]}>", grid, block,
-                   (out, x, weight, np.int32(hidden), np.float32(eps)))
+                   (out, x, weight, np.int32(hidden), np.float32(eps), word))
     return out
 
 
 def _elementwise(op: str, name_a: str, a: ArrayLike, name_b: str, b: ArrayLike, out: ArrayLike | None,
-                 backend: str | Backend | None) -> DeviceArray:
+                 backend: str | Backend | None, run_if: ArrayLike | None) -> DeviceArray:
     """Shared body of the two-input elementwise ops (same shape, any rank >= 1)."""
     backend = _args.backend_for(name_a, a, backend)
     a, dtype = _args.float_operand(name_a, a, backend)
@@ -224,18 +259,20 @@ def _elementwise(op: str, name_a: str, a: ArrayLike, name_b: str, b: ArrayLike, 
         raise ValueError(f"{name_a}: expected an array of rank >= 1 with every size >= 1, got shape {shape}")
     b, _ = _args.float_operand(name_b, b, backend, dtype, name_a)
     _args.check_same_shape(name_a, a, name_b, b)
+    word = _args.run_if_operand(run_if, backend)
     n = math.prod(shape)
     packs = math.ceil(n / (16 // a.dtype.itemsize))
     threads = _row_threads(packs, ELEMENTWISE_MAX_THREADS)
     grid, block = (min(ELEMENTWISE_MAX_BLOCKS, math.ceil(packs / threads)),), (threads,)
     _args.check_launch(name_a, f"shape {shape}", grid, block)
     out = _args.float_output(out, backend, dtype, shape, name_a, in_place_inputs=[(name_a, a), (name_b, b)])
-    backend.launch(op, f"cupykv_{op}<{CUDA_TYPES[dtype]}>", grid, block, (out, a, b, np.int64(n)))
+    word = _args.run_if_word(word, backend, [("out", out)])
+    backend.launch(op, f"cupykv_{op}<{CUDA_TYPES[dtype]}>", grid, block, (out, a, b, np.int64(n), word))
     return out
 
 
 def silu_mul(gate: ArrayLike, up: ArrayLike, *, out: ArrayLike | None = None,
-             backend: str | Backend | None = None) -> DeviceArray:
+             backend: str | Backend | None = None, run_if: ArrayLike | None = None) -> DeviceArray:
     """``out = silu(gate) * up = gate / (1 + exp(-gate)) * up``, elementwise (SwiGLU), in fp32.
 
     Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
@@ -250,10 +287,14 @@ def silu_mul(gate: ArrayLike, up: ArrayLike, *, out: ArrayLike | None = None,
         element would read values the launch already wrote).
     backend : {"cupy", "emulator"}, optional
         Inferred from ``gate`` by default.
+    run_if : device int32 array ``[1]``, optional
+        The launch's gate, as for :func:`linear`: 0 leaves ``out`` untouched.
+        Must not overlap ``out`` or a buffer of a KVCache or AttentionPlan.
 
     Returns
     -------
-    device array of the shape and dtype of ``gate``.
+    device array of the shape and dtype of ``gate``; with ``run_if`` holding 0, ``out`` as it
+    was (zeros when the call allocated it).
 
     Raises
     ------
@@ -262,11 +303,11 @@ def silu_mul(gate: ArrayLike, up: ArrayLike, *, out: ArrayLike | None = None,
     CaptureError
         No ``out`` inside a captured step.
     """
-    return _elementwise("silu_mul", "gate", gate, "up", up, out, backend)
+    return _elementwise("silu_mul", "gate", gate, "up", up, out, backend, run_if)
 
 
 def add(a: ArrayLike, b: ArrayLike, *, out: ArrayLike | None = None,
-        backend: str | Backend | None = None) -> DeviceArray:
+        backend: str | Backend | None = None, run_if: ArrayLike | None = None) -> DeviceArray:
     """``out = a + b``, elementwise (the residual connection), in fp32.
 
     Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
@@ -280,10 +321,14 @@ def add(a: ArrayLike, b: ArrayLike, *, out: ArrayLike | None = None,
         place), must not otherwise overlap either.
     backend : {"cupy", "emulator"}, optional
         Inferred from ``a`` by default.
+    run_if : device int32 array ``[1]``, optional
+        The launch's gate, as for :func:`linear`: 0 leaves ``out`` untouched.
+        Must not overlap ``out`` or a buffer of a KVCache or AttentionPlan.
 
     Returns
     -------
-    device array of the shape and dtype of ``a``.
+    device array of the shape and dtype of ``a``; with ``run_if`` holding 0, ``out`` as it
+    was (zeros when the call allocated it).
 
     Raises
     ------
@@ -292,11 +337,11 @@ def add(a: ArrayLike, b: ArrayLike, *, out: ArrayLike | None = None,
     CaptureError
         No ``out`` inside a captured step.
     """
-    return _elementwise("add", "a", a, "b", b, out, backend)
+    return _elementwise("add", "a", a, "b", b, out, backend, run_if)
 
 
 def argmax(logits: ArrayLike, *, out: ArrayLike | None = None,
-           backend: str | Backend | None = None) -> DeviceArray:
+           backend: str | Backend | None = None, run_if: ArrayLike | None = None) -> DeviceArray:
     """``out[r] = argmax(logits[r])`` as int32 (greedy sampling), the lowest index on ties.
 
     Inputs are assumed NaN-free. The ids stay on the device, so the next
@@ -312,10 +357,14 @@ def argmax(logits: ArrayLike, *, out: ArrayLike | None = None,
         Written in place and returned; must not overlap ``logits``.
     backend : {"cupy", "emulator"}, optional
         Inferred from ``logits`` by default.
+    run_if : device int32 array ``[1]``, optional
+        The launch's gate, as for :func:`linear`: 0 leaves ``out`` untouched.
+        Must not overlap ``out`` or a buffer of a KVCache or AttentionPlan.
 
     Returns
     -------
-    device int32 array ``[rows]``.
+    device int32 array ``[rows]``; with ``run_if`` holding 0, ``out`` as it was (zeros when
+    the call allocated it).
 
     Raises
     ------
@@ -327,6 +376,7 @@ def argmax(logits: ArrayLike, *, out: ArrayLike | None = None,
     backend = _args.backend_for("logits", logits, backend)
     logits, dtype = _args.float_operand("logits", logits, backend)
     rows, vocab = _args.check_shape("logits", logits, (None, None), ("rows", "vocab"))
+    word = _args.run_if_operand(run_if, backend)
     grid, block = (rows,), (_row_threads(vocab, ARGMAX_MAX_THREADS),)
     _args.check_launch("logits", f"rows = {rows}", grid, block)
     if out is None:
@@ -335,5 +385,7 @@ def argmax(logits: ArrayLike, *, out: ArrayLike | None = None,
         out = _args.int32_operand("out", out, backend, written=True)
         _args.check_shape("out", out, (rows,))
         _args.check_no_overlap("out", out, [("logits", logits)])
-    backend.launch("argmax", f"cupykv_argmax<{CUDA_TYPES[dtype]}>", grid, block, (out, logits, np.int32(vocab)))
+    word = _args.run_if_word(word, backend, [("out", out)])
+    backend.launch("argmax", f"cupykv_argmax<{CUDA_TYPES[dtype]}>", grid, block,
+                   (out, logits, np.int32(vocab), word))
     return out

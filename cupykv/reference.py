@@ -181,8 +181,8 @@ class KVCache:
         return seq if self.spec.layout == "NHD" else seq.swapaxes(0, 1)
 
     def append(self, layer: IntLike, k: HostArray, v: HostArray, rope: Rope | None = None, *,
-               return_positions: bool = False,
-               positions_out: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32] | None:
+               return_positions: bool = False, positions_out: npt.NDArray[np.int32] | None = None,
+               run_if: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32] | None:
         """Write pending rows at ``lengths[b] + i``; ``lengths`` does not change.
 
         Parameters
@@ -198,11 +198,18 @@ class KVCache:
             Return where each row went.
         positions_out : numpy.ndarray, int32, shape ``[batch, n_new]``, optional
             Written with those positions and returned (implies ``return_positions``).
+        run_if : numpy.ndarray, int32, shape ``[1]``, optional
+            The gate: where ``run_if[0]`` is 0 the call changes nothing (no row,
+            flag or ``positions_out`` is written), as the fast path's gated-off
+            launch; ``None`` or any other value appends. It may not share
+            memory with ``positions_out`` or the cache's arrays.
 
         Returns
         -------
         None, or numpy.ndarray int32 ``[batch, n_new]``
             ``lengths[b] + i`` where row ``i`` of sequence ``b`` was written, ``-1`` where it overflowed.
+            With ``run_if`` holding 0, ``positions_out`` as it was (all ``-1``
+            when the call made it: no row was written).
 
         Notes
         -----
@@ -217,13 +224,16 @@ class KVCache:
         spec = self.spec
         layer, n_new, rope = self._rows_args(layer, k, v, rope)
         out = self._positions_out(return_positions, positions_out, n_new, (spec.batch, n_new))
+        if self._gated_off(run_if, out):
+            return out
         positions = self.lengths.astype(np.int64)[:, None] + np.arange(n_new)  # [batch, n_new]
         self._store(layer, positions, k, v, rope, out)
         return out
 
     def write(self, layer: IntLike, positions: npt.ArrayLike, k: HostArray, v: HostArray,
               rope: Rope | None = None, *, return_positions: bool = False,
-              positions_out: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32] | None:
+              positions_out: npt.NDArray[np.int32] | None = None,
+              run_if: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32] | None:
         """Write rows at given positions: row ``i`` of sequence ``b`` at ``positions[b, i]``; ``lengths`` unchanged.
 
         Parameters
@@ -234,13 +244,14 @@ class KVCache:
             Kernel ints; positions outside ``0..max_seq-1`` are not written and
             set ``overflow[b]``. Two rows of one sequence at one position in
             range are refused.
-        k, v, rope, return_positions, positions_out
+        k, v, rope, return_positions, positions_out, run_if
             As for :meth:`append`; ``positions_out`` has the shape of ``positions``.
 
         Returns
         -------
         None, or numpy.ndarray int32 of the shape of ``positions``
-            The position of each written row, ``-1`` where a row was not written.
+            The position of each written row, ``-1`` where a row was not written
+            (every row, with ``run_if`` holding 0: ``positions_out`` as it was).
 
         Raises
         ------
@@ -250,6 +261,8 @@ class KVCache:
         layer, n_new, rope = self._rows_args(layer, k, v, rope)
         values = check_positions(positions, self.spec, n_new)  # int64 [batch, n_new]
         out = self._positions_out(return_positions, positions_out, n_new, np.shape(positions))
+        if self._gated_off(run_if, out):
+            return out
         self._store(layer, values, k, v, rope, out)
         return out
 
@@ -267,10 +280,26 @@ class KVCache:
         """``positions_out`` checked, a new int32 array of ``shape`` when asked for, or None."""
         return_positions = check_bool("return_positions", return_positions)
         if positions_out is None:
-            return np.zeros(shape, np.int32) if return_positions else None
+            return np.full(shape, -1, np.int32) if return_positions else None
         _check_int32_array("positions_out", positions_out)
         check_positions_shape("positions_out", positions_out, self.spec, n_new)
         return positions_out
+
+    def _gated_off(self, run_if: object, out: npt.NDArray[np.int32] | None) -> bool:
+        """Whether ``run_if`` (``None`` or a NumPy int32 ``[1]``, checked here) holds 0: the call then changes nothing."""
+        if run_if is None:
+            return False
+        if not isinstance(run_if, np.ndarray) or run_if.dtype != np.int32:
+            what = f"{type(run_if).__name__} of dtype {run_if.dtype}" if isinstance(run_if, np.ndarray) else got(run_if)
+            raise TypeError(f"run_if: expected a numpy int32 array, got {what}")
+        if run_if.shape != (1,):
+            raise ValueError(f"run_if: expected shape (1,), got {run_if.shape}")
+        for what, array in (("positions_out", out), ("the cache's k", self.k), ("the cache's v", self.v),
+                            ("the cache's lengths", self.lengths), ("the cache's overflow flags", self.overflow)):
+            if array is not None and np.shares_memory(run_if, array):
+                raise ValueError(f"run_if: expected an array that does not overlap {what}, got one that shares "
+                                 f"memory with it")
+        return int(run_if[0]) == 0
 
     def _store(self, layer: int, positions: npt.NDArray[np.int64], k: npt.ArrayLike, v: npt.ArrayLike,
                rope: Rope | None, out: npt.NDArray[np.int32] | None) -> None:

@@ -147,7 +147,7 @@ def _decoding_round(backend: Backend) -> None:
 
     stop_ids = ids(7, -1)
     decoding.decode_commit(ids(1, 2, 3), ids(0, 0, 0), ids(0, 0, 0), ids(1, 1, 0), ids(2, 1, 5), ids(7, 4, 5),
-                           ids(4, 6, 2), stop_ids, max_length=15)
+                           ids(4, 6, 2), stop_ids, ids(2), max_length=15)
     chain = ids(1, 2, 3, 4, 5, 6, 7, 8, 9).reshape(k + 1, batch)                     # [k + 1, batch]
     verify_ids = backend.zeros((batch, k + 1), np.int32)
     decoding.speculative_gather(verify_ids, chain, row_stride=1, col_stride=batch)

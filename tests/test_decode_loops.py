@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from cupykv import testing
 from cupykv.models import Llama, LlamaConfig
 from cupykv.models import decoding
 from backends import BACKENDS
@@ -83,9 +84,13 @@ def test_stopped_sequences_write_no_row_past_their_last_token():
     for buffer in (model.cache.k, model.cache.v):
         host = model.backend.to_host(buffer)                         # [layers, batch, max_seq, n_kv, head_dim]
         for b, length in enumerate(lengths):
-            written = max(length + 1, 3)    # live rows and the last token's pending row (or the padded prefill's)
-            assert not np.isnan(host[:, b, :written]).any()
-            assert np.isnan(host[:, b, written:]).all()               # nothing past them
+            assert not np.isnan(host[:, b, :max(length, 3)]).any()    # live rows (and the padded prefill's)
+            # the last token's pending row at `length`: written by the steps after the sequence stopped while
+            # another still decoded, not by steps after every sequence stopped (they exit at entry)
+            if length >= 3:                                            # past the padded prefill: all or nothing
+                pending = np.isnan(host[:, b, length])
+                assert pending.all() or not pending.any()
+            assert np.isnan(host[:, b, max(length + 1, 3):]).all()    # nothing past them
     model.cache.check()
 
 
@@ -184,27 +189,33 @@ def test_decode_commit_follows_its_rule(data, batch):
     ids, active, budget, next_ids, lengths = ints(0, 9), ints(0, 2), ints(0, 4), ints(0, 9), ints(0, 12)
     stops = data.draw(st.lists(st.integers(0, 9), max_size=4))
     max_length = data.draw(st.integers(0, 14))
+    n_active = np.array([active.sum() + 1000], np.int32)   # any count: the kernel subtracts the stops
     device = [model.backend.asarray(a) for a in (ids, np.zeros_like(ids), np.zeros_like(ids), active, budget,
-                                                 next_ids, lengths, np.array(stops + [-1, 5], np.int32))]
+                                                 next_ids, lengths, np.array(stops + [-1, 5], np.int32), n_active)]
     decoding.decode_commit(*device, max_length=max_length)
     got = [model.backend.to_host(a) for a in device[:5]]
     want = commit_rule(ids, active, budget, next_ids, lengths, stops, max_length)
     for name, g, w in zip(("ids", "tokens", "advance_by", "active", "budget"), got, want):
         assert np.array_equal(g, w), name
+    stopped_now = int(((active == 1) & (want[3] == 0)).sum())
+    assert model.backend.to_host(device[8])[0] == n_active[0] - stopped_now   # one decrement per stop
 
 
 def test_decode_commit_arguments_are_named():
     model = tiny(1)
     a = model.backend.zeros((2,), np.int32)
     b, c, d, e, f, g, h = (model.backend.zeros((2,), np.int32) for _ in range(7))
+    n = model.backend.zeros((1,), np.int32)
     with pytest.raises(ValueError, match=r"^tokens: expected shape \(2,\), got \(3,\)$"):
-        decoding.decode_commit(a, model.backend.zeros((3,), np.int32), b, c, d, e, f, g, max_length=4)
+        decoding.decode_commit(a, model.backend.zeros((3,), np.int32), b, c, d, e, f, g, n, max_length=4)
     with pytest.raises(ValueError, match=r"^ids: expected an array that does not overlap active"):
-        decoding.decode_commit(a, b, c, a, d, e, f, g, max_length=4)
+        decoding.decode_commit(a, b, c, a, d, e, f, g, n, max_length=4)
     with pytest.raises(TypeError, match=r"^lengths: expected dtype int32, got float32$"):
-        decoding.decode_commit(a, b, c, d, e, f, model.backend.zeros((2,), np.float32), g, max_length=4)
+        decoding.decode_commit(a, b, c, d, e, f, model.backend.zeros((2,), np.float32), g, n, max_length=4)
+    with pytest.raises(ValueError, match=r"^n_active: expected shape \(1,\), got \(2,\)$"):
+        decoding.decode_commit(a, b, c, d, e, f, g, h, a, max_length=4)
     with pytest.raises(ValueError, match=r"^max_length: expected an int in 0\.\.2147483647, got -1$"):
-        decoding.decode_commit(a, b, c, d, e, f, g, h, max_length=-1)
+        decoding.decode_commit(a, b, c, d, e, f, g, h, n, max_length=-1)
 
 
 # -- replays of multi-step graphs interleaved with truncate, reset and new budgets -----------------
@@ -279,3 +290,29 @@ class LoopMachine(RuleBasedStateMachine):
 
 TestLoopMachine = LoopMachine.TestCase
 TestLoopMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=10, deadline=None)
+
+
+# -- the rest of a replay after the last sequence stopped does no work ------------------------------
+@pytest.mark.parametrize("use_graph", [False, True])
+def test_steps_after_every_sequence_stopped_exit_at_entry(use_graph):
+    model, steps = tiny(2), 6
+    layers = TINY["num_hidden_layers"]
+    prompts = [[1, 2, 3], [4]]
+    model.generate(prompts, 2, tokens_per_replay=steps, use_graph=use_graph)   # warm-up: the graph exists
+    with testing.traffic(model.cache) as counted:
+        tokens = model.generate(prompts, 2, tokens_per_replay=steps, use_graph=use_graph)
+    assert [len(row) for row in tokens] == [2, 2]              # both sequences stop after their second token
+    per_step = 7 * layers + 1                                   # q, k, v, o, gate, up, down per layer; the head
+    linears = [launch.total("load").touched_bytes for launch in counted.launches
+               if launch.kernel.startswith("cupykv_linear")]   # distinct bytes loaded
+    assert len(linears) >= steps * per_step
+    by_step = [linears[len(linears) - (steps - i) * per_step:][:per_step] for i in range(steps)]   # the replay's
+    live = [min(loads) > 64 for loads in by_step]               # a live step reads every weight matrix
+    idle = [max(loads) <= 4 for loads in by_step]               # an idle one reads the 4-byte run_if word only
+    first_idle = live.index(False)
+    assert first_idle >= 1 and all(idle[first_idle:]) and all(live[:first_idle]), (live, idle)
+    assert steps - first_idle >= 4                              # most of the replay did no work
+    attention = [launch.total("load").touched_bytes for launch in counted.launches
+                 if launch.kernel.startswith("cupykv_attention")]
+    assert all(loads <= 4 for loads in attention[len(attention) - (steps - first_idle) * layers:])
+    assert model.cache.check() is None                          # no overflow either

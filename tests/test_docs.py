@@ -95,7 +95,8 @@ GRAPH_API = (
     "cupykv.models.Llama.calibrate_kv_scales",
     "cupykv.backends.base.Backend.launch", "cupykv.backends.base.Backend.zeros", "cupykv.backends.base.Backend.asarray",
     "cupykv.backends.base.Backend.to_host", "cupykv.backends.base.Backend.upload", "cupykv.backends.base.Backend.copy",
-    "cupykv.backends.base.Backend.synchronize",
+    "cupykv.backends.base.Backend.synchronize", "cupykv.backends.base.Backend.always_run",
+    "cupykv.backends.base.Backend.owned_ranges",
 )
 # Classes whose every public method (not property) is in GRAPH_API, and the public functions of the API.
 GRAPH_CLASSES = (cupykv.KVCache, cupykv.KernelView, cupykv.AttentionPlan, cupykv.Graph, Llama)

@@ -131,6 +131,10 @@ CALLS = {
     "cupykv.backends.base.Backend.upload": (None, lambda e: e.backend.upload(e.scratch, np.zeros(2, np.int32))),
     "cupykv.backends.base.Backend.copy": (None, lambda e: e.backend.copy(e.scratch, e.lengths)),
     "cupykv.backends.base.Backend.synchronize": (None, lambda e: e.backend.synchronize()),
+    # a new backend object has made no word yet: its first use allocates (the shared backend's was made long before)
+    "cupykv.backends.base.Backend.always_run": (lambda e: ops.add(e.x, e.x2, out=e.x_out, run_if=e.backend.always_run()),
+                                                lambda e: type(e.backend)().always_run()),
+    "cupykv.backends.base.Backend.owned_ranges": (lambda e: e.backend.owned_ranges(), None),
 }
 
 

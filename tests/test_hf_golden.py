@@ -173,7 +173,9 @@ def test_logits_and_greedy_tokens_match_transformers(name, dtype, use_graph, bac
         assert tokens[:agree] == golden.tokens[b, :agree].tolist(), f"sequence {b}, first {agree} tokens"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# bfloat16 only: its bound is the loosest (16 u(bf16) = 2**-4 per layer against 2**-7 and 2**-20), and the
+# mutant's error is the rope error itself, whatever the dtype, so the tighter bounds catch it a fortiori.
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 @pytest.mark.parametrize("name", FIXTURES)
 def test_rope_base_mutant_is_caught(name, dtype):
     """Doubling the rope base in the fast path only (the reference model is not involved) breaks the bound."""

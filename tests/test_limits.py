@@ -122,7 +122,8 @@ LLAMA_8B_64K = cupykv.CacheSpec(n_layers=32, n_kv_heads=8, head_dim=128, max_seq
 
 def test_a_cache_larger_than_the_machine_is_refused_at_once_with_both_sizes():
     available, _ = get_backend("emulator").available_memory()
-    needed = LLAMA_8B_64K.nbytes + 3 * 4 * 8           # K and V, then lengths, overflow and staging
+    # K and V, then lengths, overflow and staging [batch], then the float32 K and V scales [n_layers, n_kv_heads]
+    needed = LLAMA_8B_64K.nbytes + 3 * 4 * 8 + 2 * 4 * 32 * 8
     if available is None or available >= needed:
         pytest.skip(f"this machine can give {available} bytes: the 64 GiB cache would fit")
     start = time.monotonic()
@@ -141,7 +142,7 @@ def test_nothing_is_allocated_for_a_cache_the_backend_cannot_hold(monkeypatch, b
     monkeypatch.setattr(type(target), "available_memory", lambda self: (spec.nbytes, "a test's budget"))
     monkeypatch.setattr(type(target), "_zeros", lambda self, shape, dtype: allocations.append(shape))
     with pytest.raises(MemoryError, match=rf"^spec: expected a cache of at most {spec.nbytes} bytes .* \(a test's "
-                                          rf"budget\), got one that needs {spec.nbytes + 24} bytes"):
+                                          rf"budget\), got one that needs {spec.nbytes + 24 + 8} bytes"):   # + 2 float32 scales
         cupykv.KVCache(spec, backend=backend)
     assert allocations == []
 

@@ -18,7 +18,9 @@ What is checked, module by module:
   and of attention (shared with the reference, so both refuse alike).
 - :mod:`~cupykv._args.arrays`: operands are the backend's arrays, of the
   kernel's dtype, C-contiguous (strided and reversed views are refused;
-  contiguous views pass without a copy), and writeable where written.
+  contiguous views pass without a copy), and writeable where written; a
+  launch's ``run_if`` gate is a device int32 ``[1]`` apart from what the
+  launch writes and from every cache's and plan's buffers.
 - :mod:`~cupykv._args.overlap`: an array a kernel writes shares no byte with
   what the launch reads, or with the buffers of any live cache (exact
   in-place is allowed only where an op documents it).
@@ -30,9 +32,9 @@ What is checked, module by module:
 The reference (:mod:`cupykv.reference`, :mod:`cupykv.ops_reference`) uses
 ``scalars`` and ``cache_args`` only; the rest is the fast path's.
 """
-from cupykv._args.arrays import (FLOAT_DTYPES, backend_for, check_contiguous, check_shape, check_writeable,
-                                 describe, device_operand, float_operand, float_output, int32_operand,
-                                 to_backend_array)
+from cupykv._args.arrays import (ALWAYS_RUN, FLOAT_DTYPES, backend_for, check_contiguous, check_shape,
+                                 check_writeable, describe, device_operand, float_operand, float_output,
+                                 int32_operand, run_if_operand, run_if_word, to_backend_array)
 from cupykv._args.cache_args import (check_advance, check_layer, check_new_lengths, check_q, check_q_len,
                                      check_kv_scale, check_rope, check_rope_theta, check_rows, check_same_shape, check_scale,
                                      check_slots, check_softcap, check_window,
@@ -47,8 +49,9 @@ from cupykv._args.scalars import (check_bool, check_choice, check_float, check_i
                                   check_positive_float32, got, is_int, shown)
 
 __all__ = [
-    "FLOAT_DTYPES", "backend_for", "check_contiguous", "check_shape", "check_writeable", "describe",
-    "device_operand", "float_operand", "float_output", "int32_operand", "to_backend_array",
+    "ALWAYS_RUN", "FLOAT_DTYPES", "backend_for", "check_contiguous", "check_shape", "check_writeable", "describe",
+    "device_operand", "float_operand", "float_output", "int32_operand", "run_if_operand", "run_if_word",
+    "to_backend_array",
     "check_advance", "check_layer", "check_new_lengths", "check_q", "check_q_len", "check_rope", "check_rope_theta",
     "check_kv_scale", "check_rows", "check_same_shape", "check_scale", "check_slots", "check_softcap", "check_window",
     "check_capacity_request", "check_lengths_shape", "check_lengths_values", "check_pending", "check_positions",

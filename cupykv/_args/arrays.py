@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from cupykv._args.limits import INT32_MAX
-from cupykv._args.overlap import check_apart_from_caches, check_no_overlap
+from cupykv._args.overlap import BufferOwner, check_apart_from_caches, check_no_overlap
 from cupykv._typing import DeviceArray, Shape
 
 if TYPE_CHECKING:
@@ -145,6 +145,36 @@ def int32_operand(name: str, array: object, backend: Backend, *, written: bool =
         check_writeable(name, array)
         check_apart_from_caches(name, array)
     return array
+
+
+#: what Backend.always_run registers its words as, among the buffers no output may overlap
+ALWAYS_RUN = "always-run word"
+
+
+def run_if_operand(run_if: object, backend: Backend, own: BufferOwner | None = None) -> DeviceArray | None:
+    """``run_if`` checked as a launch's gate: ``None``, or a C-contiguous device int32 ``[1]`` of ``backend``.
+
+    The word must share no byte with the buffers of a cache or plan (``own``,
+    the call's cache, is named "the cache's"); ``Backend.always_run()`` itself
+    is allowed. What the launch itself writes is checked later, by
+    :func:`run_if_word`, once the outputs are known.
+    """
+    if run_if is None:
+        return None
+    word = int32_operand("run_if", run_if, backend)
+    check_shape("run_if", word, (1,))
+    check_apart_from_caches("run_if", word, own, shareable=(ALWAYS_RUN,))
+    return word
+
+
+def run_if_word(word: DeviceArray | None, backend: Backend,
+                written: Iterable[tuple[str, DeviceArray | None]]) -> DeviceArray:
+    """The word a launch reads first: ``word`` (from :func:`run_if_operand`), which must share no byte with
+    ``written`` (``(name, array)`` pairs: what the launch writes), or ``backend.always_run()`` for ``None``."""
+    if word is None:
+        return backend.always_run()
+    check_no_overlap("run_if", word, written)
+    return word
 
 
 def check_shape(name: str, array: DeviceArray, expected: Sequence[int | None],

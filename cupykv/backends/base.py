@@ -66,6 +66,8 @@ class Backend:
     def __init__(self) -> None:
         self._modules: dict[str, Any] = {}
         self._kernels: dict[tuple[str, str], Kernel] = {}
+        self._always_run: dict[int, DeviceArray] = {}   # device index -> its int32 [1] word holding 1
+        self._always_run_ranges: tuple[tuple[str, int, int], ...] = ()
 
     # -- kernels -------------------------------------------------------------
     def launch(self, op: str, instance: str, grid: Sequence[int], block: Sequence[int], args: Sequence[object],
@@ -108,6 +110,61 @@ class Backend:
     def occupancy(self, op: str, instance: str, threads: int, shared_mem: int) -> int:
         """Blocks of ``threads`` threads and ``shared_mem`` dynamic shared bytes resident per multiprocessor."""
         raise NotImplementedError
+
+    def always_run(self) -> DeviceArray:
+        """The ``run_if`` word of a launch that always runs: a device int32 array ``[1]`` holding 1.
+
+        The op kernels take a trailing ``run_if`` pointer and return at once
+        when it holds 0 (``kernels/common.cuh``); a call given ``run_if=None``
+        passes this word. There is one per device, made on first use on the
+        current device and kept for the life of the backend, so a captured
+        graph may hold it. No launch writes it: every op refuses an output
+        that overlaps it (it is registered with the buffers of caches and
+        plans, as "the always-run word"); do not write it yourself.
+
+        Graph-safe: yes, unless its first use on the current device comes inside a captured step — the
+        first use allocates and uploads the word, which a captured step refuses (CaptureError); the
+        warm-up run of :func:`cupykv.capture` runs the step eagerly first, so a step's own launches
+        make it there.
+
+        Returns
+        -------
+        device int32 array ``[1]`` holding 1, on the current device.
+
+        Raises
+        ------
+        CaptureError
+            The first use on this device inside a captured step.
+        """
+        device = self._device_index()
+        word = self._always_run.get(device)
+        if word is None:
+            what = (f"allocating the always-run word of device {device} (Backend.always_run, the run_if of a "
+                    f"launch given run_if=None)")
+            instead = "launch one op with run_if=None, or call backend.always_run(), on this device before capture"
+            refuse_in_capture(what, instead)
+            if self._stream_capturing():   # a CUDA graph capture that cupykv.capture did not start
+                raise CaptureError(f"{what} while the current stream is being captured: {instead}")
+            word = self._always_run[device] = self._asarray(np.ones(1, np.int32))
+            from cupykv._args import ALWAYS_RUN, byte_range, register_buffers   # deferred: _args imports backends
+            self._always_run_ranges += ((ALWAYS_RUN, *byte_range(word)),)
+            register_buffers(self)
+        return word
+
+    def owned_ranges(self) -> tuple[tuple[str, int, int], ...]:
+        """``(what, first, last)`` byte addresses of the always-run words: no op's output may write there.
+
+        Graph-safe: yes — host values, taken when each word was made.
+        """
+        return self._always_run_ranges
+
+    def _device_index(self) -> int:
+        """The device kernels launch on now (0 where there is one)."""
+        return 0
+
+    def _stream_capturing(self) -> bool:
+        """Whether the stream kernels launch on now is being captured into a graph by anyone (a GPU's business)."""
+        return False
 
     # -- capture -------------------------------------------------------------
     def capture(self, run: Callable[[], object]) -> tuple[list[Launch], Callable[[], None], object]:

@@ -103,6 +103,16 @@ class CupyBackend(Backend):
     def _zeros(self, shape, dtype):
         return cupy.zeros(shape, dtype)
 
+    def _device_index(self):
+        return cupy.cuda.runtime.getDevice()
+
+    def _stream_capturing(self):
+        """cudaStreamIsCapturing on the current stream; a query CUDA refuses counts as a capture under way."""
+        try:
+            return bool(cupy.cuda.get_current_stream().is_capturing())
+        except cupy.cuda.runtime.CUDARuntimeError:
+            return True
+
     def check_device(self, name, array):
         current = cupy.cuda.runtime.getDevice()
         if array.device.id != current:

@@ -9,7 +9,9 @@
 // loop of elementwise.cuh (16-byte vectors when sizes and alignment allow).
 // The host uses up to 256 threads and enough blocks to cover n (at most 1024).
 //
-// Device-resident arguments: a, b (read), out (written). n is fixed per launch.
+// Device-resident arguments: a, b (read), out (written), run_if [1] int32 (read first:
+// 0 makes the launch return at once, reading nothing else and writing nothing; common.cuh).
+// n is fixed per launch.
 #include "elementwise.cuh"
 
 namespace add_detail {
@@ -23,6 +25,8 @@ __global__ void __launch_bounds__(1024) cupykv_add(
     T* out,               // [n]; may alias a or b
     const T* a,           // [n]
     const T* b,           // [n]
-    long long n) {
+    long long n,
+    const int* __restrict__ run_if) {   // [1], device-resident: 0 = do nothing
+    if (cupykv::gated_off(run_if)) return;
     cupykv::binary_elementwise(out, a, b, n, add_detail::Sum());
 }

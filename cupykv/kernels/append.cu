@@ -16,7 +16,9 @@
 // Device-resident arguments (read or written at run time, so a captured graph
 // stays valid when they change): lengths [batch] int32 (read), overflow [batch]
 // int32 (set to 1), positions_out [batch, n_new] int32 (written when
-// return_positions). Everything else (layer, strides, theta) is fixed per launch.
+// return_positions), run_if [1] int32 (read first: 0 makes the launch return at
+// once, reading nothing else and writing nothing; common.cuh). Everything else
+// (layer, strides, theta) is fixed per launch.
 //
 // Strides are in elements, so one kernel serves the NHD and the HND layout.
 // cupykv_append<T, TI>: the cache stores T, the new rows come as TI (T itself, or for an fp8
@@ -42,7 +44,9 @@ __global__ void __launch_bounds__(1024) cupykv_append(
     long long layer_offset,                // layer * stride of the layer axis
     long long stride_batch, long long stride_seq, long long stride_head,
     int n_new, int n_kv, int head_dim, int max_seq,
-    int use_rope, double rope_theta) {
+    int use_rope, double rope_theta,
+    const int* __restrict__ run_if) {      // [1], device-resident: 0 = do nothing
+    if (cupykv::gated_off(run_if)) return;
     const int b = blockIdx.x / n_new;
     const int i = blockIdx.x - b * n_new;
     const int pos = lengths[b] + i;

@@ -14,8 +14,9 @@
 // butterfly and across warps through shared memory (one __syncthreads),
 // preferring the larger value and, on ties, the lower index.
 //
-// Device-resident arguments: logits (read), out_ids [rows] int32 (written).
-// vocab is fixed per launch.
+// Device-resident arguments: logits (read), out_ids [rows] int32 (written),
+// run_if [1] int32 (read first: 0 makes the launch return at once, reading
+// nothing else and writing nothing; common.cuh). vocab is fixed per launch.
 #include "common.cuh"
 
 namespace argmax_detail {
@@ -29,7 +30,9 @@ template <typename T>
 __global__ void __launch_bounds__(1024) cupykv_argmax(
     int* __restrict__ out_ids,         // [rows], device-resident
     const T* __restrict__ logits,      // [rows, vocab]
-    int vocab) {
+    int vocab,
+    const int* __restrict__ run_if) {  // [1], device-resident: 0 = do nothing
+    if (cupykv::gated_off(run_if)) return;
     constexpr int kVec = 16 / (int)sizeof(T);
     constexpr int kNoIndex = 0x7fffffff;
     __shared__ float warp_values[32];

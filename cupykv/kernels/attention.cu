@@ -39,8 +39,10 @@
 // block of the tile to finish merges them into `out` (attention_merge.cuh).
 //
 // Device-resident arguments: lengths [batch] int32, k_scales / v_scales (fp8), q, k/v cache
-// (read), out, the partial_* workspace and split_counters (written). Every other argument is
-// fixed per launch, so a captured graph replays correctly as lengths change.
+// (read), out, the partial_* workspace and split_counters (written), run_if [1] int32 (read
+// first: 0 makes the launch return at once, reading nothing else and writing nothing, so the
+// split counters stay at 0; common.cuh). Every other argument is fixed per launch, so a
+// captured graph replays correctly as lengths change.
 #include "common.cuh"
 #include "attention_keys.cuh"
 #include "attention_merge.cuh"
@@ -77,7 +79,9 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     int layer,                            // the layer of layer_offset: its row of k_scales / v_scales
     long long layer_offset, long long stride_batch, long long stride_seq, long long stride_head,
     int q_len, int n_heads, int n_kv, int head_dim_runtime, int max_seq, int num_splits, int split_keys,
-    float scale, float softcap, int window, int use_rope, double rope_theta) {
+    float scale, float softcap, int window, int use_rope, double rope_theta,
+    const int* __restrict__ run_if) {     // [1], device-resident: 0 = do nothing
+    if (cupykv::gated_off(run_if)) return;
     using namespace attention_tiling;
     constexpr bool kFp8 = cupykv::is_fp8<T>::value;
     static_assert(kFp8 || cupykv::same_type<T, TI>::value, "a 16- or 32-bit cache attends in its own type");

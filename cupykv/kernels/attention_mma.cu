@@ -54,8 +54,10 @@
 // bytes for 16-bit caches, kShared64Fp8 or kShared128Fp8 for fp8 caches.
 //
 // Device-resident arguments: lengths [batch] int32, k_scales / v_scales [layers, n_kv] float32, q,
-// k/v cache (read), out, the partial_* workspace and split_counters (written). Every other argument
-// is fixed per launch, so a captured graph replays correctly as lengths and scales change.
+// k/v cache (read), out, the partial_* workspace and split_counters (written), run_if [1] int32
+// (read first: 0 makes the launch return at once, before any cp.async, barrier or counter, reading
+// nothing else and writing nothing; common.cuh). Every other argument is fixed per launch, so a
+// captured graph replays correctly as lengths and scales change.
 #include "common.cuh"
 #include "async_copy.cuh"
 #include "attention_keys.cuh"
@@ -131,7 +133,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
     int layer,
     long long layer_offset, long long stride_batch, long long stride_seq, long long stride_head,
     int q_len, int n_heads, int n_kv, int head_dim_runtime, int max_seq, int num_splits, int split_keys,
-    float scale, float softcap, int window, int use_rope, double rope_theta) {
+    float scale, float softcap, int window, int use_rope, double rope_theta,
+    const int* __restrict__ run_if) {     // [1], device-resident: 0 = do nothing
+    if (cupykv::gated_off(run_if)) return;
     using namespace attention_mma_tiling;
     using M = typename cupykv::mma_type<T, TI>::type;   // the mma operand type
     constexpr bool kFp8 = cupykv::is_fp8<T>::value;

@@ -5,6 +5,7 @@
 // - warp-wide max/sum by butterfly shuffles (and a paired sum of two values);
 // - the half-split rotary embedding (LLaMA / GPT-NeoX), computed in double
 //   so that the angle pos * theta^(-2i/d) stays accurate at long positions;
+// - the launch gate (gated_off): the run_if word every op kernel reads first;
 // - the float constants NVRTC does not define.
 //
 // Compiles under NVRTC (sm_80, sm_90) and under cupykv's CPU emulator, which
@@ -14,6 +15,16 @@
 #include <cuda_bf16.h>
 
 namespace cupykv {
+
+// The launch gate of the op kernels (their trailing `run_if` argument): a device-resident int32
+// word, read at run time, so a captured graph sees its value at every replay. 0 means "do
+// nothing": the kernel's first statement is `if (cupykv::gated_off(run_if)) return;`, before
+// any barrier, shared memory, atomic or other global access, so a gated-off launch reads these
+// 4 bytes and nothing else, and writes nothing. Every thread of the grid reads the same word,
+// which no launch writes (the host refuses a run_if overlapping an output), so the return is
+// uniform across each block: no thread is left waiting at a barrier. The host passes
+// Backend.always_run() (a word holding 1) when the caller gives no run_if.
+__device__ __forceinline__ bool gated_off(const int* __restrict__ run_if) { return *run_if == 0; }
 
 __device__ __forceinline__ float neg_infinity() { return __int_as_float(0xff800000); }
 

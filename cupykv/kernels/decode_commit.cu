@@ -13,6 +13,10 @@
 //                            and lengths[b] + 1 < max_length     (the committed length after this
 //                                                                 step leaves room for one more)
 //     was == 0:  tokens[b] = -1; ids, budget and active unchanged.
+//     n_active[0] -= 1 for every sequence that stops in this step (active 1 -> 0), so it counts the
+//     sequences still decoding: the decode step's kernels read it as their run_if word and exit at
+//     entry once it is 0 (the rest of a replay after the last sequence stopped does no work). This
+//     kernel is never gated: it writes tokens[b] = -1 for every later step of the replay.
 // A stopped sequence keeps embedding its last token at its frozen length: its later steps
 // rewrite the one pending row at lengths[b] (that token's own K/V), commit nothing and emit
 // nothing. max_length (at most max_seq - 1) is the longest committed length at which that
@@ -23,7 +27,8 @@
 // Cost: per sequence 4 int reads and 5 int writes plus the stop list (read through L1): under
 // 1 KiB for a batch of 32, so the launch is latency-bound (a few microseconds in a graph).
 // Device-resident arguments: next_ids, lengths, stop_ids (read); ids, active, budget
-// (read, written); tokens, advance_by (written), all int32 [batch] but stop_ids [n_stop].
+// (read, written); tokens, advance_by (written), all int32 [batch] but stop_ids [n_stop];
+// n_active [1] (atomically decremented).
 // n_stop, batch and max_length are fixed per launch.
 __global__ void __launch_bounds__(256) cupykv_decode_commit(
     int* __restrict__ ids,                 // [batch], the token each sequence embeds next
@@ -34,6 +39,7 @@ __global__ void __launch_bounds__(256) cupykv_decode_commit(
     const int* __restrict__ next_ids,      // [batch], argmax of this step's logits
     const int* __restrict__ lengths,       // [batch], the cache's committed lengths (before the advance)
     const int* __restrict__ stop_ids,      // [n_stop], padded with -1
+    int* __restrict__ n_active,            // [1], sequences still decoding
     int n_stop, int batch, int max_length) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= batch) return;
@@ -51,4 +57,5 @@ __global__ void __launch_bounds__(256) cupykv_decode_commit(
     bool stop = left <= 0 || lengths[b] + 1 >= max_length;
     for (int s = 0; s < n_stop && stop_ids[s] >= 0 && !stop; ++s) stop = stop_ids[s] == t;
     active[b] = stop ? 0 : 1;
+    if (stop) atomicAdd(n_active, -1);
 }

@@ -13,7 +13,9 @@
 //
 // Device-resident arguments: ids [rows] int32 (read: the next token of a
 // captured decode step, e.g. written by argmax), table (read), out (written),
-// error_flag [1] int32 (set to 1 on a bad id). vocab and hidden are fixed per launch.
+// error_flag [1] int32 (set to 1 on a bad id), run_if [1] int32 (read first: 0
+// makes the launch return at once, reading nothing else and writing nothing;
+// common.cuh). vocab and hidden are fixed per launch.
 #include "common.cuh"
 
 template <typename T>
@@ -22,7 +24,9 @@ __global__ void __launch_bounds__(1024) cupykv_embedding(
     const T* __restrict__ table,       // [vocab, hidden]
     const int* __restrict__ ids,       // [rows], device-resident
     int* __restrict__ error_flag,      // [1], device-resident, set to 1 on an id out of range
-    int vocab, int hidden) {
+    int vocab, int hidden,
+    const int* __restrict__ run_if) {  // [1], device-resident: 0 = do nothing
+    if (cupykv::gated_off(run_if)) return;
     const int r = blockIdx.x;
     const int id = ids[r];
     const bool valid = id >= 0 && id < vocab;

@@ -32,8 +32,9 @@
 //
 // __launch_bounds__(128, 4) caps registers at 128 (python -m cupykv check: no spills).
 //
-// Device-resident arguments: x and weight (read), out (written). rows, in_features,
-// out_features and split_k are fixed per launch; nothing step-dependent.
+// Device-resident arguments: x and weight (read), out (written), run_if [1] int32 (read first:
+// 0 makes the launch return at once, reading nothing else and writing nothing; common.cuh).
+// rows, in_features, out_features and split_k are fixed per launch.
 #include "common.cuh"
 
 namespace linear_tiling {
@@ -49,7 +50,9 @@ __global__ void __launch_bounds__(linear_tiling::kThreads, 4) cupykv_linear(
     T* __restrict__ out,               // [rows, out_features]
     const T* __restrict__ x,           // [rows, in_features]
     const T* __restrict__ weight,      // [out_features, in_features]
-    int rows, int in_features, int out_features, int split_k) {
+    int rows, int in_features, int out_features, int split_k,
+    const int* __restrict__ run_if) {  // [1], device-resident: 0 = do nothing
+    if (cupykv::gated_off(run_if)) return;
     using namespace linear_tiling;
     static_assert(kOutsPerWarp == 2, "the reduction below sums the warp's two outputs as a pair");
     constexpr int kVec = 16 / (int)sizeof(T);  // elements per 16-byte vector

@@ -14,8 +14,9 @@
 // write. Both use 16-byte vectors when hidden is a multiple of 16 / sizeof(T)
 // and x, weight and out are 16-byte aligned; single elements otherwise.
 //
-// Device-resident arguments: x, weight (read), out (written). hidden and eps
-// are fixed per launch.
+// Device-resident arguments: x, weight (read), out (written), run_if [1] int32
+// (read first: 0 makes the launch return at once, reading nothing else and
+// writing nothing; common.cuh). hidden and eps are fixed per launch.
 #include "common.cuh"
 
 template <typename T>
@@ -23,7 +24,9 @@ __global__ void __launch_bounds__(1024) cupykv_rmsnorm(
     T* out,                            // [rows, hidden]; may alias x
     const T* x,                        // [rows, hidden]
     const T* __restrict__ weight,      // [hidden]
-    int hidden, float eps) {
+    int hidden, float eps,
+    const int* __restrict__ run_if) {  // [1], device-resident: 0 = do nothing
+    if (cupykv::gated_off(run_if)) return;
     constexpr int kVec = 16 / (int)sizeof(T);
     __shared__ float warp_totals[32];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, n_warps = blockDim.x / 32;

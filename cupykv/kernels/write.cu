@@ -27,8 +27,9 @@
 //
 // Device-resident arguments (read or written at run time, so a captured graph stays valid
 // when they change): positions [batch, n_new] int32 (read), overflow [batch] int32 (set to
-// 1), positions_out [batch, n_new] int32 (written when return_positions). Everything else
-// (layer, strides, theta) is fixed per launch.
+// 1), positions_out [batch, n_new] int32 (written when return_positions), run_if [1] int32
+// (read first: 0 makes the launch return at once, reading nothing else and writing nothing;
+// common.cuh). Everything else (layer, strides, theta) is fixed per launch.
 //
 // Strides are in elements, so one kernel serves the NHD and the HND layout. Storage type T,
 // io type TI and the fp8 scales as in append.cu; without rope a row of type T is copied bit for
@@ -52,7 +53,9 @@ __global__ void __launch_bounds__(1024) cupykv_write(
     long long layer_offset,                // layer * stride of the layer axis
     long long stride_batch, long long stride_seq, long long stride_head,
     int n_new, int n_kv, int head_dim, int max_seq,
-    int use_rope, double rope_theta) {
+    int use_rope, double rope_theta,
+    const int* __restrict__ run_if) {      // [1], device-resident: 0 = do nothing
+    if (cupykv::gated_off(run_if)) return;   // before the __syncthreads_or below
     const int b = blockIdx.x / n_new;
     const int i = blockIdx.x - b * n_new;
     const int* row_positions = positions + (long long)b * n_new;   // [n_new]

@@ -22,10 +22,13 @@ embedding its last token at that length, so the rows its steps append are
 pending rows past its live length (the last token's own K/V), never past
 ``max_length``, the longest committed length at which those rows still fit.
 No overflow flag is ever set, so ``cache.check()`` stays clean. The host
-starts no replay once every sequence has stopped, but a replay that is under
-way still runs all its launches (stopped sequences' results are discarded):
-an exit at kernel entry needs the model's own kernels (embedding, linear,
-rmsnorm, append, attention, ...) to read a device "any sequence active" word.
+starts no replay once every sequence has stopped, and within a greedy replay
+the decode steps after the last sequence stopped do no work: ``decode_commit``
+counts the sequences still decoding in a device word (``StopState.n_active``),
+which every kernel of the step (embedding, rmsnorm, linear, append, attention,
+silu_mul, add, argmax) reads as its ``run_if`` and exits at entry when it is 0.
+``decode_commit`` and the cache's advance (of 0) still run: they are what
+writes the -1 tokens of those steps.
 
 Exactness. A row of a pass with q_len q is computed exactly as the same row
 of a q_len-1 step: linear, the norms and argmax work row by row, and
@@ -113,7 +116,7 @@ def _apart(written, read) -> None:
         _args.check_no_overlap(name, array, [*written[i + 1:], *read])
 
 
-def decode_commit(ids, tokens, advance_by, active, budget, next_ids, lengths, stop_ids, *, max_length,
+def decode_commit(ids, tokens, advance_by, active, budget, next_ids, lengths, stop_ids, n_active, *, max_length,
                   backend=None) -> None:
     """End one greedy step of a device-side loop (``kernels/decode_commit.cu``; its header gives the rule).
 
@@ -125,6 +128,9 @@ def decode_commit(ids, tokens, advance_by, active, budget, next_ids, lengths, st
         This step's argmax, and the cache's committed lengths before its advance.
     stop_ids : device int32 ``[n_stop]``
         Stop ids, padded with -1.
+    n_active : device int32 ``[1]``
+        The number of sequences still decoding, decremented for each that stops (the step kernels'
+        ``run_if`` word).
     max_length : int
         The longest committed length at which a stopped sequence's pending row still fits (``<= max_seq - 1``).
     backend : {"cupy", "emulator"}, optional
@@ -143,14 +149,15 @@ def decode_commit(ids, tokens, advance_by, active, budget, next_ids, lengths, st
     read = [("next_ids", _int32("next_ids", next_ids, backend, (batch,))),
             ("lengths", _int32("lengths", lengths, backend, (batch,)))]
     stop_ids = _int32("stop_ids", stop_ids, backend, (None,))
-    _apart(written, read + [("stop_ids", stop_ids)])
+    n_active = _int32("n_active", n_active, backend, (1,), written=True)
+    _apart(written + [("n_active", n_active)], read + [("stop_ids", stop_ids)])
     max_length = _args.check_int32("max_length", max_length)
     arrays = dict(written + read)
     grid = (math.ceil(batch / _THREADS),)
     backend.launch("decode_commit", "cupykv_decode_commit", grid, (_THREADS,),
                    (arrays["ids"], arrays["tokens"], arrays["advance_by"], arrays["active"], arrays["budget"],
-                    arrays["next_ids"], arrays["lengths"], stop_ids, np.int32(stop_ids.shape[0]), np.int32(batch),
-                    np.int32(max_length)))
+                    arrays["next_ids"], arrays["lengths"], stop_ids, n_active, np.int32(stop_ids.shape[0]),
+                    np.int32(batch), np.int32(max_length)))
 
 
 def speculative_gather(out, src, *, offset=0, row_stride, col_stride=0, backend=None) -> None:
@@ -263,7 +270,8 @@ def check_draft(target, draft, num_speculative) -> int:
 
 # -- the loops --------------------------------------------------------------------------
 class StopState:
-    """A model's device-side stopping state: ``active``, ``budget``, ``advance_by`` ``[batch]``, stop ids.
+    """A model's device-side stopping state: ``active``, ``budget``, ``advance_by`` ``[batch]``, stop ids,
+    and ``n_active`` ``[1]``, the number of sequences still decoding (the greedy loop's ``run_if`` word).
 
     One per model, shared by its loops (their graphs hold these pointers).
     """
@@ -274,6 +282,7 @@ class StopState:
         self.budget = backend.zeros((batch,), np.int32)
         self.advance_by = backend.zeros((batch,), np.int32)
         self.stop_ids = backend.zeros((MAX_STOP_IDS,), np.int32)
+        self.n_active = backend.zeros((1,), np.int32)
 
     def start(self, budgets, stops, active) -> None:
         """Upload the budgets (tokens each sequence may still emit), the stop ids and who decodes (outside capture)."""
@@ -282,6 +291,7 @@ class StopState:
         self.backend.upload(self.stop_ids, padded)
         self.backend.upload(self.budget, np.asarray(budgets, np.int32))
         self.backend.upload(self.active, np.asarray(active, np.int32))
+        self.backend.upload(self.n_active, np.array([np.count_nonzero(active)], np.int32))
 
     def active_host(self) -> np.ndarray:
         return self.backend.to_host(self.active).astype(bool)
@@ -307,11 +317,12 @@ class GreedyLoop:
     def run(self) -> None:
         """Launch the body (launches only: capturable)."""
         model, state, act = self.model, self.state, self.model._decode
-        for step in range(self.n_steps):
-            model._forward(act)
-            model._head(act.hidden, act.normed, self.logits[step], self.next_ids)
+        for step in range(self.n_steps):   # once no sequence decodes, the step's kernels exit at entry
+            model._forward(act, run_if=state.n_active)
+            model._head(act.hidden, act.normed, self.logits[step], self.next_ids, run_if=state.n_active)
             decode_commit(act.ids, self.tokens[step], state.advance_by, state.active, state.budget,
-                          self.next_ids, model.cache.lengths, state.stop_ids, max_length=self.max_length)
+                          self.next_ids, model.cache.lengths, state.stop_ids, state.n_active,
+                          max_length=self.max_length)
             model.cache.advance(state.advance_by)
 
 

@@ -353,37 +353,39 @@ class Llama:
             return None
         return math.ceil(math.ceil(spec.max_seq / splits) / CHUNK) * CHUNK
 
-    def _forward(self, act: _Activations, ids: DeviceArray | None = None) -> None:
+    def _forward(self, act: _Activations, ids: DeviceArray | None = None, run_if: DeviceArray | None = None) -> None:
         """Embed ``ids`` (default ``act.ids``), run every layer (appending K/V at the pending positions),
-        leave ``act.hidden``.
+        leave ``act.hidden``. With ``run_if`` (device int32 ``[1]``), every launch does nothing while it is 0.
 
         Launches only; allocates nothing, so it can be captured.
         """
         eps = self.config.rms_norm_eps
         ops.embedding(act.ids if ids is None else ids, self.weights["model.embed_tokens.weight"], out=act.hidden,
-                      error_flag=self._embedding_error)
+                      error_flag=self._embedding_error, run_if=run_if)
         for layer in range(self.config.num_hidden_layers):
-            ops.rmsnorm(act.hidden, self._w(layer, "input_layernorm"), eps, out=act.normed)
-            ops.linear(act.normed, self._w(layer, "self_attn.q_proj"), out=act.q)
-            ops.linear(act.normed, self._w(layer, "self_attn.k_proj"), out=act.k)
-            ops.linear(act.normed, self._w(layer, "self_attn.v_proj"), out=act.v)
-            self.cache.append(layer, act.k4, act.v4, rope=self.rope)
-            attention(act.q4, self.cache, layer, rope=self.rope, out=act.attn,
+            ops.rmsnorm(act.hidden, self._w(layer, "input_layernorm"), eps, out=act.normed, run_if=run_if)
+            ops.linear(act.normed, self._w(layer, "self_attn.q_proj"), out=act.q, run_if=run_if)
+            ops.linear(act.normed, self._w(layer, "self_attn.k_proj"), out=act.k, run_if=run_if)
+            ops.linear(act.normed, self._w(layer, "self_attn.v_proj"), out=act.v, run_if=run_if)
+            self.cache.append(layer, act.k4, act.v4, rope=self.rope, run_if=run_if)
+            attention(act.q4, self.cache, layer, rope=self.rope, out=act.attn, run_if=run_if,
                       split_keys=self._split_keys if act.q4.shape[1] <= EXACT_Q_LEN else None)
-            ops.linear(act.attn2, self._w(layer, "self_attn.o_proj"), out=act.proj)
-            ops.add(act.hidden, act.proj, out=act.hidden)
-            ops.rmsnorm(act.hidden, self._w(layer, "post_attention_layernorm"), eps, out=act.normed)
-            ops.linear(act.normed, self._w(layer, "mlp.gate_proj"), out=act.gate)
-            ops.linear(act.normed, self._w(layer, "mlp.up_proj"), out=act.up)
-            ops.silu_mul(act.gate, act.up, out=act.act)
-            ops.linear(act.act, self._w(layer, "mlp.down_proj"), out=act.proj)
-            ops.add(act.hidden, act.proj, out=act.hidden)
+            ops.linear(act.attn2, self._w(layer, "self_attn.o_proj"), out=act.proj, run_if=run_if)
+            ops.add(act.hidden, act.proj, out=act.hidden, run_if=run_if)
+            ops.rmsnorm(act.hidden, self._w(layer, "post_attention_layernorm"), eps, out=act.normed, run_if=run_if)
+            ops.linear(act.normed, self._w(layer, "mlp.gate_proj"), out=act.gate, run_if=run_if)
+            ops.linear(act.normed, self._w(layer, "mlp.up_proj"), out=act.up, run_if=run_if)
+            ops.silu_mul(act.gate, act.up, out=act.act, run_if=run_if)
+            ops.linear(act.act, self._w(layer, "mlp.down_proj"), out=act.proj, run_if=run_if)
+            ops.add(act.hidden, act.proj, out=act.hidden, run_if=run_if)
 
-    def _head(self, hidden: DeviceArray, normed: DeviceArray, logits: DeviceArray, ids: DeviceArray) -> None:
-        """Final norm (into ``normed``), LM head (into ``logits``) and greedy argmax (into ``ids``), per row."""
-        ops.rmsnorm(hidden, self.weights["model.norm.weight"], self.config.rms_norm_eps, out=normed)
-        ops.linear(normed, self.weights["lm_head.weight"], out=logits)
-        ops.argmax(logits, out=ids)
+    def _head(self, hidden: DeviceArray, normed: DeviceArray, logits: DeviceArray, ids: DeviceArray,
+              run_if: DeviceArray | None = None) -> None:
+        """Final norm (into ``normed``), LM head (into ``logits``) and greedy argmax (into ``ids``), per row
+        (nothing while ``run_if``, when given, holds 0)."""
+        ops.rmsnorm(hidden, self.weights["model.norm.weight"], self.config.rms_norm_eps, out=normed, run_if=run_if)
+        ops.linear(normed, self.weights["lm_head.weight"], out=logits, run_if=run_if)
+        ops.argmax(logits, out=ids, run_if=run_if)
 
     def decode_step(self) -> None:
         """One greedy token for every sequence, from the ids of the previous one.
