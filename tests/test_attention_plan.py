@@ -307,3 +307,31 @@ def test_bad_split_keys_are_refused(kwargs, message):
     cache = cupykv.KVCache(LONG, backend="emulator")
     with pytest.raises(ValueError, match=message):
         cupykv.AttentionPlan(cache, 1, 4, **kwargs)
+
+
+# -- a stated device: the emulator plans as a GPU with that many SMs would ----------------------------
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float32", 64), ("float8_e4m3", 64)])
+def test_a_stated_h200_gets_a_gpu_split_plan_that_the_emulator_runs_and_checks(monkeypatch, dtype, head_dim):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=4096, batch=1, dtype=dtype)
+    assert cupykv.AttentionPlan(cupykv.KVCache(spec, backend="emulator"), 1, 8).num_splits == 1   # one SM
+    monkeypatch.setenv("CUPYKV_EMULATOR_SMS", "132")
+    cache, oracle = cupykv.KVCache(spec, backend="emulator"), reference.KVCache(spec)
+    assert cache.device_info().multiprocessor_count == 132
+    plan = cupykv.AttentionPlan(cache, 1, 8)
+    # 132 resident blocks over 2 query tiles (batch 1 x 2 kv heads): 66 splits wanted, 4096 // 256 = 16 allowed
+    assert plan.num_splits == attention_plan.plan_splits(spec, 1, 8, 132) == 16
+    rng = np.random.default_rng(3)
+    for live in (1, 256 * 16 - 1, 16 * 128 + 1):   # one key; the last position; an uneven last split
+        testing.fill(cache, oracle, [live - 1], rng)
+        q_host = testing.random_rows(rng, spec, (1, 1, 8, head_dim))
+        out = plan.run(cache.to_device(q_host), 0)
+        want = reference.attention(q_host, oracle, 0)
+        testing.assert_attention_close(testing.to_numpy(out, spec, io=True), want, spec.io_dtype,
+                                       testing.value_scale(oracle, 0))
+    assert not cache._backend.to_host(plan._workspace.split_counters).any()
+
+
+def test_a_bad_stated_sm_count_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("CUPYKV_EMULATOR_SMS", "many")
+    with pytest.raises(ValueError, match=r"^CUPYKV_EMULATOR_SMS: expected an int in 1\.\.65535 .* got 'many'$"):
+        cupykv.KVCache(SPEC, backend="emulator").device_info()

@@ -58,6 +58,27 @@ class DeviceArray(np.ndarray):
         super().__setitem__(index, value)
 
 
+def stated_multiprocessors() -> int:
+    """The SM count the emulator reports: ``CUPYKV_EMULATOR_SMS`` (read at every call), else 1.
+
+    The emulator runs one block at a time whatever this says; the number only feeds the plans made
+    from :meth:`EmulatorBackend.device_info`, so that a stated device (``CUPYKV_EMULATOR_SMS=132``: an
+    H200's SMs) gets the split-KV plan a GPU with that many SMs would make (at one resident block
+    per SM, :meth:`EmulatorBackend.occupancy`), and the emulator runs and checks it.
+    """
+    text = os.environ.get("CUPYKV_EMULATOR_SMS", "").strip()
+    if not text:
+        return 1
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 65535:
+        raise ValueError(f"CUPYKV_EMULATOR_SMS: expected an int in 1..65535 (the SM count the emulator states), "
+                         f"got {text!r}")
+    return count
+
+
 class EmulatorBackend(Backend):
     """Runs the same ``.cu`` sources through cupykv's CUDA emulator."""
 
@@ -93,7 +114,7 @@ class EmulatorBackend(Backend):
         except Exception:  # not installed, or broken without a driver: the emulator does not need it
             pass
         return DeviceInfo(name=f"cupykv CUDA emulator on the CPU ({cpu})", emulated=True,
-                          multiprocessor_count=1, details=details)
+                          multiprocessor_count=stated_multiprocessors(), details=details)
 
     def storage_dtype(self, dtype):
         return _STORAGE[dtype]
