@@ -12,6 +12,7 @@ whatever call it comes from, can write into a cache or a plan's workspace
 """
 from __future__ import annotations
 
+import bisect
 import weakref
 from typing import Any, Iterable, Protocol
 
@@ -97,10 +98,56 @@ def check_no_overlap(name: str, array: DeviceArray, others: Iterable[tuple[str, 
 _live_owners: weakref.WeakSet[BufferOwner] = weakref.WeakSet()
 
 
+class _RangeIndex:
+    """Every live owner's buffer ranges, sorted by start, rebuilt only when an owner comes or goes.
+
+    A check then costs a binary search plus the ranges that reach its bytes, not a pass over every
+    live cache and plan: a long-running process (a test session, a server) keeps many of them.
+    """
+
+    def __init__(self) -> None:
+        self.stale = True
+        self.starts: list[int] = []
+        self.reach: list[int] = []   # reach[i]: the largest end of ranges 0..i (ranges may overlap)
+        self.entries: list[tuple[int, int, str, weakref.ref[BufferOwner]]] = []
+
+    def invalidate(self) -> None:
+        self.stale = True
+
+    def overlapping(self, first: int, last: int) -> list[tuple[BufferOwner, str, int]]:
+        """``(owner, what, common bytes)`` of every live range that shares bytes with ``[first, last)``."""
+        if self.stale:
+            self._rebuild()
+        found = []
+        i = bisect.bisect_left(self.starts, last) - 1   # ranges 0..i start before `last`
+        while i >= 0 and self.reach[i] > first:
+            start, end, what, ref = self.entries[i]
+            owner = ref()
+            common = min(last, end) - max(first, start)
+            if owner is not None and common > 0:
+                found.append((owner, what, common))
+            i -= 1
+        return found
+
+    def _rebuild(self) -> None:
+        entries = sorted(((start, end, what, weakref.ref(owner)) for owner in tuple(_live_owners)
+                          for what, start, end in owner.owned_ranges()), key=lambda entry: entry[:3])
+        self.entries, self.starts, self.reach, reach = entries, [entry[0] for entry in entries], [], 0
+        for _, end, _, _ in entries:
+            reach = max(reach, end)
+            self.reach.append(reach)
+        self.stale = False
+
+
+_index = _RangeIndex()
+
+
 def register_buffers(owner: BufferOwner) -> None:
     """Remember ``owner`` while it lives: a KVCache or AttentionPlan, whose ``owned_ranges()`` gives
     ``(what, first, last)`` tuples."""
     _live_owners.add(owner)
+    _index.invalidate()
+    weakref.finalize(owner, _index.invalidate)
 
 
 def check_apart_from_caches(name: str, array: DeviceArray, own: BufferOwner | None = None, *, others: bool = True,
@@ -111,20 +158,21 @@ def check_apart_from_caches(name: str, array: DeviceArray, own: BufferOwner | No
     every other live KVCache and AttentionPlan is checked too ("a KVCache's
     ...", "an AttentionPlan's ..."). Buffers whose description is in
     ``shareable`` (``("lengths",)`` for a cache's shared lengths) may overlap.
-    The ranges were taken once per owner, so this costs one range and a few
-    comparisons per owner.
+    The ranges of every live owner are kept sorted (rebuilt when one is made
+    or freed), so a check costs a binary search, whatever the number of live
+    caches and plans.
     """
     first, last = byte_range(array)
-    owners = [own] if own is not None else []
-    if others:
-        owners += [owner for owner in tuple(_live_owners) if owner is not own]
-    for owner in owners:
-        kind = type(owner).__name__
-        whose = "the cache's" if owner is own else f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}'s"
-        for what, start, end in owner.owned_ranges():
-            if what in shareable:
-                continue
-            common = min(last, end) - max(first, start)
-            if common > 0:
-                raise ValueError(f"{name}: expected an array that does not overlap {whose} {what}, "
-                                 f"got one that shares {common} bytes with it")
+    hits = []
+    if own is not None and own not in _live_owners:   # not registered (yet): checked directly
+        hits = [(own, what, min(last, end) - max(first, start)) for what, start, end in own.owned_ranges()
+                if min(last, end) - max(first, start) > 0]
+    hits += [hit for hit in _index.overlapping(first, last) if others or hit[0] is own]
+    hits = [hit for hit in hits if hit[1] not in shareable]
+    if not hits:
+        return
+    owner, what, common = next((hit for hit in hits if hit[0] is own), hits[0])   # the call's own cache first
+    kind = type(owner).__name__
+    whose = "the cache's" if owner is own else f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}'s"
+    raise ValueError(f"{name}: expected an array that does not overlap {whose} {what}, "
+                     f"got one that shares {common} bytes with it")
