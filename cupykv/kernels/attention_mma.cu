@@ -103,12 +103,6 @@ template <typename T> constexpr int attention_mma_min_blocks() { return cupykv::
 
 namespace cupykv {
 
-// Two 16-bit values in one register, `low` in the low half (the mma and ldmatrix element order).
-template <typename T> __device__ __forceinline__ unsigned pack_pair(T low, T high) {
-    return (unsigned)*reinterpret_cast<const unsigned short*>(&low) |
-           ((unsigned)*reinterpret_cast<const unsigned short*>(&high) << 16);
-}
-
 // Two adjacent fp8 codes of shared memory (the lower address in the low byte) as one 16-bit load.
 __device__ __forceinline__ unsigned short fp8_codes(const unsigned char* at) {
     return *reinterpret_cast<const unsigned short*>(at);

@@ -46,6 +46,12 @@ template <typename T, typename TI> struct mma_type { using type = T; };
 template <typename TI> struct mma_type<__nv_fp8_e4m3, TI> { using type = __nv_bfloat16; };
 template <> struct mma_type<__nv_fp8_e4m3, __half> { using type = __half; };
 
+// Two 16-bit values in one register, `low` in the low half (the mma and ldmatrix element order).
+template <typename T> __device__ __forceinline__ unsigned pack_pair(T low, T high) {
+    return (unsigned)*reinterpret_cast<const unsigned short*>(&low) |
+           ((unsigned)*reinterpret_cast<const unsigned short*>(&high) << 16);
+}
+
 // Two E4M3 codes (`low` code in bits 0-7) widened exactly to two M values packed in one register,
 // the low code in the low half (the mma fragment's element order).
 template <typename M> __device__ __forceinline__ unsigned widen_fp8_pair(unsigned short codes);
@@ -60,8 +66,7 @@ template <> __device__ __forceinline__ unsigned widen_fp8_pair<__nv_bfloat16>(un
     high_raw.x = pair.y;
     const __nv_bfloat16 low = __float2bfloat16_rn(__half2float(__half(low_raw)));    // exact
     const __nv_bfloat16 high = __float2bfloat16_rn(__half2float(__half(high_raw)));
-    return (unsigned)*reinterpret_cast<const unsigned short*>(&low) |
-           ((unsigned)*reinterpret_cast<const unsigned short*>(&high) << 16);
+    return pack_pair(low, high);
 }
 
 }  // namespace cupykv
