@@ -100,3 +100,39 @@ def validate_cpu_run(tmp_path_factory):
                           capture_output=True, text=True, timeout=EMULATOR_BUDGETS.total_s + 60)
     return {"done": done, "out": out, "elapsed": time.perf_counter() - started,
             "summary": json.loads((out / "validate.json").read_text())}
+
+
+# Parallel runs (the README's `pytest -n auto --dist loadgroup`): tests go to the workers one at a time,
+# except these modules, each kept whole on one worker because an expensive fixture of theirs must run once.
+ONE_WORKER_MODULES = {
+    "test_smollm2.py": "smollm2",     # three generations with the real checkpoint (module fixture, ~100 s)
+    "test_validate.py": "validate",   # the validate CPU run (validate_cpu_run), which test_bench.py reads too
+    "test_bench.py": "validate",
+    "test_nvrtc_check.py": "nvrtc",   # the NVRTC check of every instance (module fixture, ~35 s)
+    "test_peers.py": "peers",         # torch's SDPA against the emulator (module fixture, ~12 s)
+}
+# Modules with a single test of a minute or more: started first, so that none is left to run alone at the end.
+LONG_SINGLE_TESTS = ("test_fuzz_api.py", "test_notebooks.py", "test_stateful.py")
+# A worker's peak resident memory, measured over a CI run (the real-model modules are the peak).
+WORKER_PEAK_BYTES = 4 << 30
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = ONE_WORKER_MODULES.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # set in each worker; workers collect, the controller does not
+        items.sort(key=lambda item: item.path.name not in LONG_SINGLE_TESTS)   # stable: otherwise unchanged
+
+
+@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist, absent when it is not installed
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per usable core, but no more than the memory holds at a worker's peak."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return cores
+    return max(1, min(cores, memory // WORKER_PEAK_BYTES))
