@@ -129,6 +129,8 @@ def launch_shape(instance: str) -> LaunchShape | None:
         return LaunchShape(kernel.threads, kernel.shared_mem_bytes, f"head_dim {tensor_cores.group(3)}, tensor cores")
     if instance.startswith("cupykv_linear<"):
         return LaunchShape(ops.LINEAR_THREADS, 0)
+    if instance.startswith("cupykv_linear_mma<"):
+        return LaunchShape(ops.LINEAR_MMA_THREADS, 0, "tensor cores")
     return None
 
 

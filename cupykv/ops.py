@@ -44,7 +44,7 @@ import numpy as np
 from cupykv import _args
 from cupykv._typing import ArrayLike, DeviceArray, FloatLike
 from cupykv.backends.base import Backend
-from cupykv.kernels import CUDA_TYPES, KERNELS, LINEAR_ROW_TILES
+from cupykv.kernels import CUDA_TYPES, KERNELS, LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES
 
 __all__ = ["linear", "embedding", "rmsnorm", "silu_mul", "add", "argmax"]
 
@@ -59,8 +59,43 @@ LINEAR_SPLIT_K_BELOW_OUTS = 16384
 
 
 def linear_split_k(out_features: int) -> int:
-    """Warps sharing each pair of outputs of a ``linear`` launch (2 for narrow projections, else 1)."""
+    """Warps sharing each pair of outputs of a CUDA-core ``linear`` launch (2 for narrow projections, else 1)."""
     return _LINEAR_TILING["kMaxSplitK"] if out_features < LINEAR_SPLIT_K_BELOW_OUTS else 1
+
+
+_LINEAR_MMA_TILING = KERNELS["linear_mma"].constants("linear_mma_tiling")   # read from kernels/linear_mma.cu
+LINEAR_MMA_THREADS = _LINEAR_MMA_TILING["kThreads"]
+LINEAR_MMA_WARPS = _LINEAR_MMA_TILING["kWarps"]
+LINEAR_MMA_OUTS_PER_WARP = _LINEAR_MMA_TILING["kOutsPerWarp"]
+LINEAR_MMA_STEP_FEATURES = _LINEAR_MMA_TILING["kStepFeatures"]
+#: Warps a tensor-core ``linear`` launch aims for: an H200's 132 SMs x 2 blocks x 8 warps, rounded.
+LINEAR_MMA_WARPS_WANTED = 2048
+#: Fewest warp steps (of LINEAR_MMA_STEP_FEATURES in_features) a split part keeps.
+LINEAR_MMA_MIN_STEPS = 4
+
+
+def linear_mma_split_k(out_features: int, in_features: int) -> int:
+    """Warps sharing each 8 outputs of a tensor-core ``linear`` launch: 1, 2, 4 or 8.
+
+    Doubled while the launch has fewer than ``LINEAR_MMA_WARPS_WANTED`` warps and each part would
+    keep at least ``LINEAR_MMA_MIN_STEPS`` steps: 8 for a 1024 x 4096 projection, 1 for a
+    128256-row LM head. It depends on the weight's shape alone, never on the number of rows.
+    """
+    groups = math.ceil(out_features / LINEAR_MMA_OUTS_PER_WARP)
+    steps = math.ceil(in_features / LINEAR_MMA_STEP_FEATURES)
+    split = 1
+    while (split < _LINEAR_MMA_TILING["kMaxSplitK"] and groups * split < LINEAR_MMA_WARPS_WANTED
+           and steps // (2 * split) >= LINEAR_MMA_MIN_STEPS):
+        split *= 2
+    return split
+
+
+def linear_uses_tensor_cores(dtype: str, x: DeviceArray, weight: DeviceArray) -> bool:
+    """Whether :func:`linear` runs ``x @ weight.T`` (both of ``dtype``) on tensor cores
+    (kernels/linear_mma.cu): float16 or bfloat16, ``in_features`` a multiple of 8, both arrays
+    16-byte aligned. It never depends on the number of rows."""
+    return (dtype in LINEAR_MMA_DTYPES and weight.shape[1] % _LINEAR_MMA_TILING["kVec"] == 0
+            and _args.byte_range(x)[0] % 16 == 0 and _args.byte_range(weight)[0] % 16 == 0)
 EMBEDDING_THREADS = 128
 RMSNORM_MAX_THREADS = 256
 ARGMAX_MAX_THREADS = 512
@@ -124,13 +159,20 @@ def linear(x: ArrayLike, weight: ArrayLike, *, out: ArrayLike | None = None,
     weight, _ = _args.float_operand("weight", weight, backend, dtype, "x")
     out_features, _ = _args.check_shape("weight", weight, (None, in_features), ("out_features", "in_features"))
     word = _args.run_if_operand(run_if, backend)
-    split_k = linear_split_k(out_features)
-    grid, block = (math.ceil(out_features / (LINEAR_WARPS // split_k * LINEAR_OUTS_PER_WARP)),), (LINEAR_THREADS,)
+    if linear_uses_tensor_cores(dtype, x, weight):
+        kernel, tiles = "linear_mma", LINEAR_MMA_ROW_TILES
+        split_k = linear_mma_split_k(out_features, in_features)
+        outs_per_block, threads = LINEAR_MMA_WARPS // split_k * LINEAR_MMA_OUTS_PER_WARP, LINEAR_MMA_THREADS
+    else:
+        kernel, tiles = "linear", LINEAR_ROW_TILES
+        split_k = linear_split_k(out_features)
+        outs_per_block, threads = LINEAR_WARPS // split_k * LINEAR_OUTS_PER_WARP, LINEAR_THREADS
+    grid, block = (math.ceil(out_features / outs_per_block),), (threads,)
     _args.check_launch("weight", f"out_features = {out_features}", grid, block)
     out = _args.float_output(out, backend, dtype, (rows, out_features), "x", inputs=[("x", x), ("weight", weight)])
     word = _args.run_if_word(word, backend, [("out", out)])
-    tile = next((t for t in LINEAR_ROW_TILES if t >= rows), LINEAR_ROW_TILES[-1])
-    backend.launch("linear", f"cupykv_linear<{CUDA_TYPES[dtype]}, {tile}>", grid, block,
+    tile = next((t for t in tiles if t >= rows), tiles[-1])
+    backend.launch(kernel, f"cupykv_{kernel}<{CUDA_TYPES[dtype]}, {tile}>", grid, block,
                    (out, x, weight, np.int32(rows), np.int32(in_features), np.int32(out_features), np.int32(split_k),
                     word))
     return out

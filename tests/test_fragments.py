@@ -144,6 +144,34 @@ def test_mma_accumulates_in_fp32_in_the_stated_order(module, cuda_type):
     assert (error <= bound).all(), f"max error {error.max():.3g}, mean {error.mean():.3g}"
 
 
+@pytest.mark.parametrize("cuda_type", DTYPES)
+def test_mma_rows_of_zeros_give_the_stated_orders_bits(module, cuda_type):
+    """The emulator skips the additions of an all-zero row of A (a short tile's padding, as in
+    kernels/linear_mma.cu); its results must still be the stated order's, bit for bit: the sign
+    of a zero sum from zeros of either sign in A and C, NaN in C, and inf or NaN in B."""
+    rng = np.random.default_rng(13)
+    dtype = DTYPES[cuda_type]
+    a = rng.standard_normal((4, 16, 16)).astype(dtype)
+    a[:, 3:] = 0.0
+    a[:, 5:9] = -0.0
+    a[:, 9, ::2] = -0.0
+    b = rng.standard_normal((4, 16, 8)).astype(dtype)
+    b[1] = np.abs(b[1])                  # -0 rows of A times positive B: every product -0
+    b[2, 4, 1] = np.inf                  # 0 * inf = NaN: the column's zero rows are NaN
+    b[3, 0, 0] = np.nan
+    c = rng.standard_normal((4, 16, 8)).astype(np.float32)
+    c[:, 3:10, :4] = -0.0
+    c[:, 10:, 4:] = 0.0
+    c[:, 12, 2] = np.nan
+    d = run_mma(module, cuda_type, a, b, c)
+    with np.errstate(invalid="ignore"):   # 0 * inf, on purpose
+        want = stated_order(a, b, c)
+    assert np.array_equal(np.isnan(d), np.isnan(want))
+    finite = ~np.isnan(want)
+    assert np.array_equal(d[finite].view(np.uint32), want[finite].view(np.uint32))
+    assert (np.signbit(d[1, 5:9, :4]) & (d[1, 5:9, :4] == 0)).all()   # the -0 case is there to be checked
+
+
 def test_mma_needs_every_lane_of_the_warp(module):
     a = np.zeros((1, 16, 16), np.float16)
     b = np.zeros((1, 16, 8), np.float16)

@@ -174,6 +174,8 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
             assert r.min_blocks == (4 if "__nv_fp8_e4m3" in r.instance else 3), r
         elif r.instance.startswith("cupykv_linear<"):
             assert r.min_blocks == 4, r
+        elif r.instance.startswith("cupykv_linear_mma<"):   # 2 blocks of 8 warps: 64 KB of weight in flight per SM
+            assert r.min_blocks == 2, r
         assert not row.below_minimum, (r, row.occupancy)
 
 

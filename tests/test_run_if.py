@@ -18,6 +18,8 @@ it first and does nothing. For each call that takes ``run_if`` (the six ops,
 The reference cache takes the same ``run_if`` (a NumPy int32 ``[1]``) and
 agrees with the fast path, ``return_positions`` included.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -174,12 +176,15 @@ def test_a_gated_off_launch_reads_its_word_and_touches_nothing_else(spec, name):
     assert launch.total("store").bytes == launch.total("atomic").bytes == 0, launch.report()
 
 
-def test_a_gated_off_linear_reads_no_weight_byte():
-    env = Env("emulator")
-    with testing.traffic("emulator") as t:
+@pytest.mark.parametrize("dtype, kernel", [("float16", "linear_mma"), ("float32", "linear")],
+                         ids=["tensor-cores", "cuda-cores"])
+def test_a_gated_off_linear_reads_no_weight_byte(dtype, kernel):
+    env = Env("emulator", dataclasses.replace(SPEC, dtype=dtype, io_dtype=dtype))
+    with testing.traffic("emulator") as t, recording_launches() as launched:
         ops.linear(env.x, env.weight, out=env.projected, run_if=env.word(0))
     with testing.traffic("emulator") as ran:
         ops.linear(env.x, env.weight, out=env.projected, run_if=env.word(1))
+    assert [op for op, _ in launched] == [kernel]
     assert t.launches[0].of(env.weight).bytes_loaded == 0
     assert ran.launches[0].of(env.weight).bytes_loaded == env.weight.nbytes   # the same launch, not gated
 

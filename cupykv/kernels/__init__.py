@@ -35,6 +35,12 @@ ATTENTION_HEAD_DIMS = (64, 128)
 #: rows a linear warp accumulates at once; one instance each (see kernels/linear.cu).
 LINEAR_ROW_TILES = (1, 2, 4, 8, 16)
 
+#: row tiles of the tensor-core linear (kernels/linear_mma.cu): 8 rows (half an mma) or 16.
+LINEAR_MMA_ROW_TILES = (8, 16)
+
+#: dtypes whose linear runs on tensor cores (where in_features and alignment allow).
+LINEAR_MMA_DTYPES = ("float16", "bfloat16")
+
 
 @dataclass(frozen=True)
 class KernelFile:
@@ -108,6 +114,11 @@ KERNELS: dict[str, KernelFile] = {
     # decoder ops (cupykv.ops): everything a LLaMA-style decode step needs besides attention
     "linear": KernelFile(
         "linear.cu", tuple(f"cupykv_linear<{t}, {tile}>" for t in CUDA_TYPES.values() for tile in LINEAR_ROW_TILES)
+    ),
+    # its tensor-core path for 16-bit x and weight (cupykv.ops.linear picks it)
+    "linear_mma": KernelFile(
+        "linear_mma.cu", tuple(f"cupykv_linear_mma<{CUDA_TYPES[d]}, {tile}>" for d in LINEAR_MMA_DTYPES
+                               for tile in LINEAR_MMA_ROW_TILES)
     ),
     "embedding": KernelFile("embedding.cu", _per_type("cupykv_embedding<{t}>")),
     "rmsnorm": KernelFile("rmsnorm.cu", _per_type("cupykv_rmsnorm<{t}>")),

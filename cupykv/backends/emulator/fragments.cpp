@@ -42,35 +42,61 @@
 namespace cuemu {
 namespace {
 
-float element(uint32_t reg, int half, bool bf16) {
+template <bool BF16>
+float element(uint32_t reg, int half) {
   const uint16_t bits = (uint16_t)(reg >> (16 * half));
-  return bf16 ? fp::bf16_to_f32(bits) : fp::f16_to_f32(bits);
+  return BF16 ? fp::bf16_to_f32(bits) : fp::f16_to_f32(bits);
 }
 
-void mma_m16n8k16(bool bf16, const FragmentLane* lanes) {
+template <bool BF16>
+void mma_m16n8k16(const FragmentLane* lanes) {
   float a[16][16], b[16][8], c[16][8];
-  for (int lane = 0; lane < 32; ++lane) {
+  for (int lane = 0; lane < 32; ++lane) {   // the layouts above, register by register
     const cuemu_mma_in* in = static_cast<const cuemu_mma_in*>(lanes[lane].in);
-    const int group = lane >> 2, tig = lane & 3;
-    for (int i = 0; i < 8; ++i) {
-      const int row = (i < 2 || (i >= 4 && i < 6)) ? group : group + 8;
-      const int col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);
-      a[row][col] = element(in->a[i / 2], i & 1, bf16);
+    const int group = lane >> 2, col = 2 * (lane & 3);
+    for (int half = 0; half < 2; ++half) {
+      a[group][col + half] = element<BF16>(in->a[0], half);
+      a[group + 8][col + half] = element<BF16>(in->a[1], half);
+      a[group][col + 8 + half] = element<BF16>(in->a[2], half);
+      a[group + 8][col + 8 + half] = element<BF16>(in->a[3], half);
+      b[col + half][group] = element<BF16>(in->b[0], half);
+      b[col + 8 + half][group] = element<BF16>(in->b[1], half);
+      c[group][col + half] = in->c[half];
+      c[group + 8][col + half] = in->c[2 + half];
     }
-    for (int i = 0; i < 4; ++i) b[tig * 2 + (i & 1) + (i >= 2 ? 8 : 0)][group] = element(in->b[i / 2], i & 1, bf16);
-    for (int i = 0; i < 4; ++i) c[i < 2 ? group : group + 8][tig * 2 + (i & 1)] = in->c[i];
   }
+  // A row of A that is all zeros (the padding of a tile with fewer than 16 rows) adds only zero
+  // products when B is finite, so its sums are known without the 16 additions: c unchanged where
+  // c is not zero; where it is, -0 only if c and every product are -0 (round to nearest adds
+  // -0 + -0 = -0 and any other pair of zeros to +0). B with an inf or NaN takes the full sum.
+  bool b_finite = true;
+  for (int k = 0; k < 16; ++k)
+    for (int j = 0; j < 8; ++j) b_finite = b_finite && isfinite(b[k][j]);
   float d[16][8];
-  for (int i = 0; i < 16; ++i)
+  for (int i = 0; i < 16; ++i) {
+    bool zero_row = b_finite;
+    for (int k = 0; k < 16 && zero_row; ++k) zero_row = a[i][k] == 0.0f;
     for (int j = 0; j < 8; ++j) {
       float acc = c[i][j];
-      for (int k = 0; k < 16; ++k) acc += a[i][k] * b[k][j];  // exact product, one rounding per add
+      if (zero_row && acc != 0.0f) {
+        // c + (+-0) + ... = c
+      } else if (zero_row) {
+        bool all_negative = signbit(acc);
+        for (int k = 0; k < 16 && all_negative; ++k) all_negative = signbit(a[i][k]) != signbit(b[k][j]);
+        acc = all_negative ? -0.0f : 0.0f;
+      } else {
+        for (int k = 0; k < 16; ++k) acc += a[i][k] * b[k][j];  // exact product, one rounding per add
+      }
       d[i][j] = acc;
     }
+  }
   for (int lane = 0; lane < 32; ++lane) {
     float* out = static_cast<float*>(lanes[lane].out);
-    const int group = lane >> 2, tig = lane & 3;
-    for (int i = 0; i < 4; ++i) out[i] = d[i < 2 ? group : group + 8][tig * 2 + (i & 1)];
+    const int group = lane >> 2, col = 2 * (lane & 3);
+    out[0] = d[group][col];
+    out[1] = d[group][col + 1];
+    out[2] = d[group + 8][col];
+    out[3] = d[group + 8][col + 1];
   }
 }
 
@@ -117,8 +143,8 @@ int ldmatrix(int arg, uint32_t base_tid, const FragmentLane* lanes, std::string*
 
 int fragment_release(int op, int arg, uint32_t base_tid, const FragmentLane* lanes, std::string* msg) {
   switch (op) {
-    case CUEMU_MMA_F16: mma_m16n8k16(false, lanes); return -1;
-    case CUEMU_MMA_BF16: mma_m16n8k16(true, lanes); return -1;
+    case CUEMU_MMA_F16: mma_m16n8k16<false>(lanes); return -1;
+    case CUEMU_MMA_BF16: mma_m16n8k16<true>(lanes); return -1;
     case CUEMU_LDMATRIX: return ldmatrix(arg, base_tid, lanes, msg);
   }
   *msg = "unknown fragment instruction";
