@@ -159,6 +159,7 @@ def linear(x: ArrayLike, weight: ArrayLike, *, out: ArrayLike | None = None,
     weight, _ = _args.float_operand("weight", weight, backend, dtype, "x")
     out_features, _ = _args.check_shape("weight", weight, (None, in_features), ("out_features", "in_features"))
     word = _args.run_if_operand(run_if, backend)
+    tiles: tuple[int, ...]
     if linear_uses_tensor_cores(dtype, x, weight):
         kernel, tiles = "linear_mma", LINEAR_MMA_ROW_TILES
         split_k = linear_mma_split_k(out_features, in_features)

@@ -60,7 +60,7 @@ MIN_COMMAND_S = 5.0
 #: the source tree: tests/ lives beside the cupykv package in a checkout.
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 #: (label, kernel-name regex on demangled names) of the kernels Nsight Compute profiles once each.
-NCU_KERNELS = (("decode attention", r".*cupykv_attention(_mma)?<.*"), ("linear", r".*cupykv_linear<.*"))
+NCU_KERNELS = (("decode attention", r".*cupykv_attention(_mma)?<.*"), ("linear", r".*cupykv_linear(_mma)?<.*"))
 #: DRAM throughput, sectors per request, achieved occupancy and warp stall reasons.
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis_Tables", "Occupancy", "WarpStateStats")
 

@@ -117,11 +117,13 @@ def _attention_round(backend: Backend, dtype: str, io_dtype: str, head_dim: int,
 
 
 def _decoder_ops_round(backend: Backend, dtype: str, seed: int) -> None:
-    """``linear`` for every row tile, then embedding, rmsnorm, silu_mul, add and argmax, in one dtype."""
+    """``linear`` for every row tile of both kernels, then embedding, rmsnorm, silu_mul, add and argmax, in one
+    dtype. 16-bit dtypes run ``linear`` on tensor cores; an ``in_features`` of 9 takes the CUDA cores."""
     hidden, vocab, out_features = 64, 32, 16
-    weight = random_array(backend, (out_features, hidden), dtype, seed, scale=0.1)   # [out_features, in_features]
-    for rows in LINEAR_ROW_TILES:
-        ops.linear(random_array(backend, (rows, hidden), dtype, seed + rows), weight)
+    for in_features in (hidden, 9):
+        weight = random_array(backend, (out_features, in_features), dtype, seed, scale=0.1)   # [out, in_features]
+        for rows in LINEAR_ROW_TILES:
+            ops.linear(random_array(backend, (rows, in_features), dtype, seed + rows), weight)
     table = random_array(backend, (vocab, hidden), dtype, seed + 100)                 # [vocab, hidden]
     ids = backend.asarray(np.array([0, 5, vocab - 1], np.int32))
     x = ops.embedding(ids, table)                                                      # [3, hidden]

@@ -102,8 +102,8 @@ def validate_cpu_run(tmp_path_factory):
             "summary": json.loads((out / "validate.json").read_text())}
 
 
-# Parallel runs (the README's `pytest -n auto --dist loadgroup`): tests go to the workers one at a time,
-# except these modules, each kept whole on one worker because an expensive fixture of theirs must run once.
+# Parallel runs (the README's `pytest -n auto`): tests go to the workers one at a time, except these
+# modules, each kept whole on one worker (named by group) because an expensive fixture of theirs must run once.
 ONE_WORKER_MODULES = {
     "test_smollm2.py": "smollm2",     # three generations with the real checkpoint (module fixture, ~100 s)
     "test_validate.py": "validate",   # the validate CPU run (validate_cpu_run), which test_bench.py reads too
@@ -117,17 +117,35 @@ LONG_SINGLE_TESTS = ("test_fuzz_api.py", "test_notebooks.py", "test_stateful.py"
 WORKER_PEAK_BYTES = 3 << 30
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
+def work_unit(nodeid):
+    """The unit of work a parallel run hands to one worker: a group of ONE_WORKER_MODULES, else the test."""
+    return ONE_WORKER_MODULES.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1], nodeid)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = ONE_WORKER_MODULES.get(item.path.name)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get("PYTEST_XDIST_WORKER"):   # set in each worker; workers collect, the controller does not
         items.sort(key=lambda item: item.path.name not in LONG_SINGLE_TESTS)   # stable: otherwise unchanged
 
 
-@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist, absent when it is not installed
+@pytest.hookimpl(optionalhook=True)   # hooks of pytest-xdist, absent when it is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` with the default ``--dist load``: tests one at a time, but :func:`work_unit` groups whole.
+
+    (xdist's own ``--dist loadgroup`` marks groups by renaming node ids, which pytest 9.1 and later
+    ignore, so its groups silently split there.)
+    """
+    if config.getvalue("dist") != "load":
+        return None   # another --dist, asked for by name: xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per usable core, but no more than the memory holds at a worker's peak."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

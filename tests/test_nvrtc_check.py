@@ -184,7 +184,7 @@ def _docs_table():
     text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
     types = {"bf16": "__nv_bfloat16", "half": "__half", "float": "float", "T": None}
     rows = []
-    for match in re.finditer(r"^\| (attention_mma|attention|linear)<(\w+), (\d+)>[^|]*\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
+    for match in re.finditer(r"^\| (attention_mma|attention|linear_mma|linear)<(\w+), (\d+)>[^|]*\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
                              text, re.M):
         kernel, t, size, r80, b80, r90, b90 = match.groups()
         rows.append((kernel, types[t], int(size), {"sm_80": (int(r80), int(b80)), "sm_90": (int(r90), int(b90))}))
@@ -193,13 +193,13 @@ def _docs_table():
 
 def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
     rows = _docs_table()
-    assert len(rows) >= 7
+    assert len(rows) >= 13
     computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
                 for row in occupancy.rows(reports)}
     for kernel, cuda_type, size, by_arch in rows:
         for cuda in ([cuda_type] if cuda_type else ["float", "__half", "__nv_bfloat16"]):
             # attention kernels take the cache type and the io type (the same but for fp8 caches)
-            instance = f"cupykv_{kernel}<{cuda}, {size}>" if kernel == "linear" else f"cupykv_{kernel}<{cuda}, {cuda}, {size}>"
+            instance = f"cupykv_{kernel}<{cuda}, {size}>" if kernel.startswith("linear") else f"cupykv_{kernel}<{cuda}, {cuda}, {size}>"
             for arch, documented in by_arch.items():
                 assert computed[(arch, instance)] == documented, (instance, arch)
 

