@@ -113,7 +113,7 @@ ONE_WORKER_MODULES = {
 }
 # Modules with a single test of a minute or more: started first, so that none is left to run alone at the end.
 LONG_SINGLE_TESTS = ("test_fuzz_api.py", "test_notebooks.py", "test_stateful.py")
-# Memory to allow per worker: the largest resident size of any test process over a CI run was 1.7 GB.
+# Memory to allow per worker: the largest resident size of any test process over a full run was 2.3 GB.
 WORKER_PEAK_BYTES = 3 << 30
 
 
@@ -136,13 +136,18 @@ def pytest_xdist_make_scheduler(config, log):
     """
     if config.getvalue("dist") != "load":
         return None   # another --dist, asked for by name: xdist's own
+    return work_unit_scheduling()(config, log)
+
+
+def work_unit_scheduling():
+    """xdist's scope scheduler (larger units first, then in collection order) with :func:`work_unit` as the scope."""
     from xdist.scheduler import LoadScopeScheduling
 
     class WorkUnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             return work_unit(nodeid)
 
-    return WorkUnitScheduling(config, log)
+    return WorkUnitScheduling
 
 
 @pytest.hookimpl(optionalhook=True)
