@@ -96,6 +96,8 @@ def linear_uses_tensor_cores(dtype: str, x: DeviceArray, weight: DeviceArray) ->
     16-byte aligned. It never depends on the number of rows."""
     return (dtype in LINEAR_MMA_DTYPES and weight.shape[1] % _LINEAR_MMA_TILING["kVec"] == 0
             and _args.byte_range(x)[0] % 16 == 0 and _args.byte_range(weight)[0] % 16 == 0)
+
+
 EMBEDDING_THREADS = 128
 RMSNORM_MAX_THREADS = 256
 ARGMAX_MAX_THREADS = 512
@@ -115,7 +117,10 @@ def linear(x: ArrayLike, weight: ArrayLike, *, out: ArrayLike | None = None,
 
     Each weight element is read from global memory once per launch for up to
     16 rows (once per 16-row tile beyond), in 16-byte vectors when
-    ``in_features`` allows; accumulation is fp32.
+    ``in_features`` allows; accumulation is fp32. float16 and bfloat16 run on
+    tensor cores when ``in_features`` is a multiple of 8 and both arrays are
+    16-byte aligned (:func:`linear_uses_tensor_cores`); a row's result never
+    depends on the other rows of the call.
 
     Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
     which a captured step refuses (CaptureError).
