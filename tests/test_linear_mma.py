@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cupykv import ops, ops_reference as reference
-from cupykv.kernels import LINEAR_MMA_DTYPES, LINEAR_ROW_TILES
+from cupykv.kernels import CUDA_TYPES, LINEAR_MMA_DTYPES, LINEAR_ROW_TILES
 from cupykv.validate_launches import recording_launches
 from backends import BACKENDS
 from test_ops import NP_DTYPES, assert_linear_close, device, random, to_host
@@ -47,7 +47,7 @@ def test_16_bit_aligned_projections_run_on_tensor_cores_and_the_rest_on_cuda_cor
             x, weight = random(rng, (rows, in_features), dtype), random(rng, (5, in_features), dtype)
             with recording_launches() as launched:
                 ops.linear(device(backend, x), device(backend, weight))
-            ctype = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[dtype]
+            ctype = CUDA_TYPES[dtype]
             cuda_core_tile = next((t for t in LINEAR_ROW_TILES if t >= rows), LINEAR_ROW_TILES[-1])
             want = f"cupykv_linear_mma<{ctype}, {tile}>" if tensor_cores else f"cupykv_linear<{ctype}, {cuda_core_tile}>"
             assert launched == [("linear_mma" if tensor_cores else "linear", want)], (dtype, in_features, rows)

@@ -78,14 +78,12 @@ void mma_m16n8k16(const FragmentLane* lanes) {
     for (int k = 0; k < 16 && zero_row; ++k) zero_row = a[i][k] == 0.0f;
     for (int j = 0; j < 8; ++j) {
       float acc = c[i][j];
-      if (zero_row && acc != 0.0f) {
-        // c + (+-0) + ... = c
-      } else if (zero_row) {
+      if (!zero_row) {
+        for (int k = 0; k < 16; ++k) acc += a[i][k] * b[k][j];  // exact product, one rounding per add
+      } else if (acc == 0.0f) {   // a nonzero c plus zeros stays c
         bool all_negative = signbit(acc);
         for (int k = 0; k < 16 && all_negative; ++k) all_negative = signbit(a[i][k]) != signbit(b[k][j]);
         acc = all_negative ? -0.0f : 0.0f;
-      } else {
-        for (int k = 0; k < 16; ++k) acc += a[i][k] * b[k][j];  // exact product, one rounding per add
       }
       d[i][j] = acc;
     }
