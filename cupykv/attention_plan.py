@@ -26,18 +26,18 @@ from cupykv.backends.base import Backend
 from cupykv.backends.capture import active_capture, refuse_in_capture
 from cupykv.cache import KVCache
 from cupykv.cache import KernelView
-from cupykv.kernels import CUDA_TYPES, KERNELS, attention_instance
+from cupykv.kernels import ATTENTION_MMA_ROW_TILES, CUDA_TYPES, KERNELS, attention_instance
 from cupykv.rope import Rope
 from cupykv.spec import CacheSpec
 
 TILING = KERNELS["attention"].constants("attention_tiling")
 MMA_TILING = KERNELS["attention_mma"].constants("attention_mma_tiling")
 THREADS = TILING["kThreads"]       # threads per block of the CUDA-core kernel
-TILE_ROWS = TILING["kTileRows"]    # query rows (query x head of one GQA group) per block
+TILE_ROWS = TILING["kTileRows"]    # query rows (query x head of one GQA group) per block, or per m16 tile
 CHUNK = TILING["kChunk"]           # keys a block scores at once; splits fall on multiples of it
 MIN_KEYS_PER_SPLIT = 256           # below this, a split's fixed cost outweighs its parallelism
 MAX_SPLITS = 65535                 # splits are grid y: CUDA's limit there
-if (MMA_TILING["kTileRows"], MMA_TILING["kSplitAlign"]) != (TILE_ROWS, CHUNK):   # one grid, one split plan
+if (MMA_TILING["kTileRows"], MMA_TILING["kSplitAlign"]) != (TILE_ROWS, CHUNK):   # one row tile, one split plan
     raise ImportError(f"kernels: attention_mma.cu tiles {MMA_TILING['kTileRows']} rows and aligns splits to "
                       f"{MMA_TILING['kSplitAlign']} keys, attention.cu {TILE_ROWS} and {CHUNK}: they must agree")
 
@@ -55,27 +55,49 @@ class AttentionKernel:
     instance: str
     threads: int
     shared_mem_bytes: int
+    rows_per_block: int = TILE_ROWS   # query rows (query x head of one GQA group) a block owns
 
     @property
     def tensor_cores(self) -> bool:
-        """Whether S = QK^T and PV run on mma.sync (16-bit caches at head_dim 64 and 128)."""
+        """Whether S = QK^T and PV run on mma.sync (16-bit and fp8 caches at head_dim 64 and 128)."""
         return self.op == "attention_mma"
 
+    @property
+    def opts_in_to_shared_memory(self) -> bool:
+        """Whether a launch needs the kernel's opt-in to more than 48 KiB of dynamic shared memory."""
+        return self.shared_mem_bytes > _args.MAX_DYNAMIC_SHARED_MEMORY
 
-def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None) -> AttentionKernel:
+
+def mma_row_tiles(query_rows: int) -> int:
+    """m16 row tiles per block of the tensor-core kernel for ``query_rows`` (``q_len * group``) rows
+    per sequence and kv head: one up to TILE_ROWS rows, the most there are past that, so that a
+    block reads each K/V row once for twice the rows (cupykv.kernels.ATTENTION_MMA_ROW_TILES)."""
+    return ATTENTION_MMA_ROW_TILES[0] if query_rows <= TILE_ROWS else ATTENTION_MMA_ROW_TILES[-1]
+
+
+def mma_shared_memory_bytes(dtype: str, head_dim: int, row_tiles: int) -> int:
+    """Dynamic shared memory of one tensor-core attention block: the q pieces of each row tile,
+    then the warps' K/V stages (``namespace attention_mma_tiling`` of attention_mma.cu)."""
+    stages = MMA_TILING[f"kStages{head_dim}Fp8" if dtype == "float8_e4m3" else f"kStages{head_dim}"]
+    return row_tiles * MMA_TILING[f"kQTile{head_dim}"] + stages
+
+
+def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, query_rows: int = 1) -> AttentionKernel:
     """The kernel for a cache's storage dtype, head size and io dtype (``dtype`` by default): tensor
     cores for 16-bit and fp8 caches at head_dim 64 and 128 (``attention_mma.cu``), CUDA cores
-    otherwise (``attention.cu``)."""
-    op, instance = attention_instance(dtype, head_dim, io_dtype)
+    otherwise (``attention.cu``). ``query_rows`` (``q_len * group``) picks the tensor-core
+    kernel's rows per block (:func:`mma_row_tiles`)."""
+    row_tiles = mma_row_tiles(query_rows)
+    op, instance = attention_instance(dtype, head_dim, io_dtype, row_tiles)
     if op == "attention_mma":
-        shared = MMA_TILING[f"kShared{head_dim}Fp8" if dtype == "float8_e4m3" else f"kShared{head_dim}"]
-        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"], shared)
+        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"],
+                               mma_shared_memory_bytes(dtype, head_dim, row_tiles), TILE_ROWS * row_tiles)
     return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
 
 
-def query_tiles(q_len: int, group: int) -> int:
-    """Blocks of up to TILE_ROWS query rows (query x head of one GQA group) per sequence and kv head."""
-    return math.ceil(q_len * group / TILE_ROWS)
+def query_blocks(q_len: int, group: int, rows_per_block: int = TILE_ROWS) -> int:
+    """Blocks of up to ``rows_per_block`` query rows (query x head of one GQA group) per sequence and kv head."""
+    return math.ceil(q_len * group / rows_per_block)
 
 
 def max_splits(max_seq: int) -> int:
@@ -83,7 +105,8 @@ def max_splits(max_seq: int) -> int:
     return max(1, min(math.ceil(max_seq / CHUNK), MAX_SPLITS))
 
 
-def plan_splits(spec: CacheSpec, q_len: int, n_heads: int, resident_blocks: int) -> int:
+def plan_splits(spec: CacheSpec, q_len: int, n_heads: int, resident_blocks: int,
+                rows_per_block: int = TILE_ROWS) -> int:
     """Number of KV splits: enough blocks to fill the device once, never fewer than 256 keys a split.
 
     Parameters
@@ -95,10 +118,12 @@ def plan_splits(spec: CacheSpec, q_len: int, n_heads: int, resident_blocks: int)
         Blocks the whole device runs at once: multiprocessors x blocks
         resident per multiprocessor (1 on the emulator, which runs blocks one
         after another, so it never splits by default).
+    rows_per_block : int, optional
+        Query rows one block owns (``AttentionKernel.rows_per_block``).
 
     Depends only on static shapes, so a captured graph keeps a valid plan.
     """
-    blocks = spec.batch * spec.n_kv_heads * query_tiles(q_len, n_heads // spec.n_kv_heads)
+    blocks = spec.batch * spec.n_kv_heads * query_blocks(q_len, n_heads // spec.n_kv_heads, rows_per_block)
     return max(1, min(math.ceil(resident_blocks / blocks), spec.max_seq // MIN_KEYS_PER_SPLIT))
 
 
@@ -145,12 +170,12 @@ def check_operands(cache: KVCache, q_len: int, n_heads: int, q: ArrayLike, layer
 @dataclass(frozen=True)
 class _Workspace:
     """A plan's split-KV scratch: fp32 partial output, running max and sum of every split and query row,
-    and one counter per query tile (the blocks of a tile count themselves; the last one merges)."""
+    and one counter per query block (the splits of a block count themselves; the last one merges)."""
 
     partial_out: DeviceArray      # [splits, rows, head_dim]
     partial_max: DeviceArray      # [splits, rows]
     partial_sum: DeviceArray      # [splits, rows]
-    split_counters: DeviceArray   # [batch * n_kv_heads * tiles] uint32, 0 between launches
+    split_counters: DeviceArray   # [batch * n_kv_heads * query blocks] uint32, 0 between launches
 
     @property
     def buffers(self) -> tuple[DeviceArray, ...]:
@@ -249,11 +274,14 @@ class AttentionPlan:
             raise ValueError(f"q_len: expected batch * q_len * n_heads <= {_args.INT32_MAX} query rows, got "
                              f"{spec.batch} * {self.q_len} * {self.n_heads} = {self.rows}")
         group = self.n_heads // spec.n_kv_heads
-        tiles = query_tiles(self.q_len, group)
-        self.kernel = attention_kernel(spec.dtype, spec.head_dim, spec.io_dtype)
+        self.kernel = attention_kernel(spec.dtype, spec.head_dim, spec.io_dtype, self.q_len * group)
+        rows_per_block = self.kernel.rows_per_block
+        blocks = query_blocks(self.q_len, group, rows_per_block)
         self.block = (self.kernel.threads,)
         self.shared_mem_bytes = self.kernel.shared_mem_bytes
         backend = cache.kernel_view(0).backend
+        if self.kernel.opts_in_to_shared_memory:   # before the occupancy query, which counts it
+            backend.opt_in_shared_memory(self.kernel.op, self.kernel.instance, self.shared_mem_bytes)
         self.split_keys = None if split_keys is None else _check_split_keys(split_keys, spec)
         if self.split_keys is not None:
             if num_splits is not None:
@@ -264,11 +292,13 @@ class AttentionPlan:
             device = backend.device_info()
             kernel = self.kernel
             per_sm = backend.occupancy(kernel.op, kernel.instance, kernel.threads, self.shared_mem_bytes)
-            num_splits = plan_splits(spec, self.q_len, self.n_heads, device.multiprocessor_count * per_sm)
+            num_splits = plan_splits(spec, self.q_len, self.n_heads, device.multiprocessor_count * per_sm,
+                                     rows_per_block)
         self.num_splits = _args.check_int("num_splits", num_splits, 1, max_splits(spec.max_seq))
-        self.grid = (spec.batch * spec.n_kv_heads * tiles, self.num_splits)
-        _args.check_launch("q", f"batch * n_kv_heads * ceil(q_len * group / {TILE_ROWS}) = {spec.batch} * "
-                           f"{spec.n_kv_heads} * {tiles} query tiles", self.grid, self.block, self.shared_mem_bytes)
+        self.grid = (spec.batch * spec.n_kv_heads * blocks, self.num_splits)
+        _args.check_launch("q", f"batch * n_kv_heads * ceil(q_len * group / {rows_per_block}) = {spec.batch} * "
+                           f"{spec.n_kv_heads} * {blocks} query blocks", self.grid, self.block, self.shared_mem_bytes,
+                           MMA_TILING["kMaxShared"] if self.kernel.opts_in_to_shared_memory else None)
         self._workspace = self._allocate_workspace(backend, spec.head_dim)
         self._ranges = tuple(("attention plan workspace", *_args.byte_range(buffer)) for buffer in
                              self._workspace.buffers)

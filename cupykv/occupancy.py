@@ -9,7 +9,8 @@ block. Each resource gives a limit; the smallest binds:
 - threads: 2048 per SM (whole warps); blocks: 32 per SM;
 - shared memory: 164 KB per SM on sm_80 and 228 KB on sm_90 (the largest carveout, which the
   driver picks when a kernel needs it), allocated per block in units of 128 bytes, with 1 KB
-  per block reserved by the system.
+  per block reserved by the system; one block may have at most 163 KB (sm_80) or 227 KB (sm_90),
+  past 48 KB only with the kernel's opt-in.
 
 ``python -m cupykv check`` (:mod:`cupykv.nvrtc_check`) prints this for the attention and
 ``linear`` instances (:func:`rows`: each instance's launch from the host code, the generic
@@ -36,6 +37,7 @@ class SmLimits:
 
     arch: str
     shared_bytes: int              # shared memory per SM, at the largest carveout
+    block_shared_bytes: int        # the most one block may have (static + dynamic, after the opt-in)
     registers: int = 65536         # 32-bit registers per SM
     register_unit: int = 256       # registers are allocated per warp, in units of this many
     max_threads: int = 2048
@@ -46,8 +48,8 @@ class SmLimits:
 
 
 LIMITS = {
-    "sm_80": SmLimits("sm_80", shared_bytes=164 * 1024),
-    "sm_90": SmLimits("sm_90", shared_bytes=228 * 1024),
+    "sm_80": SmLimits("sm_80", shared_bytes=164 * 1024, block_shared_bytes=163 * 1024),
+    "sm_90": SmLimits("sm_90", shared_bytes=228 * 1024, block_shared_bytes=227 * 1024),
 }
 
 
@@ -88,7 +90,8 @@ def blocks_per_sm(limits: SmLimits, registers: int, threads: int, shared_bytes: 
     registers_per_warp = _round_up(registers * limits.warp_size, limits.register_unit)
     by_registers = (limits.registers // registers_per_warp) // warps if registers_per_warp else limits.max_blocks
     by_threads = limits.max_threads // (warps * limits.warp_size)
-    by_shared = limits.shared_bytes // _round_up(shared_bytes + limits.shared_reserved, limits.shared_unit)
+    by_shared = (limits.shared_bytes // _round_up(shared_bytes + limits.shared_reserved, limits.shared_unit)
+                 if shared_bytes <= limits.block_shared_bytes else 0)
     return Occupancy(min(by_registers, by_threads, limits.max_blocks, by_shared), by_registers, by_threads,
                      limits.max_blocks, by_shared)
 
@@ -122,11 +125,13 @@ def launch_shape(instance: str) -> LaunchShape | None:
         note = f"head_dim {head_dim}" if head_dim else f"head_dim {GENERIC_HEAD_DIM} (generic: its largest)"
         return LaunchShape(attention_plan.THREADS, attention_plan.shared_memory_bytes(head_dim or GENERIC_HEAD_DIM),
                            note)
-    tensor_cores = re.fullmatch(r"cupykv_attention_mma<(.+), (.+), (\d+)>", instance)
+    tensor_cores = re.fullmatch(r"cupykv_attention_mma<(.+), (.+), (\d+), (\d+)>", instance)
     if tensor_cores:
         dtype, io_dtype = (_DTYPE_OF[name] for name in tensor_cores.group(1, 2))
-        kernel = attention_plan.attention_kernel(dtype, int(tensor_cores.group(3)), io_dtype)
-        return LaunchShape(kernel.threads, kernel.shared_mem_bytes, f"head_dim {tensor_cores.group(3)}, tensor cores")
+        head_dim, row_tiles = int(tensor_cores.group(3)), int(tensor_cores.group(4))
+        kernel = attention_plan.attention_kernel(dtype, head_dim, io_dtype, attention_plan.TILE_ROWS * row_tiles)
+        return LaunchShape(kernel.threads, kernel.shared_mem_bytes,
+                           f"head_dim {head_dim}, tensor cores, {kernel.rows_per_block} rows")
     if instance.startswith("cupykv_linear<"):
         return LaunchShape(ops.LINEAR_THREADS, 0)
     if instance.startswith("cupykv_linear_mma<"):

@@ -70,9 +70,9 @@ def _attend(cache, q, layer, **options):
 def test_the_plan_picks_tensor_cores_and_the_fp8_shared_memory(io_dtype, head_dim):
     kernel = attention_kernel("float8_e4m3", head_dim, io_dtype)
     cuda_io = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}[io_dtype]
-    assert kernel.tensor_cores and kernel.instance == f"cupykv_attention_mma<__nv_fp8_e4m3, {cuda_io}, {head_dim}>"
-    assert kernel.threads == 32 * WARPS[head_dim] and kernel.shared_mem_bytes == MMA[f"kShared{head_dim}Fp8"]
-    assert kernel.shared_mem_bytes <= 48 * 1024
+    assert kernel.tensor_cores and kernel.instance == f"cupykv_attention_mma<__nv_fp8_e4m3, {cuda_io}, {head_dim}, 1>"
+    assert kernel.threads == 32 * WARPS[head_dim]
+    assert kernel.shared_mem_bytes == MMA[f"kQTile{head_dim}"] + MMA[f"kStages{head_dim}Fp8"] <= 48 * 1024
     # the byte stages keep as many bytes per warp in flight as the 16-bit path, and hold the fp32 accumulators
     # and the row max and sum at the end
     stage_bytes = WARPS[head_dim] * MMA["kStagesFp8"] * 2 * STEP * (head_dim + MMA["kRowPadFp8"])

@@ -359,6 +359,36 @@ def test_h_dynamic_shared_memory_above_48k(good, bugs):
     assert_still_works(good)
 
 
+OPT_IN_SOURCE = """
+__global__ void last_shared_float(float* y) {
+  extern __shared__ float s[];
+  const int last = 60000 / 4 - 64 + threadIdx.x;   // the top 64 floats of a 60000-byte block
+  s[last] = 1.f + threadIdx.x;
+  __syncthreads();
+  y[threadIdx.x] = s[last];
+}
+"""
+
+
+def test_h_dynamic_shared_memory_past_48k_after_the_kernels_opt_in():
+    fn = E.Module(OPT_IN_SOURCE, ["last_shared_float"], filename="opt_in.cu").get_function("last_shared_float")
+    y = E.zeros(64)
+    with pytest.raises(E.LaunchError, match="60000 bytes of dynamic shared memory requested; the limit without "
+                                            r"opting in is 49152 bytes"):
+        fn(1, 64, (y,), shared_mem=60000)
+    fn.opt_in_shared_memory(60000)   # cudaFuncSetAttribute(MaxDynamicSharedMemorySize)
+    fn(1, 64, (y,), shared_mem=60000)
+    assert np.array_equal(np.asarray(y), np.arange(1, 65, dtype=np.float32))
+    with pytest.raises(E.LaunchError, match="60001 bytes of dynamic shared memory requested; the kernel opted "
+                                            "in to 60000 bytes"):
+        fn(1, 64, (y,), shared_mem=60001)
+    with pytest.raises(E.EmulatorFault, match=r"out-of-bounds dynamic shared memory write at byte offset 599\d\d "
+                                              r"\(past the end; the launch has 59904 bytes"):
+        fn(1, 64, (y,), shared_mem=59904)   # opted in, but the block asks for less than it writes
+    with pytest.raises(E.LaunchError, match="232449 bytes of dynamic shared memory; CUDA allows at most 232448"):
+        fn.opt_in_shared_memory(232449)
+
+
 def test_i_python_int_for_int_parameter(good, bugs):
     fn = bugs.get_function("takes_int")
     with pytest.raises(E.LaunchError, match=r"argument 1 is a Python int.*8-byte long long.*"

@@ -35,11 +35,14 @@ def test_every_instance_compiles_for_both_archs_without_spills(reports):
 def test_command_line_prints_the_table_and_succeeds():
     result = subprocess.run([sys.executable, "-m", "cupykv", "check"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128>" in result.stdout
+    assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 2>" in result.stdout
     assert "no spills" in result.stdout
     assert "occupancy at or above every declared minimum" in result.stdout
-    # the tensor-core decode block: 2 warps, 48128 bytes of stages + 16 static, 4 blocks an SM (shared memory)
-    assert re.search(r"^sm_90  cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128> +\d+ +64 +48144 +4 +8 +3  shared",
+    # the tensor-core decode block: 2 warps, 47872 bytes of q pieces and stages + 16 static, 4 blocks an SM
+    # (shared memory); with two row tiles 60928 + 16 bytes after the opt-in past 48 KiB, 3 blocks
+    assert re.search(r"^sm_90  cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 1> +\d+ +64 +47888 +4 +8 +3  shared",
+                     result.stdout, re.M), result.stdout
+    assert re.search(r"^sm_90  cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 2> +\d+ +64 +60944 +3 +6 +2  shared",
                      result.stdout, re.M), result.stdout
     major, minor = nvrtc_check.PINNED_NVRTC.split(".")[:2]
     assert f"NVRTC {major}.{minor} (nvidia-cuda-nvrtc {nvrtc_check.PINNED_NVRTC}) from " in result.stdout
@@ -170,7 +173,9 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
         r = row.report
         if r.instance.startswith("cupykv_attention<"):   # attention_min_blocks<T>(): 3 for float, else 4
             assert r.min_blocks == (3 if "<float," in r.instance else 4), r
-        elif r.instance.startswith("cupykv_attention_mma<"):   # attention_mma_min_blocks<T>(): 4 for fp8, else 3
+        elif r.instance.endswith(", 2>"):   # attention_mma_min_blocks<T, 2>(): 2 (sm_80's shared memory)
+            assert r.instance.startswith("cupykv_attention_mma<") and r.min_blocks == 2, r
+        elif r.instance.startswith("cupykv_attention_mma<"):   # attention_mma_min_blocks<T, 1>(): 4 for fp8, else 3
             assert r.min_blocks == (4 if "__nv_fp8_e4m3" in r.instance else 3), r
         elif r.instance.startswith("cupykv_linear<"):
             assert r.min_blocks == 4, r
@@ -184,16 +189,18 @@ def _docs_table():
     text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
     types = {"bf16": "__nv_bfloat16", "half": "__half", "float": "float", "T": None}
     rows = []
-    for match in re.finditer(r"^\| (attention_mma|attention|linear_mma|linear)<(\w+), (\d+)>[^|]*\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
-                             text, re.M):
-        kernel, t, size, r80, b80, r90, b90 = match.groups()
-        rows.append((kernel, types[t], int(size), {"sm_80": (int(r80), int(b80)), "sm_90": (int(r90), int(b90))}))
+    for match in re.finditer(r"^\| (attention_mma|attention|linear_mma|linear)<(\w+), (\d+)(?:, (\d+))?>[^|]*\| (\d+) \| (\d+) "
+                             r"\| (\d+) \| (\d+) \|$", text, re.M):
+        kernel, t, size, row_tiles, r80, b80, r90, b90 = match.groups()
+        size = f"{size}, {row_tiles}" if row_tiles else size   # attention_mma: head_dim, row tiles
+        rows.append((kernel, types[t], size, {"sm_80": (int(r80), int(b80)), "sm_90": (int(r90), int(b90))}))
     return rows
 
 
 def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
     rows = _docs_table()
-    assert len(rows) >= 13
+    assert len(rows) >= 17
+    assert {size for kernel, _, size, _ in rows if kernel == "attention_mma"} == {"64, 1", "64, 2", "128, 1", "128, 2"}
     computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
                 for row in occupancy.rows(reports)}
     for kernel, cuda_type, size, by_arch in rows:

@@ -28,7 +28,8 @@ MAX_BLOCK_THREADS = 1024
 MAX_DYNAMIC_SHARED_MEMORY = 48 * 1024
 
 
-def check_launch(name: str, shape: str, grid: Sequence[int], block: Sequence[int], shared_mem: int = 0) -> None:
+def check_launch(name: str, shape: str, grid: Sequence[int], block: Sequence[int], shared_mem: int = 0,
+                 opted_in_shared: int | None = None) -> None:
     """Raise ValueError, naming ``name``, when a launch breaks one of CUDA's limits.
 
     Parameters
@@ -41,6 +42,8 @@ def check_launch(name: str, shape: str, grid: Sequence[int], block: Sequence[int
         Up to three sizes each, as passed to the kernel.
     shared_mem : int
         Bytes of dynamic shared memory.
+    opted_in_shared : int, optional
+        The kernel's opt-in limit (``Backend.opt_in_shared_memory``), when it has one; 48 KiB otherwise.
     """
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
@@ -52,10 +55,11 @@ def check_launch(name: str, shape: str, grid: Sequence[int], block: Sequence[int
     if any(not 1 <= size <= limit for size, limit in zip(block, MAX_BLOCK)) or threads > MAX_BLOCK_THREADS:
         raise ValueError(f"{name}: expected a shape whose launch has blocks of at most {MAX_BLOCK} and "
                          f"{MAX_BLOCK_THREADS} threads (CUDA's limits), got {shape}: block {block}")
-    if not 0 <= shared_mem <= MAX_DYNAMIC_SHARED_MEMORY:
-        raise ValueError(f"{name}: expected a shape whose launch needs at most {MAX_DYNAMIC_SHARED_MEMORY} bytes "
-                         f"of dynamic shared memory (CUDA's limit without an opt-in), got {shape}: "
-                         f"{shared_mem} bytes")
+    limit = MAX_DYNAMIC_SHARED_MEMORY if opted_in_shared is None else opted_in_shared
+    if not 0 <= shared_mem <= limit:
+        why = "CUDA's limit without an opt-in" if opted_in_shared is None else "the kernel's opt-in"
+        raise ValueError(f"{name}: expected a shape whose launch needs at most {limit} bytes "
+                         f"of dynamic shared memory ({why}), got {shape}: {shared_mem} bytes")
 
 
 def check_memory(name: str, needed: int, available: int | None, backend: str, source: str) -> None:

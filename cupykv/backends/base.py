@@ -111,6 +111,17 @@ class Backend:
         """Blocks of ``threads`` threads and ``shared_mem`` dynamic shared bytes resident per multiprocessor."""
         raise NotImplementedError
 
+    def opt_in_shared_memory(self, op: str, instance: str, nbytes: int) -> None:
+        """Let ``instance`` of ``kernels/<op>.cu`` launch with up to ``nbytes`` of dynamic shared memory.
+
+        Past 48 KiB a CUDA launch fails unless the kernel opted in
+        (``cudaFuncAttributeMaxDynamicSharedMemorySize``); both backends hold
+        kernels to that. The opt-in only grows, and lasts for the life of the
+        backend. Call it outside capture, before the occupancy query of such a
+        launch (which counts the opt-in): a plan does, when it is made.
+        """
+        raise NotImplementedError
+
     def always_run(self) -> DeviceArray:
         """The ``run_if`` word of a launch that always runs: a device int32 array ``[1]`` holding 1.
 

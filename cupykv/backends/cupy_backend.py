@@ -44,6 +44,12 @@ class CupyBackend(Backend):
         function = self.kernel(op, instance).kernel   # the RawKernel's loaded cupy.cuda.function.Function
         return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, threads, shared_mem)))
 
+    def opt_in_shared_memory(self, op, instance, nbytes):
+        """Raise the kernel's cudaFuncAttributeMaxDynamicSharedMemorySize on the current device to ``nbytes``."""
+        fn = self.kernel(op, instance)
+        if fn.max_dynamic_shared_size_bytes < nbytes:
+            fn.max_dynamic_shared_size_bytes = nbytes
+
     def capture(self, run):
         """Capture on a private non-blocking stream (ordered after the caller's); replay on the current stream."""
         caller = cupy.cuda.get_current_stream()

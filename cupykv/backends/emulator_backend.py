@@ -93,6 +93,10 @@ class EmulatorBackend(Backend):
         """One: the emulator runs one block at a time."""
         return 1
 
+    def opt_in_shared_memory(self, op, instance, nbytes):
+        """The emulated kernel's launch limit on dynamic shared memory becomes ``nbytes`` (at most sm_90's)."""
+        self.kernel(op, instance).opt_in_shared_memory(nbytes)
+
     def capture(self, run):
         """Freeze each launch's arguments, as CUDA does; a replay runs the frozen launches."""
         launches = self._record(run, execute=False).launches

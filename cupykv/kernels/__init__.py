@@ -32,6 +32,10 @@ CACHE_DTYPE_PAIRS = tuple((dtype, dtype) for dtype in CUDA_TYPES) + tuple(("floa
 #: head sizes with a compile-time attention specialisation; others use HEAD_DIM = 0.
 ATTENTION_HEAD_DIMS = (64, 128)
 
+#: m16 row tiles per block of the tensor-core attention (kernels/attention_mma.cu): 1 for up to 16
+#: query rows per sequence and kv head (q_len x group), 2 past that.
+ATTENTION_MMA_ROW_TILES = (1, 2)
+
 #: rows a linear warp accumulates at once; one instance each (see kernels/linear.cu).
 LINEAR_ROW_TILES = (1, 2, 4, 8, 16)
 
@@ -108,8 +112,8 @@ KERNELS: dict[str, KernelFile] = {
     # the tensor-core path of 16-bit and fp8 caches at head_dim 64 and 128
     "attention_mma": KernelFile(
         "attention_mma.cu",
-        tuple(f"cupykv_attention_mma<{cache_types(dtype, io)}, {hd}>" for dtype, io in CACHE_DTYPE_PAIRS
-              if dtype != "float32" for hd in ATTENTION_HEAD_DIMS),
+        tuple(f"cupykv_attention_mma<{cache_types(dtype, io)}, {hd}, {tiles}>" for dtype, io in CACHE_DTYPE_PAIRS
+              if dtype != "float32" for hd in ATTENTION_HEAD_DIMS for tiles in ATTENTION_MMA_ROW_TILES),
     ),
     # decoder ops (cupykv.ops): everything a LLaMA-style decode step needs besides attention
     "linear": KernelFile(
@@ -177,16 +181,20 @@ def header_digest(kernel_dir: str = KERNEL_DIR) -> str:
     return digest.hexdigest()
 
 
-def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None) -> tuple[str, str]:
+def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None, row_tiles: int = 1) -> tuple[str, str]:
     """``(op, instance)`` of the attention kernel for a cache's storage and io dtypes and head size.
 
     16-bit and fp8 caches at a specialised head size run on tensor cores (``attention_mma.cu``);
     float32 caches and other head sizes on CUDA cores (``attention.cu``). ``io_dtype`` defaults
-    to ``dtype`` (it must be given for an fp8 cache).
+    to ``dtype`` (it must be given for an fp8 cache). ``row_tiles``: the tensor-core kernel's m16
+    row tiles per block, one of ATTENTION_MMA_ROW_TILES (``cupykv.attention_plan`` picks it from
+    the query shape; the CUDA-core kernel has no such choice).
     """
     types = cache_types(dtype, io_dtype or dtype)
     if head_dim in ATTENTION_HEAD_DIMS and dtype != "float32":
-        return "attention_mma", f"cupykv_attention_mma<{types}, {head_dim}>"
+        if row_tiles not in ATTENTION_MMA_ROW_TILES:
+            raise ValueError(f"row_tiles: expected one of {ATTENTION_MMA_ROW_TILES}, got {row_tiles!r}")
+        return "attention_mma", f"cupykv_attention_mma<{types}, {head_dim}, {row_tiles}>"
     specialised = head_dim if head_dim in ATTENTION_HEAD_DIMS and dtype == "float32" else 0
     return "attention", f"cupykv_attention<{types}, {specialised}>"
 

@@ -66,7 +66,8 @@
 #include "mma.cuh"
 
 namespace attention_mma_tiling {
-constexpr int kTileRows = 16;      // query rows per block: the m of mma.m16n8k16
+constexpr int kTileRows = 16;      // query rows of one m16 tile: the m of mma.m16n8k16
+constexpr int kMaxRowTiles = 2;    // m16 tiles per block: 1 (up to 16 rows), or 2 (more; ROW_TILES)
 constexpr int kStepKeys = 16;      // keys of one warp step: two n8 blocks of S, the k16 of P.V
 constexpr int kSplitAlign = 128;   // split boundaries (num_splits mode) fall on multiples of this
 constexpr int kStages = 2;         // K/V buffers per warp: one computed while the next lands
@@ -74,22 +75,24 @@ constexpr int kStagesFp8 = 3;      // fp8 caches: one computed while the next tw
 constexpr int kQPieces = 3;        // 16-bit pieces of a rotated (or float) q
 constexpr int kRowPad = 8;         // elements after each shared row: ldmatrix reads 8 rows conflict-free
 constexpr int kRowPadFp8 = 16;     // bytes after each fp8 stage row: 16-byte rows, conflict-free fragments
-// Warps per block: 4 at head_dim 64, 2 at 128, so that the stages fit in 48 KiB (no opt-in).
+// Warps per block: 4 at head_dim 64, 2 at 128, whatever the row tiles (the warps split the keys, so
+// a row's sums follow the warp count: it must not change with q_len).
 constexpr int kWarps64 = 4;
 constexpr int kWarps128 = 2;
-// Dynamic shared memory, bytes: q pieces [kQPieces][16][head_dim + pad] M; K and V stages
-// [warps][kStages][2][16][head_dim + pad] T (the warps' fp32 accumulators at the end); each
-// warp's row max and sum [2][warps][16] float.
-constexpr int kShared64 = (kQPieces * kTileRows + kWarps64 * kStages * 2 * kStepKeys) * (64 + kRowPad) * 2
-                          + 2 * kWarps64 * kTileRows * 4;
-constexpr int kShared128 = (kQPieces * kTileRows + kWarps128 * kStages * 2 * kStepKeys) * (128 + kRowPad) * 2
-                           + 2 * kWarps128 * kTileRows * 4;
-// fp8 caches: the same q pieces; stages [warps][kStagesFp8][2][16][head_dim + 16] bytes, which at the end
-// hold the fp32 accumulators and, after them, the row max and sum (no bytes of their own).
-constexpr int kShared64Fp8 = kQPieces * kTileRows * (64 + kRowPad) * 2
-                             + kWarps64 * kStagesFp8 * 2 * kStepKeys * (64 + kRowPadFp8);
-constexpr int kShared128Fp8 = kQPieces * kTileRows * (128 + kRowPad) * 2
-                              + kWarps128 * kStagesFp8 * 2 * kStepKeys * (128 + kRowPadFp8);
+// Dynamic shared memory, bytes: the q pieces, [kQPieces][16 * ROW_TILES][head_dim + pad] M, that is
+// ROW_TILES times kQTile64 or kQTile128; then the K and V stages, [warps][stages][2][16][row] T.
+// After the key loop both are overwritten by the warps' fp32 accumulators [warps][16 * ROW_TILES]
+// [head_dim] and their row max and sum [2][warps][16 * ROW_TILES] (no bytes of their own).
+constexpr int kQTile64 = kQPieces * kTileRows * (64 + kRowPad) * 2;
+constexpr int kQTile128 = kQPieces * kTileRows * (128 + kRowPad) * 2;
+constexpr int kStages64 = kWarps64 * kStages * 2 * kStepKeys * (64 + kRowPad) * 2;
+constexpr int kStages128 = kWarps128 * kStages * 2 * kStepKeys * (128 + kRowPad) * 2;
+constexpr int kStages64Fp8 = kWarps64 * kStagesFp8 * 2 * kStepKeys * (64 + kRowPadFp8);
+constexpr int kStages128Fp8 = kWarps128 * kStagesFp8 * 2 * kStepKeys * (128 + kRowPadFp8);
+// Past 48 KiB a launch needs the kernel's opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize);
+// two row tiles at head_dim 128 (and 64, 16-bit caches) take it. kMaxShared: the most any instance
+// asks, within the opt-in limit of every target (99 KiB on sm_86 and sm_89).
+constexpr int kMaxShared = 99 * 1024;
 }  // namespace attention_mma_tiling
 
 template <int HEAD_DIM> constexpr int attention_mma_warps() {
@@ -97,9 +100,13 @@ template <int HEAD_DIM> constexpr int attention_mma_warps() {
 }
 
 // Blocks per SM the design assumes (__launch_bounds__; `python -m cupykv check` holds every instance
-// to it): 3 for 16-bit caches, whose stages bind shared memory; 4 for fp8 caches, whose stages are
-// smaller (at head_dim 64 this caps registers at 128).
-template <typename T> constexpr int attention_mma_min_blocks() { return cupykv::is_fp8<T>::value ? 4 : 3; }
+// to it). One row tile: 3 for 16-bit caches, whose stages bind shared memory; 4 for fp8 caches, whose
+// stages are smaller (at head_dim 64 this caps registers at 128). Two row tiles: 2, what sm_80's
+// shared memory gives at head_dim 128 (the registers may grow to 255 for the second tile's
+// accumulators).
+template <typename T, int ROW_TILES> constexpr int attention_mma_min_blocks() {
+    return ROW_TILES == 2 ? 2 : cupykv::is_fp8<T>::value ? 4 : 3;
+}
 
 namespace cupykv {
 
@@ -110,8 +117,8 @@ __device__ __forceinline__ unsigned short fp8_codes(const unsigned char* at) {
 
 }  // namespace cupykv
 
-template <typename T, typename TI, int HEAD_DIM>
-__global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attention_mma_min_blocks<T>())
+template <typename T, typename TI, int HEAD_DIM, int ROW_TILES>
+__global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attention_mma_min_blocks<T, ROW_TILES>())
     cupykv_attention_mma(
     TI* __restrict__ out,                 // [batch, q_len, n_heads, head_dim] (num_splits == 1)
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
@@ -134,10 +141,12 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
     using M = typename cupykv::mma_type<T, TI>::type;   // the mma operand type
     constexpr bool kFp8 = cupykv::is_fp8<T>::value;
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "cupykv_attention_mma: head_dim 64 or 128");
+    static_assert(ROW_TILES == 1 || ROW_TILES == kMaxRowTiles, "cupykv_attention_mma: 1 or 2 row tiles");
     static_assert(kFp8 ? sizeof(T) == 1 : sizeof(T) == 2 && cupykv::same_type<T, TI>::value,
                   "cupykv_attention_mma: __half or __nv_bfloat16 caches of their own type, or __nv_fp8_e4m3");
     constexpr int kWarps = attention_mma_warps<HEAD_DIM>();
     constexpr int kThreads = kWarps * 32;
+    constexpr int kBlockRows = kTileRows * ROW_TILES;   // query rows of the block
     constexpr int kRow = HEAD_DIM + kRowPad;          // shared q row stride, elements of M
     constexpr int kStageRow = kFp8 ? HEAD_DIM + kRowPadFp8 : kRow;   // shared K/V row stride, elements of T
     constexpr int kTile = kStepKeys * kStageRow;      // one K or V tile of a stage, elements of T
@@ -145,31 +154,31 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
     constexpr int kCodesPerCopy = 16 / (int)sizeof(T);            // elements of one 16-byte copy
     constexpr int kPiecesPerRow = HEAD_DIM / kCodesPerCopy;       // 16-byte copies per K/V row
     constexpr int kDimBlocks = HEAD_DIM / 8;          // n8 blocks of the output
-    constexpr int kQBytes = kQPieces * kTileRows * kRow * (int)sizeof(M);
+    constexpr int kQBytes = kQPieces * kBlockRows * kRow * (int)sizeof(M);
     constexpr int kStageBytes = kWarps * kStageCount * 2 * kTile * (int)sizeof(T);
-    constexpr int kAccBytes = kWarps * kTileRows * HEAD_DIM * (int)sizeof(float);   // the warps' accumulators
-    constexpr int kStatBytes = 2 * kWarps * kTileRows * (int)sizeof(float);          // their row max and sum
-    // The row max and sum follow the stages (16-bit caches) or the accumulators inside them (fp8 caches).
-    constexpr int kStatOffset = kQBytes + (kFp8 ? kAccBytes : kStageBytes);
-    constexpr int kSharedBytes = kQBytes + kStageBytes + (kFp8 ? 0 : kStatBytes);
-    static_assert(kSharedBytes == (kFp8 ? (HEAD_DIM == 128 ? kShared128Fp8 : kShared64Fp8)
-                                        : (HEAD_DIM == 128 ? kShared128 : kShared64)),
+    constexpr int kAccBytes = kWarps * kBlockRows * HEAD_DIM * (int)sizeof(float);   // the warps' accumulators
+    constexpr int kStatBytes = 2 * kWarps * kBlockRows * (int)sizeof(float);          // their row max and sum
+    constexpr int kSharedBytes = kQBytes + kStageBytes;
+    static_assert(kSharedBytes == ROW_TILES * (HEAD_DIM == 128 ? kQTile128 : kQTile64)
+                                  + (kFp8 ? (HEAD_DIM == 128 ? kStages128Fp8 : kStages64Fp8)
+                                          : (HEAD_DIM == 128 ? kStages128 : kStages64)),
                   "attention_mma: the shared memory layout differs from attention_mma_tiling");
-    static_assert(kSharedBytes <= 48 * 1024, "attention_mma: shared memory past 48 KiB");
-    static_assert(kAccBytes + (kFp8 ? kStatBytes : 0) <= kStageBytes,
-                  "attention_mma: the stages hold the warps' fp32 accumulators (fp8: and row statistics) at the end");
+    static_assert(kSharedBytes <= kMaxShared, "attention_mma: shared memory past kMaxShared");
+    static_assert(kAccBytes + kStatBytes <= kSharedBytes,
+                  "attention_mma: the q pieces and stages hold the warps' accumulators and row statistics at the end");
     static_assert(kQBytes % 16 == 0 && kStageRow * (int)sizeof(T) % 16 == 0, "attention_mma: 16-byte stage rows");
     (void)head_dim_runtime;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int quad_row = lane / 4, quad_col = lane % 4;   // the mma fragment coordinates
 
     const int group = n_heads / n_kv;
-    const int tiles = (q_len * group - 1) / kTileRows + 1;
+    const int tiles = (q_len * group - 1) / kBlockRows + 1;           // blocks per sequence and kv head
     const int head_of_batch = blockIdx.x / tiles;                    // b * n_kv + kv_head
     const int b = head_of_batch / n_kv, kv_head = head_of_batch % n_kv;
     const int split = blockIdx.y;
-    const int first_row = (blockIdx.x - head_of_batch * tiles) * kTileRows;
-    const int tile_rows = min(kTileRows, q_len * group - first_row);
+    const int first_row = (blockIdx.x - head_of_batch * tiles) * kBlockRows;
+    const int block_rows = min(kBlockRows, q_len * group - first_row);
+    const int live_tiles = (block_rows - 1) / kTileRows + 1;          // m16 tiles holding a row: block-uniform
     const int length = min(max(lengths[b], 0), max_seq);
     const int pieces = use_rope || cupykv::same_type<TI, float>::value ? kQPieces : 1;
     // The logit factor and, for fp8 caches, the head's V scale (16-bit caches: scale alone, no scales read).
@@ -182,18 +191,16 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
     }
 
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    M* q_tile = reinterpret_cast<M*>(smem_bytes);                     // [kQPieces][16][kRow]
+    M* q_tile = reinterpret_cast<M*>(smem_bytes);                     // [kQPieces][kBlockRows][kRow]
     T* stages = reinterpret_cast<T*>(smem_bytes + kQBytes);           // [kWarps][kStageCount][K, V][kTile]
-    float* warp_max = reinterpret_cast<float*>(smem_bytes + kStatOffset);   // [kWarps][16], written after the loop
-    float* warp_sum = warp_max + kWarps * kTileRows;                        // [kWarps][16]
 
-    // 1. The tile's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 (or a
-    //    float q) cut into hi + mid + lo. Rows past the tile are zeros.
+    // 1. The block's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 (or a
+    //    float q) cut into hi + mid + lo. Rows past the block are zeros.
     const int half_dim = HEAD_DIM / 2;
-    for (int e = tid; e < kTileRows * half_dim; e += kThreads) {
+    for (int e = tid; e < kBlockRows * half_dim; e += kThreads) {
         const int r = e / half_dim, d = e - r * half_dim;
         float lo = 0.0f, hi = 0.0f;   // the pair (d, d + half_dim)
-        if (r < tile_rows) {
+        if (r < block_rows) {
             const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
             const long long base = (((long long)b * q_len + i) * n_heads + h) * HEAD_DIM;
             lo = cupykv::to_float<TI>(q[base + d]);
@@ -202,23 +209,25 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
         }
         for (int p = 0; p < kQPieces; ++p) {
             const M lo_piece = cupykv::from_float<M>(lo), hi_piece = cupykv::from_float<M>(hi);
-            q_tile[(p * kTileRows + r) * kRow + d] = lo_piece;
-            q_tile[(p * kTileRows + r) * kRow + d + half_dim] = hi_piece;
+            q_tile[(p * kBlockRows + r) * kRow + d] = lo_piece;
+            q_tile[(p * kBlockRows + r) * kRow + d + half_dim] = hi_piece;
             lo -= cupykv::to_float(lo_piece);   // exact: the remainder of a rounding fits in fp32
             hi -= cupykv::to_float(hi_piece);
         }
     }
 
-    const cupykv::KeyRange keys = cupykv::attention_split_keys(length, first_row, tile_rows, group, max_seq, window,
+    const cupykv::KeyRange keys = cupykv::attention_split_keys(length, first_row, block_rows, group, max_seq, window,
                                                                split, num_splits, split_keys, kSplitAlign);
-    // Positions of this lane's two rows (quad_row and quad_row + 8); rows past the tile attend nothing.
-    int position[2];
-    for (int half = 0; half < 2; ++half) {
-        const int r = quad_row + 8 * half;
-        position[half] = r < tile_rows ? length + (first_row + r) / group : -1;
-    }
+    // Positions of this lane's two rows of each tile (quad_row and quad_row + 8); rows past the block
+    // attend nothing.
+    int position[ROW_TILES][2];
+    for (int t = 0; t < ROW_TILES; ++t)
+        for (int half = 0; half < 2; ++half) {
+            const int r = t * kTileRows + quad_row + 8 * half;
+            position[t][half] = r < block_rows ? length + (first_row + r) / group : -1;
+        }
     // Every live row attends every key of a step in [first_open, last_open]: no mask needed there.
-    const int first_open = window > 0 ? length + (first_row + max(tile_rows, 1) - 1) / group - window + 1 : 0;
+    const int first_open = window > 0 ? length + (first_row + block_rows - 1) / group - window + 1 : 0;
     const int last_open = min(keys.end - 1, length + first_row / group);
 
     const long long head_base = layer_offset + b * stride_batch + kv_head * stride_head;
@@ -247,11 +256,16 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
         }
     };
 
-    float acc[kDimBlocks][4];
-    for (int n = 0; n < kDimBlocks; ++n)
-        for (int c = 0; c < 4; ++c) acc[n][c] = 0.0f;
-    float row_max[2] = {cupykv::neg_infinity(), cupykv::neg_infinity()};
-    float row_sum[2] = {0.0f, 0.0f};   // this lane's share; the quad's four shares are added at the end
+    float acc[ROW_TILES][kDimBlocks][4];
+    float row_max[ROW_TILES][2], row_sum[ROW_TILES][2];   // row_sum: this lane's share (the quad's added at the end)
+    for (int t = 0; t < ROW_TILES; ++t) {
+        for (int n = 0; n < kDimBlocks; ++n)
+            for (int c = 0; c < 4; ++c) acc[t][n][c] = 0.0f;
+        for (int half = 0; half < 2; ++half) {
+            row_max[t][half] = cupykv::neg_infinity();
+            row_sum[t][half] = 0.0f;
+        }
+    }
 
     for (int ahead = 0; ahead + 1 < kStageCount; ++ahead) {   // steps warp, warp + kWarps, ... in flight
         if (warp + ahead * kWarps < steps) load_step(warp + ahead * kWarps, ahead);
@@ -269,8 +283,12 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
         const T* v_stage = k_stage + kTile;
         const int first_key = keys.begin + step * kStepKeys;
 
-        // 2. S = Q K^T for 16 rows x 16 keys: s[n8 block][c], rows quad_row (c < 2) and quad_row + 8.
-        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        // 2. S = Q K^T for each tile's 16 rows x 16 keys: s[tile][n8 block][c], rows quad_row (c < 2)
+        //    and quad_row + 8. The K fragments are loaded once for every tile.
+        float s[ROW_TILES][2][4];
+        for (int t = 0; t < ROW_TILES; ++t)
+            for (int nb = 0; nb < 2; ++nb)
+                for (int c = 0; c < 4; ++c) s[t][nb][c] = 0.0f;
 #pragma unroll
         for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
             unsigned k_frag[4];   // keys 0-7 (k_frag[0..1]) and 8-15 (k_frag[2..3]), dims k0..k0+15
@@ -286,54 +304,65 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
                 cupykv::ldmatrix_x4(k_frag, k_stage + ((lane / 16) * 8 + lane % 8) * kRow + k0 + ((lane / 8) % 2) * 8);
             }
             const unsigned keys_lo[2] = {k_frag[0], k_frag[1]}, keys_hi[2] = {k_frag[2], k_frag[3]};
-            for (int p = 0; p < pieces; ++p) {
-                unsigned q_frag[4];
-                cupykv::ldmatrix_x4(q_frag, q_tile + (p * kTileRows + lane % 16) * kRow + k0 + (lane / 16) * 8);
-                cupykv::mma_m16n8k16<M>(s[0], q_frag, keys_lo, s[0]);
-                cupykv::mma_m16n8k16<M>(s[1], q_frag, keys_hi, s[1]);
+#pragma unroll
+            for (int t = 0; t < ROW_TILES; ++t) {
+                if (ROW_TILES > 1 && t >= live_tiles) break;   // block-uniform: a tile past the block's rows is not computed
+                for (int p = 0; p < pieces; ++p) {
+                    unsigned q_frag[4];
+                    cupykv::ldmatrix_x4(q_frag, q_tile + (p * kBlockRows + t * kTileRows + lane % 16) * kRow + k0
+                                                    + (lane / 16) * 8);
+                    cupykv::mma_m16n8k16<M>(s[t][0], q_frag, keys_lo, s[t][0]);
+                    cupykv::mma_m16n8k16<M>(s[t][1], q_frag, keys_hi, s[t][1]);
+                }
             }
         }
 
         // 3. Scale, cap, mask (only in a step that can hold a masked key), online softmax per row.
         const bool open = first_key >= first_open && first_key + kStepKeys - 1 <= last_open;
-        for (int nb = 0; nb < 2; ++nb)
-            for (int c = 0; c < 4; ++c) {
-                float value = s[nb][c] * logit_scale;
-                if (softcap > 0.0f) value = softcap * tanhf(value / softcap);
-                if (!open) {
-                    const int key = first_key + nb * 8 + 2 * quad_col + (c & 1), pos = position[c / 2];
-                    const bool attended = key < keys.end && key <= pos && (window <= 0 || key > pos - window);
-                    if (!attended) value = cupykv::neg_infinity();
-                }
-                s[nb][c] = value;
-            }
-        unsigned p_hi[4], p_lo[4];   // P as the A fragment of P.V: the S fragments of both n8 blocks
-        for (int half = 0; half < 2; ++half) {
-            float step_max = fmaxf(fmaxf(s[0][2 * half], s[0][2 * half + 1]), fmaxf(s[1][2 * half], s[1][2 * half + 1]));
-            step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
-            step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
-            const float new_max = fmaxf(row_max[half], step_max);
-            const bool any = new_max != cupykv::neg_infinity();
-            const float rescale = any ? expf(row_max[half] - new_max) : 1.0f;
-            row_max[half] = new_max;
-            float p[2][2];
+        unsigned p_hi[ROW_TILES][4], p_lo[ROW_TILES][4];   // P as the A fragments of P.V: S's fragments
+#pragma unroll
+        for (int t = 0; t < ROW_TILES; ++t) {
+            if (ROW_TILES > 1 && t >= live_tiles) break;
             for (int nb = 0; nb < 2; ++nb)
-                for (int e = 0; e < 2; ++e) p[nb][e] = any ? expf(s[nb][2 * half + e] - new_max) : 0.0f;
-            row_sum[half] = row_sum[half] * rescale + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
-            for (int n8 = 0; n8 < kDimBlocks; ++n8) {
-                acc[n8][2 * half] *= rescale;
-                acc[n8][2 * half + 1] *= rescale;
-            }
-            // a0a1: (row, keys 2t..2t+1); a2a3: (row + 8, ...); a4a5: (row, keys 8 + 2t..); a6a7: (row + 8, ...)
-            for (int nb = 0; nb < 2; ++nb) {
-                const M hi0 = cupykv::from_float<M>(p[nb][0]), hi1 = cupykv::from_float<M>(p[nb][1]);
-                p_hi[2 * nb + half] = cupykv::pack_pair(hi0, hi1);
-                p_lo[2 * nb + half] = cupykv::pack_pair(cupykv::from_float<M>(p[nb][0] - cupykv::to_float(hi0)),
-                                                        cupykv::from_float<M>(p[nb][1] - cupykv::to_float(hi1)));
+                for (int c = 0; c < 4; ++c) {
+                    float value = s[t][nb][c] * logit_scale;
+                    if (softcap > 0.0f) value = softcap * tanhf(value / softcap);
+                    if (!open) {
+                        const int key = first_key + nb * 8 + 2 * quad_col + (c & 1), pos = position[t][c / 2];
+                        const bool attended = key < keys.end && key <= pos && (window <= 0 || key > pos - window);
+                        if (!attended) value = cupykv::neg_infinity();
+                    }
+                    s[t][nb][c] = value;
+                }
+            for (int half = 0; half < 2; ++half) {
+                float step_max = fmaxf(fmaxf(s[t][0][2 * half], s[t][0][2 * half + 1]),
+                                       fmaxf(s[t][1][2 * half], s[t][1][2 * half + 1]));
+                step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
+                step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
+                const float new_max = fmaxf(row_max[t][half], step_max);
+                const bool any = new_max != cupykv::neg_infinity();
+                const float rescale = any ? expf(row_max[t][half] - new_max) : 1.0f;
+                row_max[t][half] = new_max;
+                float p[2][2];
+                for (int nb = 0; nb < 2; ++nb)
+                    for (int e = 0; e < 2; ++e) p[nb][e] = any ? expf(s[t][nb][2 * half + e] - new_max) : 0.0f;
+                row_sum[t][half] = row_sum[t][half] * rescale + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
+                for (int n8 = 0; n8 < kDimBlocks; ++n8) {
+                    acc[t][n8][2 * half] *= rescale;
+                    acc[t][n8][2 * half + 1] *= rescale;
+                }
+                // a0a1: (row, keys 2t..2t+1); a2a3: (row + 8, ...); a4a5: (row, keys 8 + 2t..); a6a7: (row + 8, ...)
+                for (int nb = 0; nb < 2; ++nb) {
+                    const M hi0 = cupykv::from_float<M>(p[nb][0]), hi1 = cupykv::from_float<M>(p[nb][1]);
+                    p_hi[t][2 * nb + half] = cupykv::pack_pair(hi0, hi1);
+                    p_lo[t][2 * nb + half] = cupykv::pack_pair(cupykv::from_float<M>(p[nb][0] - cupykv::to_float(hi0)),
+                                                               cupykv::from_float<M>(p[nb][1] - cupykv::to_float(hi1)));
+                }
             }
         }
 
-        // 4. O += P V, 16 dims (two n8 blocks) per ldmatrix; V rows of keys past the split are zeros.
+        // 4. O += P V, 16 dims (two n8 blocks) per V fragment, loaded once for every tile; V rows of
+        //    keys past the split are zeros.
 #pragma unroll
         for (int d0 = 0; d0 < HEAD_DIM; d0 += 16) {
             unsigned v_frag[4];   // dims d0..d0+7 (v_frag[0..1]) and d0+8..d0+15 (v_frag[2..3])
@@ -349,52 +378,60 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
                 cupykv::ldmatrix_x4_trans(v_frag, v_stage + (lane % 16) * kRow + d0 + (lane / 16) * 8);
             }
             const unsigned dims_lo[2] = {v_frag[0], v_frag[1]}, dims_hi[2] = {v_frag[2], v_frag[3]};
-            cupykv::mma_m16n8k16<M>(acc[d0 / 8], p_hi, dims_lo, acc[d0 / 8]);
-            cupykv::mma_m16n8k16<M>(acc[d0 / 8], p_lo, dims_lo, acc[d0 / 8]);
-            cupykv::mma_m16n8k16<M>(acc[d0 / 8 + 1], p_hi, dims_hi, acc[d0 / 8 + 1]);
-            cupykv::mma_m16n8k16<M>(acc[d0 / 8 + 1], p_lo, dims_hi, acc[d0 / 8 + 1]);
+#pragma unroll
+            for (int t = 0; t < ROW_TILES; ++t) {
+                if (ROW_TILES > 1 && t >= live_tiles) break;
+                cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_hi[t], dims_lo, acc[t][d0 / 8]);
+                cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_lo[t], dims_lo, acc[t][d0 / 8]);
+                cupykv::mma_m16n8k16<M>(acc[t][d0 / 8 + 1], p_hi[t], dims_hi, acc[t][d0 / 8 + 1]);
+                cupykv::mma_m16n8k16<M>(acc[t][d0 / 8 + 1], p_lo[t], dims_hi, acc[t][d0 / 8 + 1]);
+            }
         }
         __syncwarp();   // every lane is done with this stage before a later step refills it
     }
     cupykv::cp_async_wait_all();
 
     // 5. Merge the warps in warp order: each publishes its row max, sum and accumulators.
-    for (int half = 0; half < 2; ++half) {
-        row_sum[half] += __shfl_xor_sync(0xffffffffu, row_sum[half], 1);
-        row_sum[half] += __shfl_xor_sync(0xffffffffu, row_sum[half], 2);
-    }
-    __syncthreads();   // every warp is done with its stages: they become the fp32 accumulators
-    float* warp_acc = reinterpret_cast<float*>(stages);   // [kWarps][16][HEAD_DIM]
-    for (int half = 0; half < 2; ++half) {
-        const int r = quad_row + 8 * half;
-        if (quad_col == 0) {
-            warp_max[warp * kTileRows + r] = row_max[half];
-            warp_sum[warp * kTileRows + r] = row_sum[half];
+    for (int t = 0; t < ROW_TILES; ++t)
+        for (int half = 0; half < 2; ++half) {
+            row_sum[t][half] += __shfl_xor_sync(0xffffffffu, row_sum[t][half], 1);
+            row_sum[t][half] += __shfl_xor_sync(0xffffffffu, row_sum[t][half], 2);
         }
-        for (int n8 = 0; n8 < kDimBlocks; ++n8) {
-            float* at = warp_acc + (warp * kTileRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
-            at[0] = acc[n8][2 * half];
-            at[1] = acc[n8][2 * half + 1];
+    __syncthreads();   // every warp is done with the q pieces and its stages: they become the accumulators
+    float* warp_acc = reinterpret_cast<float*>(smem_bytes);         // [kWarps][kBlockRows][HEAD_DIM]
+    float* warp_max = reinterpret_cast<float*>(smem_bytes + kAccBytes);   // [kWarps][kBlockRows]
+    float* warp_sum = warp_max + kWarps * kBlockRows;                     // [kWarps][kBlockRows]
+    for (int t = 0; t < ROW_TILES; ++t)
+        for (int half = 0; half < 2; ++half) {
+            const int r = t * kTileRows + quad_row + 8 * half;
+            if (quad_col == 0) {
+                warp_max[warp * kBlockRows + r] = row_max[t][half];
+                warp_sum[warp * kBlockRows + r] = row_sum[t][half];
+            }
+            for (int n8 = 0; n8 < kDimBlocks; ++n8) {
+                float* at = warp_acc + (warp * kBlockRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
+                at[0] = acc[t][n8][2 * half];
+                at[1] = acc[t][n8][2 * half + 1];
+            }
         }
-    }
     __syncthreads();
 
     // 6. Write out (normalised) or the split's partial result, as cupykv_attention does.
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
-    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows};
-    for (int e = tid; e < kTileRows * HEAD_DIM; e += kThreads) {
+    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, block_rows};
+    for (int e = tid; e < kBlockRows * HEAD_DIM; e += kThreads) {
         const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
-        if (r >= tile_rows) continue;
+        if (r >= block_rows) continue;
         float top = cupykv::neg_infinity();
         for (int w = 0; w < kWarps; ++w)
-            if (warp_sum[w * kTileRows + r] > 0.0f) top = fmaxf(top, warp_max[w * kTileRows + r]);
+            if (warp_sum[w * kBlockRows + r] > 0.0f) top = fmaxf(top, warp_max[w * kBlockRows + r]);
         float sum = 0.0f, value = 0.0f;
         for (int w = 0; w < kWarps; ++w) {
-            const float part = warp_sum[w * kTileRows + r];
+            const float part = warp_sum[w * kBlockRows + r];
             if (part > 0.0f) {
-                const float weight = expf(warp_max[w * kTileRows + r] - top);
+                const float weight = expf(warp_max[w * kBlockRows + r] - top);
                 sum += part * weight;
-                value += warp_acc[(w * kTileRows + r) * HEAD_DIM + d] * weight;
+                value += warp_acc[(w * kBlockRows + r) * HEAD_DIM + d] * weight;
             }
         }
         if constexpr (kFp8) value *= v_scale;   // the codes' sum times the head's scale
@@ -409,7 +446,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
             }
         }
     }
-    // 7. The tile's last split to finish merges every split into out (attention_merge.cuh).
+    // 7. The block's last split to finish merges every split into out (attention_merge.cuh).
     __shared__ int is_last_split;
     if (num_splits > 1 && cupykv::attention_last_split(split_counters + blockIdx.x, num_splits, &is_last_split))
         cupykv::attention_merge_splits(out, partial_out, partial_max, partial_sum, tile, rows_total, num_splits,

@@ -24,6 +24,7 @@ MAX_THREADS = 1024
 MAX_BLOCK = (1024, 1024, 64)
 MAX_GRID = (2**31 - 1, 65535, 65535)
 MAX_DYNAMIC_SMEM = 49152  # without cudaFuncAttributeMaxDynamicSharedMemorySize
+MAX_OPT_IN_SMEM = 232448  # with it: sm_90's 227 KiB per block (sm_80: 163 KiB; sm_86 and sm_89: 99 KiB)
 POISON = 0xFF             # byte written over dynamic shared memory before each block
 
 STOP_ON_SIGINT = 1        # cuemu_launch_params.options: the runtime takes Ctrl-C during the launch
@@ -135,6 +136,7 @@ class Function:
                                     for k, t in zip(self.param_kinds, self.param_types))
         self.launch_bound = launch_bound  # (expression, int or None) or None
         self.max_threads = launch_bound[1] if launch_bound else None
+        self.max_dynamic_smem = MAX_DYNAMIC_SMEM   # raised by opt_in_shared_memory
         offsets, off = [], 0
         for size in self.param_sizes:
             offsets.append(off)
@@ -155,6 +157,15 @@ class Function:
     def __repr__(self):
         return f"<emulator Function {self.name!r}({', '.join(self.param_types)})>"
 
+    def opt_in_shared_memory(self, nbytes):
+        """cudaFuncSetAttribute(MaxDynamicSharedMemorySize, nbytes): later launches may ask for up to
+        ``nbytes`` of dynamic shared memory (the limit only grows). LaunchError past sm_90's limit."""
+        nbytes = int(nbytes)
+        if not 0 <= nbytes <= MAX_OPT_IN_SMEM:
+            raise self._err(f"an opt-in to {nbytes} bytes of dynamic shared memory; CUDA allows at most "
+                            f"{MAX_OPT_IN_SMEM} (sm_90)")
+        self.max_dynamic_smem = max(self.max_dynamic_smem, nbytes)
+
     # ---- checks and packing ----------------------------------------------------------
     def _err(self, msg):
         return LaunchError(f"kernel {self.name!r}: {msg}")
@@ -172,9 +183,11 @@ class Function:
         shared_mem = int(shared_mem)
         if shared_mem < 0:
             raise self._err(f"shared_mem is negative ({shared_mem})")
-        if shared_mem > MAX_DYNAMIC_SMEM:
-            raise self._err(f"{shared_mem} bytes of dynamic shared memory requested; the "
-                            f"limit without opting in is {MAX_DYNAMIC_SMEM} bytes (48 KiB)")
+        if shared_mem > self.max_dynamic_smem:
+            limit = (f"the limit without opting in is {MAX_DYNAMIC_SMEM} bytes (48 KiB)"
+                     if self.max_dynamic_smem == MAX_DYNAMIC_SMEM
+                     else f"the kernel opted in to {self.max_dynamic_smem} bytes")
+            raise self._err(f"{shared_mem} bytes of dynamic shared memory requested; {limit}")
         return grid, block, shared_mem
 
     def _arg_error(self, i, got, hint=""):
