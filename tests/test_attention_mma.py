@@ -9,6 +9,8 @@ those tolerances are too loose to see, or where its own tiling has edges:
   float32 cache, to fp32 accumulation error, with rope (q rotated in fp32: three 16-bit pieces),
   softcap and large logits. A dropped piece of q or of P is 100x to 1000x past that bound;
 - the 16-key warp steps and the rounds of 2 or 4 warps: lengths and windows at every edge;
+- one or two m16 row tiles per block: q_len x group from 1 to 128 rows, at every tile and block
+  edge, each row against the reference, with NaN in pending rows past the last query;
 - splits 1..64 with an uneven last split, on this kernel;
 - rows pending in the same step as a query but past it, holding NaN and inf: zero-filled or masked,
   never read into a product;
@@ -32,13 +34,22 @@ CASES = [("bfloat16", 128), ("float16", 64), ("bfloat16", 64), ("float16", 128)]
 
 def test_the_plan_picks_tensor_cores_for_16_bit_caches_at_64_and_128_only():
     for dtype in ("float16", "bfloat16"):
+        cuda_type = "__half" if dtype == "float16" else "__nv_bfloat16"
         for head_dim in (64, 128):
-            kernel = attention_kernel(dtype, head_dim)
-            cuda_type = "__half" if dtype == "float16" else "__nv_bfloat16"
-            assert kernel.tensor_cores and kernel.instance == f"cupykv_attention_mma<{cuda_type}, {cuda_type}, {head_dim}>"
-            assert kernel.threads == 32 * WARPS[head_dim] and kernel.shared_mem_bytes <= 48 * 1024
-        assert not attention_kernel(dtype, 96).tensor_cores
-    assert not attention_kernel("float32", 128).tensor_cores
+            for query_rows, row_tiles in ((1, 1), (16, 1), (17, 2), (128, 2)):
+                kernel = attention_kernel(dtype, head_dim, query_rows=query_rows)
+                assert kernel.tensor_cores
+                assert kernel.instance == f"cupykv_attention_mma<{cuda_type}, {cuda_type}, {head_dim}, {row_tiles}>"
+                # the same warps at every row count: they split the keys, so a row's sums follow them
+                assert kernel.threads == 32 * WARPS[head_dim] and kernel.rows_per_block == 16 * row_tiles
+                assert kernel.shared_mem_bytes == row_tiles * MMA[f"kQTile{head_dim}"] + MMA[f"kStages{head_dim}"]
+                assert kernel.shared_mem_bytes <= MMA["kMaxShared"]
+                assert kernel.opts_in_to_shared_memory == (kernel.shared_mem_bytes > 48 * 1024)
+        assert not attention_kernel(dtype, 96, query_rows=64).tensor_cores
+    assert not attention_kernel("float32", 128, query_rows=64).tensor_cores
+    # one row tile fits without the opt-in; two take it at head_dim 128 (q pieces of 32 rows and the stages)
+    assert not attention_kernel("bfloat16", 128, query_rows=16).opts_in_to_shared_memory
+    assert attention_kernel("bfloat16", 128, query_rows=17).opts_in_to_shared_memory
 
 
 def _twins(backend, dtype, head_dim, lengths, *, n_kv=2, max_seq=700, seed=0, scale=1.0):
@@ -163,9 +174,61 @@ def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, dtype, 
     rows = testing.random_rows(rng, spec, (2, 420, 2, head_dim))
     cache.append(0, cache.to_device(rows), cache.to_device(rows[:, ::-1].copy()))
     cache.advance([300, 411])
-    q = testing.random_rows(rng, spec, (2, 9, 6, head_dim))
+    q = testing.random_rows(rng, spec, (2, 16, 6, head_dim))
     alone = testing.to_numpy(cupykv.AttentionPlan(cache, 1, 6, split_keys=256).run(cache.to_device(q[:, :1].copy()), 0),
                              spec)
-    for q_len in (2, 5, 9):
+    for q_len in (2, 5, 9, 16):   # 12, 30 (one block of two row tiles), 54 and 96 rows
         together = cupykv.AttentionPlan(cache, q_len, 6, split_keys=256).run(cache.to_device(q[:, :q_len].copy()), 0)
         assert np.array_equal(testing.bits(testing.to_numpy(together, spec)[:, :1]), testing.bits(alone)), q_len
+
+
+# (q_len, group): rows 17 (the second tile holds one row), 31, 32 (one full block of two tiles), 33 (a
+# second block of one row: its second tile is past the rows), 40, 48, 64 and 128 (four blocks)
+ROW_SHAPES = [(17, 1), (31, 1), (8, 4), (11, 3), (5, 8), (16, 3), (8, 8), (16, 8)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES)
+@pytest.mark.parametrize("q_len, group", ROW_SHAPES, ids=[f"q{q}xg{g}" for q, g in ROW_SHAPES])
+def test_two_row_tiles_at_every_tile_and_block_edge(backend, dtype, head_dim, q_len, group):
+    """Every row of a two-tile block equals the reference; rows appended past the last query share
+    its step and hold NaN and inf, which must never reach a product."""
+    lengths = [3, 2 * STEP * WARPS[head_dim] + 5, 130]
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=max(lengths) + q_len + 24,
+                            batch=len(lengths), dtype=dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(q_len * 8 + group)
+    testing.fill(cache, oracle, lengths, rng)
+    k, v = (testing.random_rows(rng, spec, (len(lengths), q_len + 20, 2, head_dim)) for _ in "kv")
+    k[:, q_len:] = np.nan   # pending rows past the last query: in its step, past its keys
+    v[:, q_len:q_len + 3] = np.inf
+    v[:, q_len + 3:] = np.nan
+    cache.append(0, cache.to_device(k), cache.to_device(v))
+    oracle.append(0, k, v)
+    q = testing.random_rows(rng, spec, (len(lengths), q_len, 2 * group, head_dim))
+    plan = cupykv.AttentionPlan(cache, q_len, 2 * group, num_splits=2)
+    assert plan.kernel.rows_per_block == 32 and plan.grid == (len(lengths) * 2 * -(-q_len * group // 32), 2)
+    got = testing.to_numpy(plan.run(cache.to_device(q), 0), spec)
+    assert np.isfinite(got.astype(np.float32)).all()
+    attended = max(float(np.abs(oracle.v[0, b, :n + q_len].astype(np.float32)).max()) for b, n in enumerate(lengths))
+    assert_attention_close(got, reference.attention(q, oracle, 0), dtype, attended)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES[:2])
+@pytest.mark.parametrize("options", [dict(window=20, num_splits=3), dict(rope=cupykv.Rope(), softcap=30.0),
+                                     dict(split_keys=128)], ids=["window", "rope-softcap", "split_keys"])
+def test_two_row_tiles_with_windows_rope_and_fixed_splits(backend, dtype, head_dim, options):
+    lengths = [40, 300]
+    q_len, group = 9, 4   # 36 rows: a full block and one of 4 rows
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=320, batch=2, dtype=dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(7)
+    testing.fill(cache, oracle, [n + q_len for n in lengths], rng)
+    cache.set_lengths(lengths)
+    oracle.set_lengths(lengths)
+    q = testing.random_rows(rng, spec, (2, q_len, 2 * group, head_dim))
+    got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, **options), spec)
+    reference_options = {name: value for name, value in options.items() if name in ("window", "rope", "softcap")}
+    want = reference.attention(q, oracle, 0, **reference_options)
+    assert_attention_close(got, want, dtype, float(np.abs(oracle.v.astype(np.float32)).max()))

@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 import cupykv
 from cupykv import ops, testing
-from cupykv.attention_plan import TILE_ROWS, attention_kernel, max_splits
+from cupykv.attention_plan import attention_kernel, max_splits
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import memory
 from cupykv.backends.emulator_backend import EmulatorBackend
@@ -201,12 +201,14 @@ def attended_rows(spec, lengths, q_len, window):
 
 
 def tile_rows_read(spec, lengths, q_len, group, window):
-    """K rows the blocks read in all: each block of up to 16 query rows (query x head) reads
-    each row of its key range once (kernels/attention.cu); tiles of one sequence overlap."""
+    """K rows the blocks read in all: each block of query rows (query x head: 16, or 32 for the
+    tensor-core kernel past 16 rows) reads each row of its key range once; blocks of one sequence
+    overlap."""
+    rows_per_block = attention_kernel(spec.dtype, spec.head_dim, spec.io_dtype, q_len * group).rows_per_block
     total = 0
     for length in lengths:
-        for first in range(0, q_len * group, TILE_ROWS):
-            first_query, last_query = first // group, (min(first + TILE_ROWS, q_len * group) - 1) // group
+        for first in range(0, q_len * group, rows_per_block):
+            first_query, last_query = first // group, (min(first + rows_per_block, q_len * group) - 1) // group
             hi = min(spec.max_seq, length + last_query + 1)
             total += hi - (min(hi, max(0, length + first_query - window + 1)) if window else 0)
     return total * spec.n_kv_heads
@@ -261,6 +263,30 @@ def test_attention_reads_exactly_the_attended_rows(case):
         cupykv.attention(q, cache, layer, window=window, num_splits=num_splits)
     assert len(t.launches) == 1   # split or not: the splits are merged inside the launch
     assert_reads_exactly_the_attended_rows(t.launches[0], cache, layer, lengths, q_len, group, window)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64)])
+@pytest.mark.parametrize("q_len, group", [(8, 4), (4, 8), (16, 2), (9, 4), (8, 8), (16, 8)])
+def test_speculative_verification_reads_k_and_v_once_per_32_query_rows(dtype, head_dim, q_len, group):
+    """q_len x group rows past 16 run two m16 tiles per block: a block of 32 rows reads each K/V row
+    of its keys once (so q_len 8 at GQA 4 reads the live rows once), where one tile per block
+    read them once per 16 rows."""
+    lengths = [200, 37]
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=256, batch=2, dtype=dtype)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    cache.advance(lengths)
+    q = cache._backend.zeros((2, q_len, 2 * group, head_dim), cache._backend.storage_dtype(dtype))
+    with testing.traffic(cache) as t:
+        cupykv.attention(q, cache, 0, num_splits=2)
+    rows = q_len * group
+    # each block of 32 rows reads keys [0, its last query's position]
+    per_block = [min(spec.max_seq, n + (min(first + 32, rows) - 1) // group + 1)
+                 for n in lengths for first in range(0, rows, 32)]
+    for array in (cache.k, cache.v):
+        loaded = t.launches[0].of(array).bytes_loaded
+        assert loaded == sum(per_block) * spec.n_kv_heads * head_dim * spec.itemsize
+        if rows <= 32:   # one block: each live row once
+            assert loaded == sum(n + q_len for n in lengths) * spec.n_kv_heads * head_dim * spec.itemsize
 
 
 class PatchedBackend(EmulatorBackend):
