@@ -280,8 +280,6 @@ class AttentionPlan:
         self.block = (self.kernel.threads,)
         self.shared_mem_bytes = self.kernel.shared_mem_bytes
         backend = cache.kernel_view(0).backend
-        if self.kernel.opts_in_to_shared_memory:   # before the occupancy query, which counts it
-            backend.opt_in_shared_memory(self.kernel.op, self.kernel.instance, self.shared_mem_bytes)
         self.split_keys = None if split_keys is None else _check_split_keys(split_keys, spec)
         if self.split_keys is not None:
             if num_splits is not None:
@@ -291,6 +289,7 @@ class AttentionPlan:
         elif num_splits is None:
             device = backend.device_info()
             kernel = self.kernel
+            self._opt_in_shared_memory(backend)   # first: the occupancy query counts it
             per_sm = backend.occupancy(kernel.op, kernel.instance, kernel.threads, self.shared_mem_bytes)
             num_splits = plan_splits(spec, self.q_len, self.n_heads, device.multiprocessor_count * per_sm,
                                      rows_per_block)
@@ -299,10 +298,17 @@ class AttentionPlan:
         _args.check_launch("q", f"batch * n_kv_heads * ceil(q_len * group / {rows_per_block}) = {spec.batch} * "
                            f"{spec.n_kv_heads} * {blocks} query blocks", self.grid, self.block, self.shared_mem_bytes,
                            MMA_TILING["kMaxShared"] if self.kernel.opts_in_to_shared_memory else None)
+        self._opt_in_shared_memory(backend)
         self._workspace = self._allocate_workspace(backend, spec.head_dim)
         self._ranges = tuple(("attention plan workspace", *_args.byte_range(buffer)) for buffer in
                              self._workspace.buffers)
         _args.register_buffers(self)
+
+    def _opt_in_shared_memory(self, backend: Backend) -> None:
+        """Let the kernel launch with the plan's dynamic shared memory, when that is past 48 KiB (the
+        opt-in only grows and lasts, so a second call changes nothing)."""
+        if self.kernel.opts_in_to_shared_memory:
+            backend.opt_in_shared_memory(self.kernel.op, self.kernel.instance, self.shared_mem_bytes)
 
     def _allocate_workspace(self, backend: Backend, head_dim: int) -> _Workspace:
         """Four buffers, not one, so that on the emulator an overrun of one hits a guard page.

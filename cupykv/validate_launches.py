@@ -37,7 +37,7 @@ from cupykv.spec import IO_DTYPES
 
 #: head sizes launched: the specialised ones and one that takes the generic (HEAD_DIM = 0) instance.
 HEAD_DIMS = (*ATTENTION_HEAD_DIMS, 40)
-#: split-KV factors launched: 1 and 2 (the last block of each query tile merges the splits).
+#: split-KV factors launched: 1 and 2 (the last block of each query block merges the splits).
 NUM_SPLITS = (1, 2)
 #: max_seq of the small caches: split-KV needs max_seq > 128 * (num_splits - 1).
 SMALL_MAX_SEQ = 256
@@ -103,11 +103,14 @@ def _attention_round(backend: Backend, dtype: str, io_dtype: str, head_dim: int,
     k = random_array(backend, (2, 3, 1, head_dim), io_dtype, seed)        # [batch, n_new, n_kv, head_dim]
     v = random_array(backend, (2, 3, 1, head_dim), io_dtype, seed + 1)
     q = random_array(backend, (2, 1, 2, head_dim), io_dtype, seed + 2)    # [batch, q_len, n_heads, head_dim]
+    # 9 queries x 2 heads = 18 rows of one kv head: past 16, the tensor-core kernel's two row tiles
+    verify_q = random_array(backend, (2, 9, 2, head_dim), io_dtype, seed + 3)
     cache.append(0, k, v, rope=rope, return_positions=True)
     positions = backend.asarray(np.array([[0, 1, 2], [0, 1, 2]], np.int32))          # where append wrote
     cache.write(0, positions, k, v, rope=rope, return_positions=True)                 # the same rows again
     for num_splits in NUM_SPLITS:
         cupykv.attention(q, cache, 0, rope=rope, num_splits=num_splits)
+        cupykv.attention(verify_q, cache, 0, num_splits=num_splits)
     cache.advance(3)
     cache.set_lengths([3, 3])
     cache.additive_mask(q_len=1)

@@ -216,12 +216,14 @@ def test_two_row_tiles_at_every_tile_and_block_edge(backend, dtype, head_dim, q_
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, head_dim", CASES[:2])
-@pytest.mark.parametrize("options", [dict(window=20, num_splits=3), dict(rope=cupykv.Rope(), softcap=30.0),
+@pytest.mark.parametrize("options", [dict(window=60, num_splits=3), dict(rope=cupykv.Rope(), softcap=30.0),
                                      dict(split_keys=128)], ids=["window", "rope-softcap", "split_keys"])
-def test_two_row_tiles_with_windows_rope_and_fixed_splits(backend, dtype, head_dim, options):
+@pytest.mark.parametrize("q_len, group", [(9, 4), (32, 1)], ids=["q9xg4", "q32xg1"])
+def test_two_row_tiles_with_windows_rope_and_fixed_splits(backend, dtype, head_dim, options, q_len, group):
+    # 36 rows: a full block and one of 4 rows; 32 queries of one head: a block whose second tile's
+    # windows start 16 keys after the first tile's (its unmasked steps must follow the last query)
     lengths = [40, 300]
-    q_len, group = 9, 4   # 36 rows: a full block and one of 4 rows
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=320, batch=2, dtype=dtype)
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=340, batch=2, dtype=dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(7)
     testing.fill(cache, oracle, [n + q_len for n in lengths], rng)

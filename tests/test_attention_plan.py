@@ -335,3 +335,26 @@ def test_a_bad_stated_sm_count_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("CUPYKV_EMULATOR_SMS", "many")
     with pytest.raises(ValueError, match=r"^CUPYKV_EMULATOR_SMS: expected an int in 1\.\.65535 .* got 'many'$"):
         cupykv.KVCache(SPEC, backend="emulator").device_info()
+
+
+def test_a_plan_opts_in_to_its_shared_memory_before_it_asks_for_the_occupancy(monkeypatch):
+    """On CuPy the occupancy query of a kernel that has not opted in to more than 48 KiB counts 0
+    blocks; the plan must raise the kernel's limit first (and only past 48 KiB)."""
+    from cupykv.backends.emulator_backend import EmulatorBackend
+    calls = []
+    monkeypatch.setattr(EmulatorBackend, "opt_in_shared_memory",
+                        lambda self, op, instance, nbytes: calls.append(("opt-in", instance, nbytes)))
+    monkeypatch.setattr(EmulatorBackend, "occupancy",
+                        lambda self, op, instance, threads, shared: calls.append(("occupancy", instance, shared)) or 1)
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=128, max_seq=1024, batch=1, dtype="bfloat16")
+    cache = cupykv.KVCache(spec, backend="emulator")
+    plan = attention_plan.AttentionPlan(cache, 9, 8)   # 36 rows per kv head: two row tiles, 60928 bytes
+    instance = "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 2>"
+    assert plan.kernel.instance == instance and plan.shared_mem_bytes == 60928
+    assert calls[:2] == [("opt-in", instance, 60928), ("occupancy", instance, 60928)]
+    calls.clear()
+    attention_plan.AttentionPlan(cache, 2, 8)   # 8 rows: one tile, 47872 bytes, no opt-in
+    assert [call[0] for call in calls] == ["occupancy"]
+    calls.clear()
+    plan = attention_plan.AttentionPlan(cache, 9, 8, num_splits=2)   # no occupancy query: still opted in
+    assert calls == [("opt-in", instance, 60928)]

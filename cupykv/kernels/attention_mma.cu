@@ -14,10 +14,13 @@
 // last block of a tile to finish merges the splits into `out` (attention_merge.cuh).
 //
 // Design (docs/performance.md has the budget):
-// - A block owns a tile of 16 query rows (query x head of one GQA group: one m16 tile) and the keys
-//   of its split (attention_keys.cuh). Its kWarps warps take 16-key steps of that range in turn
-//   (warp w: steps w, w + kWarps, ...), each with its own online-softmax state, and merge at the
-//   end in a fixed order. No barrier runs inside the key loop.
+// - A block owns 16 * ROW_TILES query rows (query x head of one GQA group: one or two m16 tiles)
+//   and the keys of its split (attention_keys.cuh). The plan takes ROW_TILES = 2 past 16 rows per
+//   sequence and kv head (speculative verification, wide GQA), so that the block reads each K/V row
+//   of its keys once for 32 rows. Its kWarps warps take 16-key steps of that range in turn (warp w:
+//   steps w, w + kWarps, ...), each with its own online-softmax state per tile, and merge at the
+//   end in a fixed order. No barrier runs inside the key loop. Each step's K and V fragments are
+//   loaded once and used for every tile; a tile past the block's rows is skipped (block-uniform).
 // - Each warp double-buffers its steps (16-bit caches; fp8 below): the K and V rows of step
 //   n + kWarps are copied with 16-byte cp.async (.cg, L2 only) while step n is computed. Sixteen
 //   lanes read one 256-byte row (8 for head_dim 64), so a warp request covers whole rows; keys past
@@ -49,9 +52,10 @@
 // let 4 blocks share an SM (attention_mma_min_blocks).
 //
 // Launch geometry: block (kWarps * 32); grid (batch * n_kv * tiles, num_splits), tiles =
-// ceil(q_len * group / 16), block x = (b * n_kv + kv_head) * tiles + tile, block y = split.
-// Dynamic shared memory (attention_mma_tiling; at most 48 KiB, no opt-in): kShared64 or kShared128
-// bytes for 16-bit caches, kShared64Fp8 or kShared128Fp8 for fp8 caches.
+// ceil(q_len * group / (16 * ROW_TILES)), block x = (b * n_kv + kv_head) * tiles + tile, y = split.
+// Dynamic shared memory (attention_mma_tiling): ROW_TILES * kQTile<HEAD_DIM> + kStages<HEAD_DIM>
+// (16-bit caches) or kStages<HEAD_DIM>Fp8 (fp8 caches); past 48 KiB (two row tiles at head_dim 128,
+// and at 64 for 16-bit caches) the launch needs the kernel's opt-in, which the plan makes.
 //
 // Device-resident arguments: lengths [batch] int32, k_scales / v_scales [layers, n_kv] float32, q,
 // k/v cache (read), out, the partial_* workspace and split_counters (written), run_if [1] int32
