@@ -173,8 +173,8 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
         r = row.report
         if r.instance.startswith("cupykv_attention<"):   # attention_min_blocks<T>(): 3 for float, else 4
             assert r.min_blocks == (3 if "<float," in r.instance else 4), r
-        elif r.instance.endswith(", 2>"):   # attention_mma_min_blocks<T, 2>(): 2 (sm_80's shared memory)
-            assert r.instance.startswith("cupykv_attention_mma<") and r.min_blocks == 2, r
+        elif r.instance.startswith("cupykv_attention_mma<") and r.instance.endswith(", 2>"):
+            assert r.min_blocks == 2, r   # attention_mma_min_blocks<T, 2>(): 2 (sm_80's shared memory)
         elif r.instance.startswith("cupykv_attention_mma<"):   # attention_mma_min_blocks<T, 1>(): 4 for fp8, else 3
             assert r.min_blocks == (4 if "__nv_fp8_e4m3" in r.instance else 3), r
         elif r.instance.startswith("cupykv_linear<"):

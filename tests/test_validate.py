@@ -296,7 +296,7 @@ def test_profile_workload_launches_the_kernels_ncu_selects():
         profile_workload("emulator")
     instances = [instance for _, instance in launched]
     attention, linear = (regex for _, regex in NCU_KERNELS)
-    assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128>" in instances and "cupykv_linear_mma<__nv_bfloat16, 8>" in instances
+    assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 1>" in instances and "cupykv_linear_mma<__nv_bfloat16, 8>" in instances
     assert sum(bool(re.search(attention, name)) for name in instances) == 1
     assert sum(bool(re.search(linear, name)) for name in instances) == 1
 

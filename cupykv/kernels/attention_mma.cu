@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
         for (int t = 0; t < ROW_TILES; ++t)
             for (int nb = 0; nb < 2; ++nb)
                 for (int c = 0; c < 4; ++c) s[t][nb][c] = 0.0f;
-#pragma unroll
+#pragma unroll (ROW_TILES == 1 ? HEAD_DIM / 16 : 2)   // two tiles: two k-steps at a time, or the hoisted fragments spill
         for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
             unsigned k_frag[4];   // keys 0-7 (k_frag[0..1]) and 8-15 (k_frag[2..3]), dims k0..k0+15
             if constexpr (kFp8) {
