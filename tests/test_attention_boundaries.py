@@ -40,6 +40,9 @@ SPIKE = 8.0                              # logit of a marked key: e**8 outweighs
 NAN, INF = float("nan"), float("inf")
 POISONS = [(NAN, NAN), (INF, -INF), (-INF, NAN), (NAN, INF)]   # (K, V) values written where nothing may read
 DTYPES = ["float32", "float16", "bfloat16"]
+# head sizes paired with DTYPES by index: a generic size on CUDA cores for float32, and the two
+# tensor-core sizes for the 16-bit caches (one m16 tile per block up to 16 query rows, two past that)
+HEAD_DIMS = [8, 64, 128]
 
 
 def straddling(tile, multiples=(1, 2, 3)):
@@ -191,7 +194,8 @@ def test_query_rows_straddle_every_row_tile(backend, tile, multiple):
     for rows in straddling(tile, (multiple,)):
         group = max(g for g in range(1, 9) if rows % g == 0)
         q_len = rows // group
-        spec = _spec(CHUNK + q_len + 4, batch=2, n_kv=1 + rows % 2, dtype=DTYPES[rows % 3])
+        # float16 at head_dim 64 and bfloat16 at 128 run on tensor cores: blocks of 16 or 32 rows
+        spec = _spec(CHUNK + q_len + 4, batch=2, n_kv=1 + rows % 2, head_dim=HEAD_DIMS[rows % 3], dtype=DTYPES[rows % 3])
         lengths = [CHUNK - q_len // 2, 0]           # seq 0's pending rows straddle a chunk edge
         marked = {b: _pending_marks(n, q_len) + [0, CHUNK - 1, CHUNK] for b, n in enumerate(lengths)}
         attend(backend, spec, lengths, q_len, group, num_splits=1 + rows % 2, marked=marked, seed=rows)
@@ -203,7 +207,7 @@ def test_query_rows_straddle_every_row_tile(backend, tile, multiple):
 def test_every_q_len_at_every_gqa_group(backend, q_len, group):
     # Sequence 0's pending rows straddle a chunk edge; sequence 1 has no history (lengths 0).
     index = q_len * 8 + group
-    spec = _spec(2 * CHUNK + 8, batch=2, head_dim=(8, 16)[index % 2], dtype=DTYPES[index % 3],
+    spec = _spec(2 * CHUNK + 8, batch=2, head_dim=HEAD_DIMS[index % 3], dtype=DTYPES[index % 3],
                  layout=("NHD", "HND")[(index // 2) % 2])
     lengths = [CHUNK - q_len // 2 - 1, 0]
     marked = {b: [n + i for i in range(q_len)] + [0, CHUNK - 1, CHUNK] for b, n in enumerate(lengths)}
