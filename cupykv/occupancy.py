@@ -9,8 +9,8 @@ block. Each resource gives a limit; the smallest binds:
 - threads: 2048 per SM (whole warps); blocks: 32 per SM;
 - shared memory: 164 KB per SM on sm_80 and 228 KB on sm_90 (the largest carveout, which the
   driver picks when a kernel needs it), allocated per block in units of 128 bytes, with 1 KB
-  per block reserved by the system; one block may have at most 163 KB (sm_80) or 227 KB (sm_90),
-  past 48 KB only with the kernel's opt-in.
+  per block reserved by the system (so one block may have at most 163 KB on sm_80 and 227 KB on
+  sm_90), past 48 KB only with the kernel's opt-in.
 
 ``python -m cupykv check`` (:mod:`cupykv.nvrtc_check`) prints this for the attention and
 ``linear`` instances (:func:`rows`: each instance's launch from the host code, the generic
@@ -37,7 +37,6 @@ class SmLimits:
 
     arch: str
     shared_bytes: int              # shared memory per SM, at the largest carveout
-    block_shared_bytes: int        # the most one block may have (static + dynamic, after the opt-in)
     registers: int = 65536         # 32-bit registers per SM
     register_unit: int = 256       # registers are allocated per warp, in units of this many
     max_threads: int = 2048
@@ -48,8 +47,8 @@ class SmLimits:
 
 
 LIMITS = {
-    "sm_80": SmLimits("sm_80", shared_bytes=164 * 1024, block_shared_bytes=163 * 1024),
-    "sm_90": SmLimits("sm_90", shared_bytes=228 * 1024, block_shared_bytes=227 * 1024),
+    "sm_80": SmLimits("sm_80", shared_bytes=164 * 1024),
+    "sm_90": SmLimits("sm_90", shared_bytes=228 * 1024),
 }
 
 
@@ -90,8 +89,7 @@ def blocks_per_sm(limits: SmLimits, registers: int, threads: int, shared_bytes: 
     registers_per_warp = _round_up(registers * limits.warp_size, limits.register_unit)
     by_registers = (limits.registers // registers_per_warp) // warps if registers_per_warp else limits.max_blocks
     by_threads = limits.max_threads // (warps * limits.warp_size)
-    by_shared = (limits.shared_bytes // _round_up(shared_bytes + limits.shared_reserved, limits.shared_unit)
-                 if shared_bytes <= limits.block_shared_bytes else 0)
+    by_shared = limits.shared_bytes // _round_up(shared_bytes + limits.shared_reserved, limits.shared_unit)
     return Occupancy(min(by_registers, by_threads, limits.max_blocks, by_shared), by_registers, by_threads,
                      limits.max_blocks, by_shared)
 

@@ -134,6 +134,9 @@ SM80, SM90 = occupancy.LIMITS["sm_80"], occupancy.LIMITS["sm_90"]
     (SM80, 16, 32, 0, 32, "blocks"),              # 128 warps by registers, 64 blocks by threads
     (SM80, 32, 128, 48 * 1024, 3, "shared"),      # 167936 // (49152 + 1024)
     (SM90, 32, 128, 48 * 1024, 4, "shared"),      # 233472 // 50176
+    (SM80, 32, 128, 60944, 2, "shared"),          # past 48 KiB (opt-in): 167936 // 62080
+    (SM80, 32, 128, 163 * 1024 + 1, 0, "shared"),  # past sm_80's 163 KiB a block (with 1 KB reserved): none
+    (SM90, 32, 128, 163 * 1024 + 1, 1, "shared"),  # sm_90 allows 227 KiB a block
     (SM80, 32, 100, 100, 16, "registers+threads"),  # 100 threads occupy 4 warps
     (SM80, 255, 1024, 0, 0, "registers"),         # 8192 per warp: 8 warps, a block needs 32
 ])
