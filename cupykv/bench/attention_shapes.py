@@ -100,7 +100,8 @@ def attention_shapes(ctx: Context) -> dict:
                 nbytes = _kv_bytes(plan, batch, live + q_len - 1)
                 bandwidth = _rate(nbytes, timing.median_s)
                 results.append({"batch": batch, "group": group, "live_len": live, "q_len": q_len,
-                                "num_splits": attention.num_splits, "kv_bytes": nbytes, **timing.as_ms(),
+                                "num_splits": attention.num_splits, "rows_per_block": attention.kernel.rows_per_block,
+                                "kv_bytes": nbytes, **timing.as_ms(),
                                 "bandwidth_GBps": bandwidth, "pct_of_copy": 100.0 * bandwidth / ctx.copy_GBps,
                                 "TFLOPS": _flops(plan, batch, q_len, group, live) / timing.median_s / 1e12})
         del cache
@@ -116,7 +117,9 @@ def attention_shapes(ctx: Context) -> dict:
         "params": {"n_kv_heads": plan.n_kv_heads, "head_dim": plan.head_dim, "dtype": "bfloat16",
                    "batches": list(plan.batches), "live_lens": list(plan.lives), "groups": list(plan.groups),
                    "q_lens": list(plan.q_lens), "max_tokens": plan.max_tokens},
-        "units": {"kv_bytes": "bytes read", "time_ms": "ms, median", "bandwidth_GBps": "1e9 bytes/s",
+        "units": {"rows_per_block": "query rows (query x head of a GQA group) one block owns: the blocks of a "
+                                    "sequence and kv head each read its keys",
+                  "kv_bytes": "bytes read", "time_ms": "ms, median", "bandwidth_GBps": "1e9 bytes/s",
                   "pct_of_copy": "percent of the copy section's bandwidth (read + write)",
                   "TFLOPS": "1e12 flop/s", "time_vs_q_len_1": "time over the q_len 1 time at the same batch, group "
                                                               "and live length"},
