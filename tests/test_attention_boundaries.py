@@ -348,12 +348,14 @@ REPLAY_LENGTHS = [[CHUNK - 1, 0], [CHUNK, 1], [3 * CHUNK + 1, 2 * CHUNK], [3 * C
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("splits, q_len", [(2, 1), (3, 4), (8, 1), (5, 16)])
-def test_the_split_combine_is_right_on_every_replay(backend, splits, q_len):
+@pytest.mark.parametrize("dtype, head_dim", [("float32", 8), ("bfloat16", 128)], ids=["cuda-cores", "tensor-cores"])
+def test_the_split_combine_is_right_on_every_replay(backend, splits, q_len, dtype, head_dim):
     # A captured step attends over both layers with one split plan (one workspace), then advances by
     # a device array. Between replays the lengths change on the device (set_lengths from a device
-    # array inside the step) and the rows past the pending ones are poisoned again.
+    # array inside the step) and the rows past the pending ones are poisoned again. On tensor cores
+    # q_len 16 x group 2 is one block of two row tiles.
     group = 2
-    spec = _spec(max(6 * CHUNK + q_len + 8, splits * CHUNK), batch=2, dtype="float32",
+    spec = _spec(max(6 * CHUNK + q_len + 8, splits * CHUNK), batch=2, dtype=dtype, head_dim=head_dim,
                  layout="HND" if splits % 2 else "NHD")
     rng = np.random.default_rng(splits)
     marks = {b: [0, CHUNK - 1, CHUNK, 3 * CHUNK, 5 * CHUNK - 1] for b in range(2)}
@@ -361,6 +363,7 @@ def test_the_split_combine_is_right_on_every_replay(backend, splits, q_len):
     _nhd(oracle.k, spec)[1] = _nhd(oracle.k, spec)[0][:, ::-1]    # layer 1: the keys reversed
     cache = cupykv.KVCache(spec, backend=backend)
     plan = cupykv.AttentionPlan(cache, q_len, group * spec.n_kv_heads, num_splits=splits)
+    assert plan.kernel.rows_per_block == (32 if plan.kernel.tensor_cores and q_len * group > 16 else 16)
     q = cache.to_device(q_host)
     outs = [cache.to_device(np.zeros(q_host.shape, spec.np_dtype)) for _ in range(spec.n_layers)]
     targets = cache.to_device(np.zeros(spec.batch, np.int32))

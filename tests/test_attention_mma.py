@@ -114,14 +114,15 @@ def test_lengths_at_every_step_and_warp_round_edge(backend, dtype, head_dim):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, head_dim", CASES[:2])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 13, 32, 64])
-def test_every_split_count_with_an_uneven_last_split(backend, dtype, head_dim, splits):
+@pytest.mark.parametrize("q_len", [1, 5], ids=["4rows", "20rows"])   # GQA 4: one row tile, or two
+def test_every_split_count_with_an_uneven_last_split(backend, dtype, head_dim, splits, q_len):
     lives = [splits * 128 + 1, 2 * 128 * splits + 1 if splits <= 8 else 300, 17]
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=max(lives) + 4,
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=max(lives) + q_len + 3,
                             batch=len(lives), dtype=dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(splits)
     testing.fill(cache, oracle, [n - 1 for n in lives], rng)
-    q = testing.random_rows(rng, spec, (len(lives), 1, 8, head_dim))
+    q = testing.random_rows(rng, spec, (len(lives), q_len, 8, head_dim))
     got = cupykv.attention(cache.to_device(q), cache, 0, num_splits=min(splits, (max(lives) + 4 + 127) // 128))
     assert_attention_close(testing.to_numpy(got, spec), reference.attention(q, oracle, 0), dtype,
                            float(np.abs(oracle.v.astype(np.float32)).max()))
