@@ -255,3 +255,22 @@ def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
     assert row.report.shared_bytes >= 32768 and row.occupancy.limiter == "shared" and row.occupancy.blocks == 3
     code, _, stderr = _report_exit(reports)
     assert code == 1 and "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128> (sm_80): 3 blocks/SM, limited by shared" in stderr
+
+
+def test_the_two_row_tile_bytes_in_flight_in_the_docs_follow_the_check(reports):
+    """docs/performance.md's table of two-row-tile blocks: blocks per SM as the check computes them,
+    and bytes in flight = blocks x warps x the steps a warp has in flight (K and V of 16 keys)."""
+    mma = KERNELS["attention_mma"].constants("attention_mma_tiling")
+    text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
+    rows = re.findall(r"^  \| (16-bit|fp8), head_dim (\d+) \| (\d+) / (\d+)[^|]*\| (\d+) KB / (\d+) KB \|$", text, re.M)
+    assert len(rows) == 4
+    computed = {(row.report.arch, row.report.instance): row.occupancy.blocks for row in occupancy.rows(reports)}
+    for kind, head_dim, b80, b90, kb80, kb90 in rows:
+        head_dim = int(head_dim)
+        types = "__nv_fp8_e4m3, __nv_bfloat16" if kind == "fp8" else "__nv_bfloat16, __nv_bfloat16"
+        instance = f"cupykv_attention_mma<{types}, {head_dim}, 2>"
+        itemsize, ahead = (1, mma["kStagesFp8"] - 1) if kind == "fp8" else (2, mma["kStages"] - 1)
+        per_block = mma[f"kWarps{head_dim}"] * ahead * 2 * mma["kStepKeys"] * head_dim * itemsize
+        for arch, blocks, kb in (("sm_80", b80, kb80), ("sm_90", b90, kb90)):
+            assert computed[(arch, instance)] == int(blocks), (instance, arch)
+            assert int(blocks) * per_block == int(kb) * 1024, (instance, arch)
