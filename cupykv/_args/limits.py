@@ -43,7 +43,8 @@ def check_launch(name: str, shape: str, grid: Sequence[int], block: Sequence[int
     shared_mem : int
         Bytes of dynamic shared memory.
     opted_in_shared : int, optional
-        The kernel's opt-in limit (``Backend.opt_in_shared_memory``), when it has one; 48 KiB otherwise.
+        For a kernel that opts in past 48 KiB (``Backend.opt_in_shared_memory``): the most it may
+        opt in to. Without it, 48 KiB, CUDA's limit without an opt-in.
     """
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
