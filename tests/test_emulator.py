@@ -28,7 +28,8 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
-             "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero"]
+             "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
+             "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten"]
 
 
 def line_of(path, needle, nth=0):
@@ -343,6 +344,45 @@ def test_f_dynamic_shared_memory_out_of_bounds(good, bugs):
     assert_still_works(good)
 
 
+def test_m_static_shared_memory_past_the_end(good, bugs):
+    """An index one past a static __shared__ array lands in its guard bytes: the write fails,
+    naming the variable, its kernel, the offset and the line, not the next variable's bytes."""
+    line = line_of(BUGS, "warp_totals[threadIdx.x / 32 + 1] = 1.f")
+    with pytest.raises(E.EmulatorFault, match=(
+            r"thread \(96,0,0\): out-of-bounds write of 4 bytes at static __shared__ warp_totals "
+            r"\(in static_smem_past_end\) byte offset 16 \(the first byte past the end of the "
+            rf"variable's 16 bytes\) at bugs.cu:{line}")):
+        bugs.get_function("static_smem_past_end")(1, 128, (E.zeros(128),))
+    assert_still_works(good)
+
+
+@pytest.mark.parametrize("racecheck", ["1", "0"])
+def test_n_static_shared_memory_before_the_start(good, bugs, monkeypatch, racecheck):
+    """Index -1 of a static __shared__ array fails too, with the race checker on or off."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
+    line = line_of(BUGS, "counts[(int)(threadIdx.x / 32) - 1] = 1.f")
+    with pytest.raises(E.EmulatorFault, match=(
+            r"thread \(0,0,0\): out-of-bounds write of 4 bytes at static __shared__ counts "
+            r"\(in static_smem_before_start\) byte offset -4 \(4 bytes before the start of the "
+            rf"variable's 32 bytes\) at bugs.cu:{line}")):
+        bugs.get_function("static_smem_before_start")(1, 64, (E.zeros(64),))
+    assert_still_works(good)
+
+
+def test_o_static_shared_memory_is_poisoned_per_block(bugs):
+    """Static __shared__ bytes no thread of the block wrote read as poison (NaN here), also
+    those an earlier block wrote: no value leaks from block to block."""
+    y = E.zeros(16)
+    bugs.get_function("static_smem_unwritten")(2, 64, (y,))
+    got = E.asnumpy(y).reshape(2, 8)
+    for block in range(2):
+        written = [2 * block, 2 * block + 1]
+        np.testing.assert_array_equal(got[block, written], [block + 1, block + 1])
+        others = np.delete(got[block], written)
+        assert np.isnan(others).all(), got
+        assert (others.view(np.uint32) == 0xFFFFFFFF).all()
+
+
 def test_g_block_above_launch_bounds(good, bugs):
     fn = bugs.get_function("small_blocks")
     assert fn.max_threads == 64
@@ -517,9 +557,10 @@ def test_rewrite_keeps_line_numbers():
 
 
 def test_static_shared_rewrite_keeps_line_numbers():
-    """A function's static __shared__ variables are reached through a reference, file-scope
-    ones keep their name; both are value-initialised (no initialisation guard, whose accesses
-    the instrumentation would see as races); other declarations stay as they are."""
+    """A function's static __shared__ variables are boxed between guard bytes and reached
+    through the reference cuemu::static_shared returns, file-scope ones keep their name; both
+    are value-initialised (no initialisation guard, whose accesses the instrumentation would see
+    as races); other declarations stay as they are."""
     from cupykv.backends.emulator import source
     src = ("__shared__ float at_file_scope[4];\n__global__ void k(float* y) {\n"
            "  __shared__ __align__(16) float tile[2][32];\n  __shared__ int count;\n"
@@ -529,9 +570,12 @@ def test_static_shared_rewrite_keeps_line_numbers():
     assert out.count("\n") == src.count("\n")
     lines = out.splitlines()
     assert lines[0] == "thread_local float at_file_scope[4]{};"
-    assert lines[2] == ("  thread_local __align__(16) float cuemu_shared_tile[2][32]{}; "
-                        "auto& tile = *::cuemu::opaque(&cuemu_shared_tile);")
-    assert lines[3] == "  thread_local int cuemu_shared_count{}; auto& count = *::cuemu::opaque(&cuemu_shared_count);"
+    guard_lo = "unsigned char cuemu_guard_lo[16];"
+    guard_hi = "unsigned char cuemu_guard_hi[16];"
+    assert lines[2] == (f"  thread_local struct {{ {guard_lo} __align__(16) float value[2][32]; {guard_hi} }} "
+                        "cuemu_shared_tile{}; auto& tile = *::cuemu::static_shared(&cuemu_shared_tile);")
+    assert lines[3] == (f"  thread_local struct {{ {guard_lo} int value; {guard_hi} }} cuemu_shared_count{{}}; "
+                        "auto& count = *::cuemu::static_shared(&cuemu_shared_count);")
     assert lines[4] == "  __shared__ float a[2], b[2];"
     assert lines[5].startswith("  float* const dyn = ")
     assert lines[6] == "  // __shared__ float in_comment[3];"

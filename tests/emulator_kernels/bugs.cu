@@ -90,3 +90,31 @@ __global__ void null_deref(float* y) { y[threadIdx.x] = 1.f; }
 
 // Integer division by zero (the GPU returns garbage; the emulator reports it).
 __global__ void divide_by_zero(int* y, int d) { y[threadIdx.x] = 100 / d; }
+
+// (m) a static __shared__ array indexed one past its end: one slot per warp, off by one.
+__global__ void static_smem_past_end(float* y) {
+  __shared__ float warp_totals[4];
+  if (threadIdx.x % 32 == 0) warp_totals[threadIdx.x / 32 + 1] = 1.f;
+  __syncthreads();
+  y[threadIdx.x] = warp_totals[threadIdx.x % 4];
+}
+
+// (n) a static __shared__ array indexed one before its start.
+__global__ void static_smem_before_start(float* y) {
+  __shared__ float counts[8];
+  __shared__ int flag;
+  flag = 0;
+  if (threadIdx.x % 32 == 0) counts[(int)(threadIdx.x / 32) - 1] = 1.f;
+  __syncthreads();
+  y[threadIdx.x] = counts[threadIdx.x % 8] + (float)flag;
+}
+
+// (o) reads every slot of a static __shared__ array, of which each block's warps wrote only
+// their own two: block b's warps write slots 2b and 2b + 1. The other slots hold poison, also
+// those that the previous block wrote.
+__global__ void static_smem_unwritten(float* y) {
+  __shared__ float slots[8];
+  if (threadIdx.x % 32 == 0) slots[2 * blockIdx.x + threadIdx.x / 32] = (float)(blockIdx.x + 1);
+  __syncthreads();
+  if (threadIdx.x < 8) y[8 * blockIdx.x + threadIdx.x] = slots[threadIdx.x];
+}

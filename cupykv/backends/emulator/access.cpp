@@ -58,6 +58,7 @@ struct TraceState {
   uint32_t tid = 0;           // the running fiber
   uintptr_t stack_lo = 0, stack_len = 0;
   uintptr_t module_base = 0;
+  uint32_t poison = 256;      // the launch's poison byte for shared memory; > 255: none
   const Watch* watch = nullptr;
   uint32_t nwatch = 0;
   Observer* observers[kMaxObservers];
@@ -67,6 +68,16 @@ struct TraceState {
 TraceState T;
 std::vector<Region> g_regions;
 std::vector<Watch> g_watch;
+
+// The static __shared__ variables whose declaration a fiber of the launch reached
+// (cuemu_static_shared), each boxed between guard bytes; `block` is the serial number of the
+// last block that reached it. Blocks run on the launching thread, one at a time.
+struct StaticVariable {
+  uintptr_t box_lo, value_lo, value_hi, box_hi;
+  uint64_t block;
+};
+std::vector<StaticVariable> g_static_variables;
+uint64_t g_block_serial = 0;  // counts every block of every launch
 
 // ---- shadow bytes ---------------------------------------------------------------------
 bool g_shadow_ready = false;
@@ -141,6 +152,37 @@ void settle_observers() {
   for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->settle();
 }
 
+const char* access_word(uint8_t kind) {
+  return kind & ACCESS_ATOMIC ? "atomic" : kind & ACCESS_WRITE ? "write" : "read";
+}
+
+// Ends the launch when [addr, addr + size) leaves the value of the static __shared__ variable
+// whose box holds addr (its guard bytes, or the padding after them). Bytes of static shared
+// memory outside every box (a variable at namespace scope, or declared with others) go unchecked.
+void check_static_bounds(const Region& stat, uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
+  for (const StaticVariable& v : g_static_variables) {
+    if (v.block != g_block_serial || addr < v.box_lo || addr >= v.box_hi) continue;
+    if (addr >= v.value_lo && addr + size <= v.value_hi) return;
+    char where[96];
+    if (addr >= v.value_hi) {
+      if (addr == v.value_hi) snprintf(where, sizeof where, "the first byte past the end");
+      else snprintf(where, sizeof where, "%llu bytes past the end", (unsigned long long)(addr - v.value_hi));
+    } else if (addr < v.value_lo) {
+      snprintf(where, sizeof where, "%llu bytes before the start", (unsigned long long)(v.value_lo - addr));
+    } else {
+      snprintf(where, sizeof where, "running %llu bytes past the end",
+               (unsigned long long)(addr + size - v.value_hi));
+    }
+    char msg[320];
+    snprintf(msg, sizeof msg,
+             "out-of-bounds %s of %llu bytes at @static(0x%llx) (%s of the variable's %llu bytes) at "
+             "@site(0x%x)",
+             access_word(kind), (unsigned long long)size, (unsigned long long)(addr - stat.lo), where,
+             (unsigned long long)(v.value_hi - v.value_lo), (uint32_t)((uintptr_t)ra - T.module_base));
+    fail_launch(CUEMU_ERR_STATIC_SHARED, msg);
+  }
+}
+
 inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   poll_interrupt();  // Ctrl-C while a kernel busy-waits on watched memory
   if (!T.active || size == 0) return;
@@ -150,6 +192,7 @@ inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   if (T.settle && (kind & (ACCESS_WRITE | ACCESS_ATOMIC))) settle_observers();
   const Region* r = find_region(addr);
   if (!r) return;
+  if (r->space == CUEMU_SHARED_STATIC) check_static_bounds(*r, addr, size, kind, ra);
   const size_t room = r->hi - addr;
   Access a;
   a.addr = addr;
@@ -242,6 +285,8 @@ bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr
   if (p->checks & CUEMU_CHECK_RACES) T.observers[T.nobservers++] = racecheck_observer();
   if (p->checks & CUEMU_CHECK_TRAFFIC) T.observers[T.nobservers++] = traffic_observer();
   T.module_base = module_base_of((const void*)p->invoke);
+  T.poison = p->poison;
+  g_static_variables.clear();
   T.stack_lo = stacks_lo;
   T.stack_len = stacks_len;
   g_regions.assign(2 + p->nregions, Region());
@@ -292,6 +337,7 @@ void trace_launch_end() {
 }
 
 void trace_block_begin(uint64_t block_linear) {
+  ++g_block_serial;  // every static __shared__ variable is poisoned again when first reached
   for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->block_begin(block_linear);
 }
 
@@ -347,6 +393,30 @@ const Region* trace_region_at(uintptr_t addr) {
   for (const Region& r : g_regions)
     if (addr >= r.lo && addr < r.hi) return &r;
   return nullptr;
+}
+
+// A fiber reached the declaration of the static __shared__ variable boxed at box_lo: the block's
+// first one poisons the value, and from then on the static shared memory is watched (in an
+// instrumented module), so that record() checks each access against the boxes.
+void static_shared_reached(uintptr_t box_lo, size_t value_size, size_t box_size) {
+  StaticVariable* v = nullptr;
+  for (StaticVariable& s : g_static_variables)
+    if (s.box_lo == box_lo) v = &s;
+  if (!v) {
+    g_static_variables.push_back(StaticVariable{box_lo, box_lo + CUEMU_STATIC_SHARED_GUARD,
+                                                box_lo + CUEMU_STATIC_SHARED_GUARD + value_size,
+                                                box_lo + box_size, 0});
+    v = &g_static_variables.back();
+  }
+  if (v->block == g_block_serial) return;
+  v->block = g_block_serial;
+  if (T.poison <= 255) memset(reinterpret_cast<void*>(v->value_lo), (int)T.poison, value_size);
+  Region& stat = g_regions[1];
+  if (g_shadow_ready && !stat.watched && stat.hi > stat.lo) {
+    stat.watched = true;
+    rebuild_watch();
+    T.active = true;
+  }
 }
 
 bool trace_watch_shared() {
@@ -441,3 +511,7 @@ CUEMU_EXPORT void cuemu_atomic_access(void* addr, unsigned size, void* site) {
 }
 
 CUEMU_EXPORT void cuemu_threadfence(void) { cuemu::trace_fence(); }
+
+CUEMU_EXPORT void cuemu_static_shared(void* box, size_t value_size, size_t box_size) {
+  cuemu::static_shared_reached((uintptr_t)box, value_size, box_size);
+}

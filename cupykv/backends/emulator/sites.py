@@ -104,11 +104,14 @@ def _without_arguments(function):
 
 def static_shared_variable(path, offset):
     """``(description, byte offset in the variable)`` of the static ``__shared__`` variable
-    at ``offset`` of the module's static shared memory, or None."""
+    at ``offset`` of the module's static shared memory, or None. A function's variable is boxed
+    (source.rewrite_static_shared): the offset counts from its value, so an offset in the guard
+    bytes is negative, or the variable's size or more."""
     for start, size, name in _tls_symbols(path):
         if start <= offset < start + max(size, 1):
             function, sep, variable = name.rpartition("::")
+            boxed = variable.startswith(source.STATIC_SHARED_PREFIX)
             variable = variable.removeprefix(source.STATIC_SHARED_PREFIX)
             where = f"{variable} (in {_without_arguments(function)})" if sep else variable
-            return where, offset - start
+            return where, offset - start - (source.STATIC_SHARED_GUARD if boxed else 0)
     return None

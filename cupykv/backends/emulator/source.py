@@ -102,15 +102,19 @@ _STATIC_SHARED = re.compile(
     r"(?<![\w])(?:static\s+)?__shared__\s+(?P<decl>[^;\[\]{}()=,]*(?:\([^()]*\)[^;\[\]{}()=,]*)*?)"
     r"\s*\b(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\[\];{}]*\]\s*)*);")
 STATIC_SHARED_PREFIX = "cuemu_shared_"
+STATIC_SHARED_GUARD = 16  # guard bytes on each side of a function's variable (CUEMU_STATIC_SHARED_GUARD)
 
 
 def rewrite_static_shared(text):
     """Turns ``__shared__ [align] T name[dims];`` into value-initialised thread-local storage,
-    on the same line(s); inside a function, reached through a reference the compiler cannot
-    see through.
+    on the same line(s); inside a function, boxed between guard bytes and reached through a
+    reference that ``cuemu::static_shared`` returns.
 
-    Static ``__shared__`` variables are ``thread_local``; the ``cuemu_shared_`` prefix of a
-    function's variable lets race reports name it (sites.py). The ``{}`` value-initialises the
+    Static ``__shared__`` variables are ``thread_local``. A function's variable is the member
+    ``value`` of a box, after ``STATIC_SHARED_GUARD`` guard bytes and before at least as many;
+    at the declaration the runtime learns where the value lies, poisons it once per block
+    and fails any access to the guards (access.cpp). The ``cuemu_shared_`` prefix of the box lets
+    reports name the variable (sites.py). The ``{}`` value-initialises the
     storage, which for the trivial constructors CUDA allows in shared memory is
     zero-initialisation at load time: without it g++ guards the default-initialisation of a
     class type (``__half``) with a thread-local flag that every fiber reads and the first one
@@ -130,8 +134,9 @@ def rewrite_static_shared(text):
         name = m.group("name")
         if _in_function(blanked, m.start()):
             storage = STATIC_SHARED_PREFIX + name
-            repl = (f"thread_local {decl} {storage}{dims}{{}}; "
-                    f"auto& {name} = *::cuemu::opaque(&{storage});")
+            repl = (f"thread_local struct {{ unsigned char cuemu_guard_lo[{STATIC_SHARED_GUARD}]; "
+                    f"{decl} value{dims}; unsigned char cuemu_guard_hi[{STATIC_SHARED_GUARD}]; }} "
+                    f"{storage}{{}}; auto& {name} = *::cuemu::static_shared(&{storage});")
         else:
             static = "static " if blanked.startswith("static", m.start()) else ""
             repl = f"{static}thread_local {decl} {name}{dims}{{}};"

@@ -9,9 +9,10 @@
 //    allowed); the Python builder rewrites that line into a pointer to the launch's
 //    dynamic shared memory, keeping line numbers.
 //  * Static `__shared__` variables are thread_local storage shared by the fibers of
-//    the running block, value-initialised, and inside a function reached through a reference
-//    (the builder rewrites the declarations; see cuemu::opaque). They are not bounds-checked
-//    and keep the previous block's values (they are not poisoned).
+//    the running block. Inside a function each one is boxed between guard bytes and reached
+//    through a reference (the builder rewrites the declarations; see cuemu::static_shared): its
+//    bytes are poisoned before the block's first fiber reaches the declaration, and an access
+//    to the guards fails, as past the end of dynamic shared memory.
 //  * Barriers and warp operations are identified by call site (__FILE__:__LINE__).
 //  * The builder compiles kernels with GCC's ThreadSanitizer instrumentation (without its
 //    runtime library): every read and write of memory calls a hook of the runtime
@@ -112,15 +113,24 @@ constexpr int warpSize = 32;
 namespace cuemu {
 inline char* dynamic_shared() { return ::cuemu_ctx.dyn_smem; }
 
-// The builder declares each static __shared__ variable of a function as
-// `thread_local T cuemu_shared_x[N]; auto& x = *::cuemu::opaque(&cuemu_shared_x);` (the prefix
-// lets sites.py name it). The instrumentation sees accesses through the reference and direct
-// ones to thread-local variables alike; opaque() hides the address's value from GCC, which a
-// sanitizer that skipped direct thread-local accesses needed.
+// The builder declares each static __shared__ variable of a function in a box with guard bytes,
+//   thread_local struct { unsigned char lo[16]; T value[N]; unsigned char hi[16]; } cuemu_shared_x{};
+//   auto& x = *::cuemu::static_shared(&cuemu_shared_x);
+// (the prefix lets sites.py name it). static_shared() tells the runtime where the value lies, which
+// poisons it once per block and fails an access to the guards (the runtime's call also hides the
+// address from GCC, so that accesses through the reference are instrumented like any other).
 template <class T>
 __attribute__((always_inline)) inline T* opaque(T* p) {
   asm("" : "+r"(p));
   return p;
+}
+
+template <class Box>
+__attribute__((always_inline)) inline auto* static_shared(Box* box) {
+  static_assert(__builtin_offsetof(Box, value) == CUEMU_STATIC_SHARED_GUARD,
+                "a static __shared__ variable aligned to more than 16 bytes");
+  cuemu_static_shared(box, sizeof(box->value), sizeof(Box));
+  return opaque(&box->value);
 }
 
 template <class T>

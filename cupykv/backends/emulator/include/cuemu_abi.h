@@ -3,6 +3,7 @@
 // Included by cuemu.h (kernel side) and by runtime.cpp. Everything here is plain C
 // layout so that Python can mirror the launch structs with ctypes.
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
 struct uint3 {
@@ -71,9 +72,13 @@ enum {
   CUEMU_ERR_INTERRUPTED = 7,  // Ctrl-C (SIGINT) stopped the launch (CUEMU_STOP_ON_SIGINT)
   CUEMU_ERR_ASYNC_COPY = 8,   // cp.async misuse: a pending destination touched, bad size/address
   CUEMU_ERR_FRAGMENT = 9,     // ldmatrix / mma misuse: a row address outside shared memory, ...
+  CUEMU_ERR_STATIC_SHARED = 10,  // an access outside a static __shared__ variable (into its guard bytes)
 };
 
 // Memory spaces of the regions a launch's accesses are sorted into (cuemu_hazard.region).
+// Guard bytes before and after each static __shared__ variable of a function (source.py's box).
+enum { CUEMU_STATIC_SHARED_GUARD = 16 };
+
 enum { CUEMU_GLOBAL = 0, CUEMU_SHARED_DYNAMIC = 1, CUEMU_SHARED_STATIC = 2 };
 
 // One array argument's bytes (overlapping arguments are merged into one region by launch.py).
@@ -161,6 +166,11 @@ void cuemu_atomic_access(void* addr, unsigned size, void* site);
 // checker pairs with the thread's atomics into a release (fence, then atomic) or an acquire
 // (atomic, then fence) between blocks.
 void cuemu_threadfence(void);
+// A static __shared__ variable's declaration, reached by a fiber (cuemu::static_shared): the
+// variable lives in `box`, CUEMU_STATIC_SHARED_GUARD guard bytes, then value_size bytes of the
+// value, then guard bytes to box_size. The first fiber of a block to reach it fills the value with
+// the launch's poison byte; accesses outside the value but inside the box fail (access.cpp).
+void cuemu_static_shared(void* box, size_t value_size, size_t box_size);
 // Asynchronous copies (cp.async; async_copy.cpp). Per thread, as in PTX: a copy belongs to the
 // group its thread's next commit closes; wait(n) completes all but the n most recent groups.
 void cuemu_cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size);
