@@ -29,7 +29,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
              "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
-             "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten"]
+             "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
+             "misaligned_vector_load", "misaligned_atomic"]
 
 
 def line_of(path, needle, nth=0):
@@ -381,6 +382,35 @@ def test_o_static_shared_memory_is_poisoned_per_block(bugs):
         others = np.delete(got[block], written)
         assert np.isnan(others).all(), got
         assert (others.view(np.uint32) == 0xFFFFFFFF).all()
+
+
+def test_p_misaligned_vector_load(good, bugs):
+    """A 16-byte load one float past a 16-byte boundary runs on the CPU but ends the launch on
+    a GPU (cudaErrorMisalignedAddress): the emulator fails it, naming the argument, the element,
+    the offset and the line."""
+    line = line_of(BUGS, "reinterpret_cast<const uint4*>(x + 1)[threadIdx.x]")
+    x = E.asarray(np.arange(64, dtype=np.float32))
+    with pytest.raises(E.EmulatorFault) as caught:
+        bugs.get_function("misaligned_vector_load")(1, 8, (E.zeros(8), x))
+    found = re.search(
+        r"thread \((\d),0,0\): misaligned 16-byte read at argument 1 \(float32 array of shape "
+        r"\(64,\)\) element (\d+) \(byte offset (\d+)\) \(4 bytes past a multiple of 16; a GPU ends "
+        rf"the launch with cudaErrorMisalignedAddress\) at bugs.cu:{line}", str(caught.value))
+    assert found, caught.value
+    thread, element, offset = (int(g) for g in found.groups())
+    assert (element, offset) == (4 * thread + 1, 16 * thread + 4)  # the thread's own load
+    assert_still_works(good)
+
+
+def test_q_misaligned_atomic(good, bugs):
+    """An atomic on an int at an address 2 bytes past a multiple of 4 fails the same way; the
+    site is the atomic's line, also when it ends the kernel (no tail call past the kernel)."""
+    line = line_of(BUGS, "atomicAdd(reinterpret_cast<int*>(reinterpret_cast<char*>(counts) + 2), 1)")
+    with pytest.raises(E.EmulatorFault, match=(
+            r"misaligned 4-byte atomic at argument 0 \(int32 array of shape \(4,\)\) element 0 "
+            rf"\(byte offset 2\) \(2 bytes past a multiple of 4; .*\) at bugs.cu:{line}\b")):
+        bugs.get_function("misaligned_atomic")(1, 4, (E.zeros(4, np.int32),))
+    assert_still_works(good)
 
 
 def test_g_block_above_launch_bounds(good, bugs):

@@ -118,3 +118,16 @@ __global__ void static_smem_unwritten(float* y) {
   __syncthreads();
   if (threadIdx.x < 8) y[8 * blockIdx.x + threadIdx.x] = slots[threadIdx.x];
 }
+
+// (p) a 16-byte vector load one float past a 16-byte boundary (an offset the caller forgot).
+__global__ void misaligned_vector_load(float* y, const float* x) {
+  const uint4 packed = reinterpret_cast<const uint4*>(x + 1)[threadIdx.x];
+  float values[4];
+  memcpy(values, &packed, 16);
+  y[threadIdx.x] = values[0] + values[1] + values[2] + values[3];
+}
+
+// (q) an atomicAdd on an int at an odd byte address.
+__global__ void misaligned_atomic(int* counts) {
+  atomicAdd(reinterpret_cast<int*>(reinterpret_cast<char*>(counts) + 2), 1);
+}

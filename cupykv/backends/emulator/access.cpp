@@ -5,8 +5,9 @@
 // registers, or whose address never escapes, are not instrumented) calls a hook defined here,
 // __tsan_{read,write}{1,2,4,8,16}(addr) or __tsan_{read,write}_range(addr, size) (sizes that
 // are not a power of two, or accesses less aligned than their size). Each access has its own
-// call, both halves of a read-modify-write (`x[i] += v`) included. The hooks first poll for
-// Ctrl-C, then read one shadow byte, *((addr >> 3) + kShadowOffset), and return at once when it
+// call, both halves of a read-modify-write (`x[i] += v`) included. A sized hook first fails an
+// address that is not a multiple of its size (misaligned(): the GPU faults on it), then polls for
+// Ctrl-C and reads one shadow byte, *((addr >> 3) + kShadowOffset), and return at once when it
 // is zero: this file maps the shadow (16 TiB reserved, backed only where written) when the
 // runtime loads and sets the shadow bytes of the regions observers watch, so accesses to
 // everything else (local memory, read-only arguments, cuemu_ctx) cost a call and two loads.
@@ -14,17 +15,19 @@
 // (not instrumented themselves) through cuemu_atomic_access, and the emulated cp.async and
 // ldmatrix (async_copy.cpp, fragments.cpp) through trace_access. For each access that reaches
 // it, record():
-//   1. returns at once unless a launch with observers (or with asynchronous copies) runs, or
-//      for a fiber stack (local memory);
+//   1. returns at once unless a launch with observers (or with asynchronous copies, or a
+//      static __shared__ variable reached) runs, or for a fiber stack (local memory);
 //   2. finds the watched region: dynamic shared memory, the module's static __shared__
 //      variables (its thread-local storage block, located through cuemu_module_tls_probe), or
-//      an array argument; anything else sharing an 8-byte shadow granule is ignored;
+//      an array argument; anything else sharing an 8-byte shadow granule is ignored; an access
+//      to static shared memory must stay inside one variable (check_static_bounds);
 //   3. builds one Access (thread, address, size, kind, call site as an offset into the module),
 //      lets the asynchronous-copy tracker check it while copies are pending (shared memory only),
 //      and hands it to each observer.
 // See cuemu_trace.h for the observer interface.
 #include <dlfcn.h>
 #include <link.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -173,13 +176,14 @@ void check_static_bounds(const Region& stat, uintptr_t addr, size_t size, uint8_
       snprintf(where, sizeof where, "running %llu bytes past the end",
                (unsigned long long)(addr + size - v.value_hi));
     }
-    char msg[320];
-    snprintf(msg, sizeof msg,
-             "out-of-bounds %s of %llu bytes at @static(0x%llx) (%s of the variable's %llu bytes) at "
-             "@site(0x%x)",
-             access_word(kind), (unsigned long long)size, (unsigned long long)(addr - stat.lo), where,
-             (unsigned long long)(v.value_hi - v.value_lo), (uint32_t)((uintptr_t)ra - T.module_base));
-    fail_launch(CUEMU_ERR_STATIC_SHARED, msg);
+    char size_text[64];
+    snprintf(size_text, sizeof size_text, " of %llu bytes at ", (unsigned long long)size);
+    char bytes_text[48];
+    snprintf(bytes_text, sizeof bytes_text, " of the variable's %llu bytes) at ", (unsigned long long)(v.value_hi - v.value_lo));
+    const std::string msg = std::string("out-of-bounds ") + access_word(kind) + size_text +
+                            place_text(1, addr - stat.lo) + " (" + where + bytes_text +
+                            site_text((uint32_t)((uintptr_t)ra - T.module_base));
+    fail_launch(CUEMU_ERR_BAD_ACCESS, msg.c_str());
   }
 }
 
@@ -419,6 +423,29 @@ void static_shared_reached(uintptr_t box_lo, size_t value_size, size_t box_size)
   }
 }
 
+// ---- words for reports (launch.py spells out the @ tokens) ------------------------------
+std::string site_text(uint32_t site) {
+  char buf[32];
+  snprintf(buf, sizeof buf, "@site(0x%x)", site);  // file:line
+  return buf;
+}
+
+std::string place_text(int region, uint64_t offset) {
+  char buf[96];
+  if (region == 0) snprintf(buf, sizeof buf, "dynamic shared memory byte offset %llu", (unsigned long long)offset);
+  else snprintf(buf, sizeof buf, "@static(0x%llx)", (unsigned long long)offset);  // the variable's name
+  return buf;
+}
+
+std::string address_text(uintptr_t addr) {
+  const Region* r = trace_region_at(addr);
+  char buf[64];
+  if (r && r->index <= 1) return place_text((int)r->index, addr - r->lo);
+  if (r) snprintf(buf, sizeof buf, "@arg(%u,0x%llx)", r->index - 2, (unsigned long long)(addr - r->lo));
+  else snprintf(buf, sizeof buf, "address 0x%llx", (unsigned long long)addr);
+  return buf;
+}
+
 bool trace_watch_shared() {
   if (!g_shadow_ready) return false;
   bool changed = false;
@@ -457,6 +484,27 @@ inline void hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
   if (__builtin_expect(watched((uintptr_t)addr), 0)) record((uintptr_t)addr, size, kind, ra);
 }
 
+// An access of 2, 4, 8 or 16 bytes whose type g++ takes to be naturally aligned (it instruments
+// a less aligned one as a range) at an address that is not a multiple of its size: the GPU ends
+// the launch with cudaErrorMisalignedAddress (a uint4 load at an odd element, a 2-byte load of
+// fp8 codes at an odd byte), where the CPU would quietly carry it out.
+[[noreturn]] __attribute__((noinline, cold)) void misaligned(uintptr_t addr, size_t size, uint8_t kind,
+                                                          const void* ra) {
+  char head[64];
+  snprintf(head, sizeof head, "misaligned %u-byte %s at ", (unsigned)size, access_word(kind));
+  char tail[160];
+  snprintf(tail, sizeof tail,
+           " (%u bytes past a multiple of %u; a GPU ends the launch with cudaErrorMisalignedAddress) at ",
+           (unsigned)(addr % size), (unsigned)size);
+  const std::string msg = head + address_text(addr) + tail + site_text((uint32_t)((uintptr_t)ra - T.module_base));
+  fail_launch(CUEMU_ERR_BAD_ACCESS, msg.c_str());
+}
+
+inline void aligned_hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
+  if (__builtin_expect(((uintptr_t)addr & (size - 1)) != 0, 0)) misaligned((uintptr_t)addr, size, kind, ra);
+  hook(addr, size, kind, ra);
+}
+
 }  // namespace
 }  // namespace cuemu
 
@@ -466,10 +514,10 @@ inline void hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
 // cuemu.h, and __threadfence() calls cuemu_threadfence), so such a module fails to load.
 #define CUEMU_SIZED_HOOKS(N)                                                              \
   CUEMU_EXPORT void __tsan_read##N(const void* addr) {                                    \
-    cuemu::hook(addr, N, ACCESS_READ, __builtin_return_address(0));                       \
+    cuemu::aligned_hook(addr, N, ACCESS_READ, __builtin_return_address(0));               \
   }                                                                                       \
   CUEMU_EXPORT void __tsan_write##N(const void* addr) {                                   \
-    cuemu::hook(addr, N, ACCESS_WRITE, __builtin_return_address(0));                      \
+    cuemu::aligned_hook(addr, N, ACCESS_WRITE, __builtin_return_address(0));              \
   }
 CUEMU_SIZED_HOOKS(1)
 CUEMU_SIZED_HOOKS(2)
@@ -507,6 +555,7 @@ CUEMU_EXPORT void* __wrap_memset(void* dst, int value, size_t n) {
 }
 
 CUEMU_EXPORT void cuemu_atomic_access(void* addr, unsigned size, void* site) {
+  if ((uintptr_t)addr & (size - 1)) cuemu::misaligned((uintptr_t)addr, size, ACCESS_ATOMIC, site);
   cuemu::record((uintptr_t)addr, size, ACCESS_ATOMIC, site);
 }
 

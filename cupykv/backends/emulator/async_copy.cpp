@@ -82,30 +82,6 @@ std::string thread_text(uint32_t tid) {
   return buf;
 }
 
-std::string site_text(uint32_t site) {
-  char buf[32];
-  snprintf(buf, sizeof buf, "@site(0x%x)", site);  // launch.py turns it into file:line
-  return buf;
-}
-
-// A region of shared memory and a byte offset in it, in words (static variables by name later).
-std::string place_text(int region, uint64_t offset) {
-  char buf[96];
-  if (region == 0) snprintf(buf, sizeof buf, "dynamic shared memory byte offset %llu", (unsigned long long)offset);
-  else snprintf(buf, sizeof buf, "@static(0x%llx)", (unsigned long long)offset);
-  return buf;
-}
-
-// An address in words: shared memory or an argument's element (spelled out by launch.py).
-std::string address_text(uintptr_t addr) {
-  const Region* r = trace_region_at(addr);
-  char buf[64];
-  if (r && r->index <= 1) return place_text((int)r->index, addr - r->lo);
-  if (r) snprintf(buf, sizeof buf, "@arg(%u,0x%llx)", r->index - 2, (unsigned long long)(addr - r->lo));
-  else snprintf(buf, sizeof buf, "address 0x%llx", (unsigned long long)addr);
-  return buf;
-}
-
 std::string copies_text(size_t n) {
   return std::to_string(n) + (n == 1 ? " asynchronous copy" : " asynchronous copies");
 }

@@ -46,10 +46,12 @@ COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
 # function's entry and exit (g++ 9 and 10 make them; access.cpp defines them as no-ops).
 # -fno-crossjumping: identical tails of two branches stay two copies, so that two call sites of
 # the source keep two return addresses (warp-wide mma and ldmatrix tell their sites apart so).
+# -fno-optimize-sibling-calls: a call in tail position (an atomicAdd that ends a kernel) returns
+# into the kernel, not past it, so that the return address the callee reports is its call site.
 INSTRUMENT_FLAGS = ("-fsanitize=thread",)
 NO_FUNC_ENTRY_EXIT = ("--param", "tsan-instrument-func-entry-exit=0")
 BASE_MODULE_FLAGS = tuple(f for f in COMMON_FLAGS if f != "-shared") + (
-    "-fstack-clash-protection", "-fno-crossjumping", "-Wno-attributes", "-include", "cuemu.h", "-g1")
+    "-fstack-clash-protection", "-fno-crossjumping", "-fno-optimize-sibling-calls", "-Wno-attributes", "-include", "cuemu.h", "-g1")
 MODULE_LINK_FLAGS = ("-shared", "-Wl,--wrap=__assert_fail")
 INSTRUMENT_LINK_FLAGS = ("-Wl,--wrap=memcpy", "-Wl,--wrap=memmove", "-Wl,--wrap=memset")
 _HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".cuh", ".inc", ".inl", ".cu")

@@ -382,7 +382,7 @@ class Function:
         kind = r.kind
         if kind == 1:
             return EmulatorFault(f"{where}: " + _describe_fault(r, bindings, smem, shared_mem))
-        if kind in (5, 10):  # a fiber's stack overflowed; an access left a static __shared__ variable
+        if kind in (5, 10):  # a fiber's stack overflowed; an access a GPU faults on (misaligned, outside a static __shared__ variable)
             return EmulatorFault(f"{where}: {msg}")
         if kind == 2:
             return BarrierError(f"{where}: {msg}")

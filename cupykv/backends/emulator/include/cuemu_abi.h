@@ -72,7 +72,8 @@ enum {
   CUEMU_ERR_INTERRUPTED = 7,  // Ctrl-C (SIGINT) stopped the launch (CUEMU_STOP_ON_SIGINT)
   CUEMU_ERR_ASYNC_COPY = 8,   // cp.async misuse: a pending destination touched, bad size/address
   CUEMU_ERR_FRAGMENT = 9,     // ldmatrix / mma misuse: a row address outside shared memory, ...
-  CUEMU_ERR_STATIC_SHARED = 10,  // an access outside a static __shared__ variable (into its guard bytes)
+  CUEMU_ERR_BAD_ACCESS = 10,  // an access a GPU faults on that no guard page catches: outside a
+                              // static __shared__ variable (into its guard bytes), or misaligned
 };
 
 // Memory spaces of the regions a launch's accesses are sorted into (cuemu_hazard.region).

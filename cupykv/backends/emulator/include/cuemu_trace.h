@@ -132,6 +132,13 @@ struct FragmentLane {
 };
 int fragment_release(int op, int arg, uint32_t base_tid, const FragmentLane* lanes, std::string* msg);
 
+// Words for error messages, with tokens that launch.py spells out: a call site (an offset into
+// the module) as file:line; a region of shared memory (0 dynamic, 1 static) and a byte offset in
+// it, a static variable by name; an address as shared memory, an argument's element, or a number.
+std::string site_text(uint32_t site);
+std::string place_text(int region, uint64_t offset);
+std::string address_text(uintptr_t addr);
+
 // Ends the launch from the running fiber with an error of `kind` (CUEMU_ERR_*) and message
 // `msg` (runtime.cpp); the running thread is blamed.
 [[noreturn]] void fail_launch(int kind, const char* msg);
