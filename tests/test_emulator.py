@@ -345,28 +345,27 @@ def test_f_dynamic_shared_memory_out_of_bounds(good, bugs):
     assert_still_works(good)
 
 
-def test_m_static_shared_memory_past_the_end(good, bugs):
-    """An index one past a static __shared__ array lands in its guard bytes: the write fails,
-    naming the variable, its kernel, the offset and the line, not the next variable's bytes."""
-    line = line_of(BUGS, "warp_totals[threadIdx.x / 32 + 1] = 1.f")
-    with pytest.raises(E.EmulatorFault, match=(
-            r"thread \(96,0,0\): out-of-bounds write of 4 bytes at static __shared__ warp_totals "
-            r"\(in static_smem_past_end\) byte offset 16 \(the first byte past the end of the "
-            rf"variable's 16 bytes\) at bugs.cu:{line}")):
-        bugs.get_function("static_smem_past_end")(1, 128, (E.zeros(128),))
-    assert_still_works(good)
+STATIC_SHARED_BOUNDS = [
+    # (kernel, threads, the bad line, what the error says): one past the end lands in the
+    # variable's guard bytes, not in the next variable; so does index -1
+    ("static_smem_past_end", 128, "warp_totals[threadIdx.x / 32 + 1] = 1.f",
+     r"thread \(96,0,0\): out-of-bounds write of 4 bytes at static __shared__ warp_totals \(in "
+     r"static_smem_past_end\) byte offset 16 \(the first byte past the end of the variable's 16 bytes\)"),
+    ("static_smem_before_start", 64, "counts[(int)(threadIdx.x / 32) - 1] = 1.f",
+     r"thread \(0,0,0\): out-of-bounds write of 4 bytes at static __shared__ counts \(in "
+     r"static_smem_before_start\) byte offset -4 \(4 bytes before the start of the variable's 32 bytes\)"),
+]
 
 
 @pytest.mark.parametrize("racecheck", ["1", "0"])
-def test_n_static_shared_memory_before_the_start(good, bugs, monkeypatch, racecheck):
-    """Index -1 of a static __shared__ array fails too, with the race checker on or off."""
+@pytest.mark.parametrize("kernel, threads, needle, message", STATIC_SHARED_BOUNDS,
+                         ids=["m-past-the-end", "n-before-the-start"])
+def test_static_shared_memory_out_of_bounds(good, bugs, monkeypatch, racecheck, kernel, threads, needle, message):
+    """An access outside a static __shared__ variable fails, naming the variable, its kernel, the
+    offset and the line, with the race checker on or off."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
-    line = line_of(BUGS, "counts[(int)(threadIdx.x / 32) - 1] = 1.f")
-    with pytest.raises(E.EmulatorFault, match=(
-            r"thread \(0,0,0\): out-of-bounds write of 4 bytes at static __shared__ counts "
-            r"\(in static_smem_before_start\) byte offset -4 \(4 bytes before the start of the "
-            rf"variable's 32 bytes\) at bugs.cu:{line}")):
-        bugs.get_function("static_smem_before_start")(1, 64, (E.zeros(64),))
+    with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_of(BUGS, needle)}"):
+        bugs.get_function(kernel)(1, threads, (E.zeros(threads),))
     assert_still_works(good)
 
 
