@@ -30,7 +30,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
              "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
-             "misaligned_vector_load", "misaligned_atomic"]
+             "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter"]
 
 
 def line_of(path, needle, nth=0):
@@ -369,9 +369,11 @@ def test_static_shared_memory_out_of_bounds(good, bugs, monkeypatch, racecheck, 
     assert_still_works(good)
 
 
-def test_o_static_shared_memory_is_poisoned_per_block(bugs):
+def test_o_static_shared_memory_is_poisoned_per_block(bugs, monkeypatch):
     """Static __shared__ bytes no thread of the block wrote read as poison (NaN here), also
-    those an earlier block wrote: no value leaks from block to block."""
+    those an earlier block wrote: no value leaks from block to block (seen with the race
+    checker off, which would stop the launch: test_reads_of_unwritten_shared_memory_fail)."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")
     y = E.zeros(16)
     bugs.get_function("static_smem_unwritten")(2, 64, (y,))
     got = E.asnumpy(y).reshape(2, 8)
@@ -381,6 +383,33 @@ def test_o_static_shared_memory_is_poisoned_per_block(bugs):
         others = np.delete(got[block], written)
         assert np.isnan(others).all(), got
         assert (others.view(np.uint32) == 0xFFFFFFFF).all()
+
+
+UNINITIALIZED_READS = [
+    # (kernel, grid, threads, shared_mem, arguments, the reading line, the memory, reads)
+    ("static_smem_unwritten", 2, 64, 0, lambda: (E.zeros(16),), "y[8 * blockIdx.x + threadIdx.x] = slots[threadIdx.x]",
+     r"read of static __shared__ slots \(in static_smem_unwritten\), byte offset \d+", 12),
+    ("dyn_smem_half_written", 1, 64, 256, lambda: (E.zeros(64),), "y[threadIdx.x] = slots[threadIdx.x ^ 1u]",
+     r"read of dynamic shared memory, byte offset \d+", 32),
+    ("uncleared_counter", 1, 32, 0, lambda: (E.zeros(32, np.int32),), "atomicAdd(&count, 1);",
+     r"atomic of static __shared__ count \(in uncleared_counter\), byte offset 0", 1),
+]
+
+
+@pytest.mark.parametrize("kernel, grid, threads, shared_mem, args, needle, memory, reads", UNINITIALIZED_READS,
+                         ids=[case[0] for case in UNINITIALIZED_READS])
+def test_reads_of_unwritten_shared_memory_fail(good, bugs, kernel, grid, threads, shared_mem, args, needle,
+                                               memory, reads):
+    """A read or atomic of shared memory that no thread of the block wrote (a GPU returns what an
+    earlier block left) is an UninitializedReadError naming the memory, the line and the count,
+    whichever thread ran first; bytes an earlier block wrote count as unwritten."""
+    with pytest.raises(E.UninitializedReadError) as caught:
+        bugs.get_function(kernel)(grid, threads, args(), shared_mem=shared_mem)
+    message = str(caught.value)
+    assert f"no thread of its block wrote ({reads} read{'s' * (reads != 1)} at 1 call site)" in message, message
+    assert re.search(memory + rf", at bugs.cu:{line_of(BUGS, needle)} by block", message), message
+    assert sum(read.count for read in caught.value.reads) == reads
+    assert_still_works(good)
 
 
 def test_p_misaligned_vector_load(good, bugs):

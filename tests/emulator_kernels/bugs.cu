@@ -131,3 +131,19 @@ __global__ void misaligned_vector_load(float* y, const float* x) {
 __global__ void misaligned_atomic(int* counts) {
   atomicAdd(reinterpret_cast<int*>(reinterpret_cast<char*>(counts) + 2), 1);
 }
+
+// (r) every thread reads its neighbour's slot of dynamic shared memory, which only even threads wrote.
+__global__ void dyn_smem_half_written(float* y) {
+  extern __shared__ float slots[];
+  if (threadIdx.x % 2 == 0) slots[threadIdx.x] = (float)threadIdx.x;
+  __syncthreads();
+  y[threadIdx.x] = slots[threadIdx.x ^ 1u];
+}
+
+// (s) counts the block's threads in a static __shared__ counter that nobody set to zero.
+__global__ void uncleared_counter(int* y) {
+  __shared__ int count;
+  atomicAdd(&count, 1);
+  __syncthreads();
+  y[threadIdx.x] = count;
+}

@@ -66,3 +66,15 @@ class RaceError(EmulatorError):
     def __init__(self, message, hazards=()):
         super().__init__(message)
         self.hazards = list(hazards)
+
+
+class UninitializedReadError(EmulatorError):
+    """A read (or atomic) of shared memory that no thread of its block had written: on a GPU it
+    returns whatever an earlier block or launch left there. ``reads`` lists them (see
+    ``racecheck.Hazard``, whose two sides are the same access): where, the memory, the byte
+    offset and a count per call site. Races in the same launch are reported first, as a
+    :class:`RaceError`."""
+
+    def __init__(self, message, reads=()):
+        super().__init__(message)
+        self.reads = list(reads)

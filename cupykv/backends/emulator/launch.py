@@ -262,6 +262,8 @@ class Function:
             BarrierError: divergent barrier, bad warp-intrinsic mask, deadlock.
             DeviceAssertError: failed device assert or trap.
             RaceError: two threads touched the same bytes without ordering (see racecheck).
+            UninitializedReadError: a thread read shared memory that no thread of its block
+                had written (checked with the race checker).
             KeyboardInterrupt: Ctrl-C stopped the launch (on the main thread, with Python's
                 default SIGINT handler; a hung kernel included). Outputs are incomplete.
         Every error message ends with the schedule seed when ``CUPYKV_EMULATOR_SEED`` is set.
@@ -322,7 +324,7 @@ class Function:
         raw, dropped, _ = found
         if raw or dropped:
             described = racecheck.describe(raw, regions, self.module.path, grid, block)
-            raise racecheck.race_error(self.name, described, dropped, hint)
+            raise racecheck.launch_error(self.name, described, dropped, hint)
         for sh in shadows:
             sh.check_read_only(self.name)
 

@@ -24,6 +24,8 @@
 //    and every access of its block after the next __syncthreads(), are ordered after the
 //    released ones. A fence on the other side only, an atomic without a fence, or a reader
 //    that skips the barrier after the acquire stays a race.
+// Shared memory only: a read (or atomic) of a byte that no thread of the block has written is
+// reported too (CUEMU_UNINIT), since its last write, if any, belongs to an earlier block.
 // A hazard: different threads, at least one write, not ordered, not both atomic. Reads and
 // writes against an atomic read-modify-write count (as in the CUDA memory model). Two plain
 // writes of the same bytes with the same value are benign (a flag set by many threads): such a
@@ -164,6 +166,9 @@ class RaceCheck final : public Observer {
   // Check one cell against the current access and update it; true: a write that may repeat
   // the value of an unordered earlier write (judged in settle()).
   bool read(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
+  // A read of a byte of shared memory that no thread of the running block has written: the GPU
+  // returns what an earlier block (or launch) left there. Reported as CUEMU_UNINIT.
+  void check_initialised(const Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
   bool write(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
   void report(int kind, const Rec& first, const Rec& second, uint32_t region, uint64_t offset);
   // The (first epoch, linear block) entry of the block that ran `epoch`; the running block's when
@@ -304,7 +309,15 @@ void RaceCheck::report(int kind, const Rec& first, const Rec& second, uint32_t r
   hazards.push_back(h);
 }
 
+void RaceCheck::check_initialised(const Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset) {
+  if (shared && stale(c.write, true) && !(reported_ & (1u << CUEMU_UNINIT))) {
+    reported_ |= 1u << CUEMU_UNINIT;
+    report(CUEMU_UNINIT, cur, cur, a.region->index, offset);
+  }
+}
+
 bool RaceCheck::read(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset) {
+  check_initialised(c, cur, shared, a, offset);
   if (unordered(c.write, cur, shared) && !(reported_ & (1u << CUEMU_RAW))) {
     reported_ |= 1u << CUEMU_RAW;
     report(CUEMU_RAW, c.write, cur, a.region->index, offset);
@@ -326,6 +339,7 @@ bool RaceCheck::read(Cell& c, const Rec& cur, bool shared, const Access& a, uint
 }
 
 bool RaceCheck::write(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset) {
+  if (cur.kind == REC_ATOMIC) check_initialised(c, cur, shared, a, offset);  // it reads first
   bool same_value_candidate = false;
   if (unordered(c.write, cur, shared)) {
     if (c.write.kind == REC_PLAIN && cur.kind == REC_PLAIN) {

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import build, memory, sites
-from .errors import RaceError
+from .errors import RaceError, UninitializedReadError
 
 ENV = "CUPYKV_EMULATOR_RACECHECK"
 CHECK_RACES = 1             # CUEMU_CHECK_RACES
-_KINDS = ("read-after-write", "write-after-read", "write-after-write")
+_KINDS = ("read-after-write", "write-after-read", "write-after-write", "uninitialized read")
+UNINITIALIZED = _KINDS[3]   # CUEMU_UNINIT: one access, no race
 _MAX_SHOWN = 8              # hazard groups written out in one message
 
 
@@ -81,7 +82,7 @@ class Access:
 class Hazard:
     """Two unordered accesses to one byte: the first example of ``count`` between two sites."""
 
-    kind: str       # "read-after-write", "write-after-read" or "write-after-write"
+    kind: str       # "read-after-write", "write-after-read", "write-after-write" or UNINITIALIZED
     memory: str     # "shared" or "global"
     where: str      # the memory (dynamic shared memory, a static __shared__ variable, an argument)
     offset: int     # and the byte offset in it
@@ -134,7 +135,7 @@ def _where(h, table, module_path):
 def _side(h, k):
     if h.atomic[k]:
         return "atomic"
-    writes = {0: (True, False), 1: (False, True), 2: (True, True)}[h.kind]
+    writes = {0: (True, False), 1: (False, True), 2: (True, True), 3: (False, False)}[h.kind]
     return "write" if writes[k] else "read"
 
 
@@ -153,6 +154,26 @@ def describe(raw, table, module_path, grid, block):
 
 def _triple(v):
     return f"({v[0]},{v[1]},{v[2]})"
+
+
+def launch_error(kernel, found, dropped, hint=""):
+    """The error for a launch's hazards ``found`` (a list of Hazard): a RaceError when there is a
+    race (``dropped`` counts hazards past the table), else an UninitializedReadError."""
+    races = [h for h in found if h.kind != UNINITIALIZED]
+    if races or dropped:
+        return race_error(kernel, races, dropped, hint)
+    total = sum(h.count for h in found)
+    lines = [f"kernel {kernel!r}: read of shared memory that no thread of its block wrote ({total} "
+             f"read{'s' * (total != 1)} at {len(found)} call site{'s' * (len(found) != 1)}){hint}"]
+    for h in found[:_MAX_SHOWN]:
+        a = h.second
+        lines.append(f"  {a.kind} of {h.where}, byte offset {h.offset}, at {a.site} by block "
+                     f"{_triple(a.block)} thread {_triple(a.thread)} ({h.count} like it)")
+    if len(found) > _MAX_SHOWN:
+        lines.append(f"  ... and {len(found) - _MAX_SHOWN} more call sites")
+    lines.append("  A GPU returns whatever an earlier block or launch left in those bytes: write them "
+                 "first (with a __syncthreads() before other threads read them).")
+    return UninitializedReadError("\n".join(lines), found)
 
 
 def race_error(kernel, found, dropped, hint=""):

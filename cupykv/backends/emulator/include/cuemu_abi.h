@@ -76,10 +76,10 @@ enum {
                               // static __shared__ variable (into its guard bytes), or misaligned
 };
 
-// Memory spaces of the regions a launch's accesses are sorted into (cuemu_hazard.region).
 // Guard bytes before and after each static __shared__ variable of a function (source.py's box).
 enum { CUEMU_STATIC_SHARED_GUARD = 16 };
 
+// Memory spaces of the regions a launch's accesses are sorted into (cuemu_hazard.region).
 enum { CUEMU_GLOBAL = 0, CUEMU_SHARED_DYNAMIC = 1, CUEMU_SHARED_STATIC = 2 };
 
 // One array argument's bytes (overlapping arguments are merged into one region by launch.py).
@@ -125,7 +125,9 @@ struct cuemu_launch_params {
 };
 
 // Hazard kinds (cuemu_hazard.kind).
-enum { CUEMU_RAW = 0, CUEMU_WAR = 1, CUEMU_WAW = 2 };
+// CUEMU_UNINIT: not a race; a read (or atomic) of shared memory that no thread of the block had
+// written (both sides are that access).
+enum { CUEMU_RAW = 0, CUEMU_WAR = 1, CUEMU_WAW = 2, CUEMU_UNINIT = 3 };
 
 // A data race found by the race checker: the first pair of accesses between two call sites.
 // Index 0 is the earlier access, 1 the later one. Region 0 is the dynamic shared memory,
