@@ -30,7 +30,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
              "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
-             "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter"]
+             "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter",
+             "read_before_start"]
 
 
 def line_of(path, needle, nth=0):
@@ -325,10 +326,29 @@ def test_d_write_past_end(good, bugs):
     assert_still_works(good)
 
 
-def test_d_write_into_padding_is_caught_by_canary(good, bugs):
-    y = E.zeros(62)  # 248 bytes: 8 bytes of canary padding before the guard page
-    with pytest.raises(E.EmulatorFault, match="4 bytes past the end of argument 0"):
+def test_d_write_into_padding_is_caught_at_once(good, bugs):
+    """248 bytes end 8 bytes before the guard page (16-byte aligned start): the write into that
+    padding fails when it happens, naming the thread and the element, as past a page would."""
+    y = E.zeros(62)
+    with pytest.raises(E.EmulatorFault, match=r"thread \(61,0,0\): out-of-bounds write of argument 0 at "
+                                              r"element 62 \(byte offset 248, the first byte past the end"):
         bugs.get_function("write_past_end")(1, 62, (y,))
+    assert_still_works(good)
+
+
+@pytest.mark.parametrize("racecheck", ["1", "0"])
+@pytest.mark.parametrize("elements", [62, 63, 64])
+def test_c_reads_just_outside_an_argument_fail_whatever_its_size(good, bugs, monkeypatch, racecheck, elements):
+    """A read one element past the end, or one before the start, fails for every size: into the
+    guard page, or into the padding and slack beside the buffer (which a CPU could read)."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
+    x = E.asarray(np.arange(elements, dtype=np.float32))
+    with pytest.raises(E.EmulatorFault, match=rf"thread \({elements - 1},0,0\): out-of-bounds read of argument 0 "
+                                              rf"at element {elements} \(byte offset {4 * elements}, the first byte"):
+        bugs.get_function("read_past_end")(1, elements, (x, E.zeros(elements)))
+    with pytest.raises(E.EmulatorFault, match=r"thread \(0,0,0\): out-of-bounds read 4 bytes before the start "
+                                              r"of argument 0"):
+        bugs.get_function("read_before_start")(1, elements, (x, E.zeros(elements)))
     assert_still_works(good)
 
 
@@ -338,10 +358,14 @@ def test_e_write_before_start(good, bugs):
     assert_still_works(good)
 
 
-def test_f_dynamic_shared_memory_out_of_bounds(good, bugs):
-    with pytest.raises(E.EmulatorFault, match=r"thread \(63,0,0\): out-of-bounds dynamic shared "
-                                              r"memory write at byte offset 256 .*256 bytes"):
-        bugs.get_function("smem_past_end")(1, 64, (E.zeros(64),), shared_mem=256)
+@pytest.mark.parametrize("shared_mem", [256, 248])
+def test_f_dynamic_shared_memory_out_of_bounds(good, bugs, shared_mem):
+    """One float past the end of dynamic shared memory (only the last thread writes there): the
+    guard page at 256 bytes, the padding before it at 248."""
+    last = shared_mem // 4 - 1
+    with pytest.raises(E.EmulatorFault, match=rf"thread \({last},0,0\): out-of-bounds dynamic shared "
+                                              rf"memory write at byte offset {shared_mem} .*{shared_mem} bytes"):
+        bugs.get_function("smem_past_end")(1, last + 1, (E.zeros(64),), shared_mem=shared_mem)
     assert_still_works(good)
 
 

@@ -35,7 +35,8 @@ __global__ void read_past_end(const float* x, float* y) {
 // (d) writes one element past the end of y.
 __global__ void write_past_end(float* y) { y[threadIdx.x + 1] = 2.f; }
 
-// (e) writes just before the start of y (caught by the canary after the launch).
+// (e) writes just before the start of y (in the slack before it: caught at once by the
+// instrumentation, and by the canary after the launch where modules are not instrumented).
 __global__ void write_before_start(float* y) {
   if (threadIdx.x == 3) y[-1] = 3.f;
 }
@@ -146,4 +147,9 @@ __global__ void uncleared_counter(int* y) {
   atomicAdd(&count, 1);
   __syncthreads();
   y[threadIdx.x] = count;
+}
+
+// (t) reads one element before the start of x (thread 0).
+__global__ void read_before_start(const float* x, float* y) {
+  y[threadIdx.x] = x[(int)threadIdx.x - 1];
 }

@@ -15,12 +15,14 @@
 // (not instrumented themselves) through cuemu_atomic_access, and the emulated cp.async and
 // ldmatrix (async_copy.cpp, fragments.cpp) through trace_access. For each access that reaches
 // it, record():
-//   1. returns at once unless a launch with observers (or with asynchronous copies, or a
-//      static __shared__ variable reached) runs, or for a fiber stack (local memory);
+//   1. returns at once unless a launch runs whose accesses are watched (observers, guard spans,
+//      asynchronous copies, a static __shared__ variable reached), or for a fiber stack;
 //   2. finds the watched region: dynamic shared memory, the module's static __shared__
 //      variables (its thread-local storage block, located through cuemu_module_tls_probe), or
 //      an array argument; anything else sharing an 8-byte shadow granule is ignored; an access
-//      to static shared memory must stay inside one variable (check_static_bounds);
+//      to static shared memory must stay inside one variable (check_static_bounds), and one
+//      whose first or last byte lies in a guard span (the padding and slack beside a buffer,
+//      watched in every launch) ends it as a fault there (check_guards);
 //   3. builds one Access (thread, address, size, kind, call site as an offset into the module),
 //      lets the asynchronous-copy tracker check it while copies are pending (shared memory only),
 //      and hands it to each observer.
@@ -71,6 +73,7 @@ struct TraceState {
 TraceState T;
 std::vector<Region> g_regions;
 std::vector<Watch> g_watch;
+std::vector<Region> g_guards;  // the launch's guard spans (cuemu_launch_params.guards), watched after g_regions
 
 // The static __shared__ variables whose declaration a fiber of the launch reached
 // (cuemu_static_shared), each boxed between guard bytes; `block` is the serial number of the
@@ -187,6 +190,16 @@ void check_static_bounds(const Region& stat, uintptr_t addr, size_t size, uint8_
   }
 }
 
+// An access whose first or last byte lies in a guard span ends the launch as a fault there.
+inline void check_guards(const Region* first, uintptr_t addr, size_t size, uint8_t kind) {
+  const Region* last = first && addr + size <= first->hi ? first : find_region(addr + size - 1);
+  const Region* hit = first && first->space == CUEMU_GUARD ? first
+                      : last && last->space == CUEMU_GUARD ? last : nullptr;
+  if (!hit) return;
+  const uintptr_t at = hit == first ? addr : hit->lo;
+  fail_with_fault(at, kind & (ACCESS_WRITE | ACCESS_ATOMIC) ? 1 : 0);
+}
+
 inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   poll_interrupt();  // Ctrl-C while a kernel busy-waits on watched memory
   if (!T.active || size == 0) return;
@@ -195,6 +208,7 @@ inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   // instruments an aggregate copy (`out[i] = in[j]`, a uint4) store first: reads wait.
   if (T.settle && (kind & (ACCESS_WRITE | ACCESS_ATOMIC))) settle_observers();
   const Region* r = find_region(addr);
+  if (!g_guards.empty()) check_guards(r, addr, size, kind);
   if (!r) return;
   if (r->space == CUEMU_SHARED_STATIC) check_static_bounds(*r, addr, size, kind, ra);
   const size_t room = r->hi - addr;
@@ -214,6 +228,7 @@ void rebuild_watch() {
   g_watch.clear();
   for (const Region& r : g_regions)
     if (r.watched && r.hi > r.lo) g_watch.push_back(Watch{r.lo, r.hi - r.lo, &r});
+  for (const Region& r : g_guards) g_watch.push_back(Watch{r.lo, r.hi - r.lo, &r});
   if (g_shadow_ready && (!g_watch.empty() || !g_marked.empty())) mark_watched(g_watch);
   T.watch = g_watch.data();
   T.nwatch = (uint32_t)g_watch.size();
@@ -312,6 +327,16 @@ bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr
     g.sector_phase = p->regions[i].sector_phase;
   }
   for (uint32_t i = 0; i < g_regions.size(); ++i) g_regions[i].index = i;
+  g_guards.clear();
+  if (g_shadow_ready)  // only the instrumentation sees accesses there (no fault would)
+    for (uint32_t i = 0; i < p->nguards; ++i) {
+      Region g = Region();
+      g.lo = p->guards[i].lo;
+      g.hi = p->guards[i].hi;
+      g.space = CUEMU_GUARD;
+      g.index = UINT32_MAX;
+      if (g.hi > g.lo) g_guards.push_back(g);
+    }
   async_launch_begin(nthreads);
   if (T.nobservers) {
     LaunchInfo info;
@@ -329,8 +354,9 @@ bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr
         return false;
       }
   }
-  rebuild_watch();  // none watched without observers: clears the last launch's shadow bytes
-  T.active = T.nobservers > 0;
+  // Without observers only the guards are watched; the last launch's other shadow bytes are cleared.
+  rebuild_watch();
+  T.active = T.nobservers > 0 || !g_guards.empty();
   return true;
 }
 

@@ -142,7 +142,8 @@ class _LaunchParams(ctypes.Structure):
                 ("poison", ctypes.c_uint32), ("checks", ctypes.c_uint32),
                 ("seed", ctypes.c_uint64), ("regions", ctypes.c_void_p),
                 ("nregions", ctypes.c_uint32), ("options", ctypes.c_uint32),
-                ("tls_probe", ctypes.c_void_p)]
+                ("tls_probe", ctypes.c_void_p), ("guards", ctypes.c_void_p),
+                ("nguards", ctypes.c_uint32)]
 
 
 class _Region(ctypes.Structure):

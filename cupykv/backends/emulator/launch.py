@@ -299,6 +299,9 @@ class Function:
         p.seed = schedule.launch_seed(seed, self.name, grid, block, shared_mem)
         p.regions = ctypes.addressof(region_table)
         p.nregions = len(regions)
+        guard_table = _guard_table([alloc for _, _, _, alloc in bindings] + [smem])
+        p.guards = ctypes.addressof(guard_table)
+        p.nguards = len(guard_table) if guard_table[0].hi else 0
         p.options = STOP_ON_SIGINT if _takes_sigint() else 0
         lib = build.runtime()
         try:
@@ -395,6 +398,16 @@ class Function:
         if kind == 9:
             return FragmentError(f"{where}: {msg}")
         return EmulatorError(f"{where}: {msg or 'launch failed'}")
+
+
+def _guard_table(allocations):
+    """The runtime's table of guard spans (memory.Allocation.padding_spans) of ``allocations``:
+    an instrumented access there fails as a fault at that address, which _describe_fault words."""
+    spans = sorted({span for alloc in {id(a): a for a in allocations}.values() for span in alloc.padding_spans()})
+    table = (build._Region * max(len(spans), 1))()
+    for k, (lo, hi) in enumerate(spans):
+        table[k].lo, table[k].hi = lo, hi
+    return table
 
 
 def _expand_places(msg, module_path, regions):

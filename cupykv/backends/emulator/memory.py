@@ -78,6 +78,12 @@ class Allocation:
         return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.start, False),
                 "version": 3}
 
+    def padding_spans(self):
+        """``[(lo, hi)]`` addresses of the mapping's readable bytes outside the buffer: the slack
+        before ``start`` and the alignment padding after its end (both hold canary bytes)."""
+        data_lo, end = self.map_addr + PAGE, self.start + self.nbytes
+        return [(lo, hi) for lo, hi in ((data_lo, self.start), (end, self.start + self.span)) if hi > lo]
+
     @property
     def slack(self):
         """Bytes between the first data page and ``start``."""

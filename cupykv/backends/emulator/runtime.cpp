@@ -912,6 +912,15 @@ CUEMU_EXPORT void cuemu_trap(const char* what, const char* file, int line) {
   msgf(g_msg, "%s at %s:%d", what, file, line);
   fail(CUEMU_ERR_TRAP, g_cur);
 }
+// An access the instrumentation caught in a guard span (alignment padding beside a buffer): ends
+// the launch as the fault a guard page would have raised there (on_fault, below).
+[[noreturn]] void cuemu::fail_with_fault(uint64_t addr, int is_write) {
+  g_fault_sig = SIGSEGV;
+  g_fault_addr = addr;
+  g_fault_write = is_write;
+  g_fault_fiber = g_cur;
+  siglongjmp(g_jb, 1);
+}
 [[noreturn]] void cuemu::fail_launch(int kind, const char* msg) {
   g_msg.assign(msg);
   fail(kind, g_cur);

@@ -80,7 +80,7 @@ enum {
 enum { CUEMU_STATIC_SHARED_GUARD = 16 };
 
 // Memory spaces of the regions a launch's accesses are sorted into (cuemu_hazard.region).
-enum { CUEMU_GLOBAL = 0, CUEMU_SHARED_DYNAMIC = 1, CUEMU_SHARED_STATIC = 2 };
+enum { CUEMU_GLOBAL = 0, CUEMU_SHARED_DYNAMIC = 1, CUEMU_SHARED_STATIC = 2, CUEMU_GUARD = 3 };
 
 // One array argument's bytes (overlapping arguments are merged into one region by launch.py).
 struct cuemu_region {
@@ -122,6 +122,11 @@ struct cuemu_launch_params {
   uint32_t nregions;
   uint32_t options;   // CUEMU_STOP_ON_SIGINT
   void* (*tls_probe)(void);      // the module's cuemu_module_tls_probe (finds static __shared__)
+  // The bytes of the arguments' and the dynamic shared memory's mappings that belong to no buffer,
+  // between a guard page and a buffer's start or end (alignment padding: an access there ends
+  // the launch as a fault at that address, as the guard page would).
+  const cuemu_region* guards;
+  uint32_t nguards;
 };
 
 // Hazard kinds (cuemu_hazard.kind).

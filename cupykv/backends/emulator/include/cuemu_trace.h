@@ -33,7 +33,8 @@ enum : uint8_t { ACCESS_READ = 1, ACCESS_WRITE = 2, ACCESS_ATOMIC = 4 };
 // 0 dynamic shared memory, 1 static __shared__ variables, 2 + i the launch's regions[i].
 struct Region {
   uintptr_t lo, hi;    // [lo, hi); empty when lo == hi
-  int space;           // CUEMU_GLOBAL, CUEMU_SHARED_DYNAMIC or CUEMU_SHARED_STATIC
+  int space;           // CUEMU_GLOBAL, CUEMU_SHARED_DYNAMIC, CUEMU_SHARED_STATIC (or CUEMU_GUARD:
+                       // padding beside a buffer, watched by access.cpp and never given to observers)
   bool writable;       // global: some argument over it is a non-const pointer
   uint32_t sector_phase;  // global: (lo - its allocation's start) % 32
   uint32_t index;      // position in the launch's region table
@@ -138,6 +139,10 @@ int fragment_release(int op, int arg, uint32_t base_tid, const FragmentLane* lan
 std::string site_text(uint32_t site);
 std::string place_text(int region, uint64_t offset);
 std::string address_text(uintptr_t addr);
+
+// Ends the launch from the running fiber as a fault at `addr` (is_write 1, 0, or -1: unknown), as if
+// a guard page had been touched there (runtime.cpp).
+[[noreturn]] void fail_with_fault(uint64_t addr, int is_write);
 
 // Ends the launch from the running fiber with an error of `kind` (CUEMU_ERR_*) and message
 // `msg` (runtime.cpp); the running thread is blamed.
