@@ -6,9 +6,9 @@
 // __tsan_{read,write}{1,2,4,8,16}(addr) or __tsan_{read,write}_range(addr, size) (sizes that
 // are not a power of two, or accesses less aligned than their size). Each access has its own
 // call, both halves of a read-modify-write (`x[i] += v`) included. A sized hook first fails an
-// address that is not a multiple of its size (misaligned(): the GPU faults on it), then polls for
-// Ctrl-C and reads one shadow byte, *((addr >> 3) + kShadowOffset), and return at once when it
-// is zero: this file maps the shadow (16 TiB reserved, backed only where written) when the
+// address that is not a multiple of its size (misaligned(): the GPU faults on it); every hook
+// then polls for Ctrl-C, reads one shadow byte, *((addr >> 3) + kShadowOffset), and returns at
+// once when it is zero: this file maps the shadow (16 TiB reserved, backed only where written) when the
 // runtime loads and sets the shadow bytes of the regions observers watch, so accesses to
 // everything else (local memory, read-only arguments, cuemu_ctx) cost a call and two loads.
 // memcpy, memmove and memset calls come here through -Wl,--wrap, the atomics of cuemu.h
@@ -73,7 +73,7 @@ struct TraceState {
 TraceState T;
 std::vector<Region> g_regions;
 std::vector<Watch> g_watch;
-std::vector<Region> g_guards;  // the launch's guard spans (cuemu_launch_params.guards), watched after g_regions
+std::vector<Region> g_guards;  // the launch's guard spans (cuemu_launch_params.guards), watched last
 
 // The static __shared__ variables whose declaration a fiber of the launch reached
 // (cuemu_static_shared), each boxed between guard bytes; `block` is the serial number of the
@@ -182,7 +182,8 @@ void check_static_bounds(const Region& stat, uintptr_t addr, size_t size, uint8_
     char size_text[64];
     snprintf(size_text, sizeof size_text, " of %llu bytes at ", (unsigned long long)size);
     char bytes_text[48];
-    snprintf(bytes_text, sizeof bytes_text, " of the variable's %llu bytes) at ", (unsigned long long)(v.value_hi - v.value_lo));
+    snprintf(bytes_text, sizeof bytes_text, " of the variable's %llu bytes) at ",
+             (unsigned long long)(v.value_hi - v.value_lo));
     const std::string msg = std::string("out-of-bounds ") + access_word(kind) + size_text +
                             place_text(1, addr - stat.lo) + " (" + where + bytes_text +
                             site_text((uint32_t)((uintptr_t)ra - T.module_base));
@@ -522,7 +523,8 @@ inline void hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
   snprintf(tail, sizeof tail,
            " (%u bytes past a multiple of %u; a GPU ends the launch with cudaErrorMisalignedAddress) at ",
            (unsigned)(addr % size), (unsigned)size);
-  const std::string msg = head + address_text(addr) + tail + site_text((uint32_t)((uintptr_t)ra - T.module_base));
+  const std::string msg =
+      head + address_text(addr) + tail + site_text((uint32_t)((uintptr_t)ra - T.module_base));
   fail_launch(CUEMU_ERR_BAD_ACCESS, msg.c_str());
 }
 

@@ -51,7 +51,8 @@ COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
 INSTRUMENT_FLAGS = ("-fsanitize=thread",)
 NO_FUNC_ENTRY_EXIT = ("--param", "tsan-instrument-func-entry-exit=0")
 BASE_MODULE_FLAGS = tuple(f for f in COMMON_FLAGS if f != "-shared") + (
-    "-fstack-clash-protection", "-fno-crossjumping", "-fno-optimize-sibling-calls", "-Wno-attributes", "-include", "cuemu.h", "-g1")
+    "-fstack-clash-protection", "-fno-crossjumping", "-fno-optimize-sibling-calls", "-Wno-attributes",
+    "-include", "cuemu.h", "-g1")
 MODULE_LINK_FLAGS = ("-shared", "-Wl,--wrap=__assert_fail")
 INSTRUMENT_LINK_FLAGS = ("-Wl,--wrap=memcpy", "-Wl,--wrap=memmove", "-Wl,--wrap=memset")
 _HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".cuh", ".inc", ".inl", ".cu")

@@ -387,7 +387,8 @@ class Function:
         kind = r.kind
         if kind == 1:
             return EmulatorFault(f"{where}: " + _describe_fault(r, bindings, smem, shared_mem))
-        if kind in (5, 10):  # a fiber's stack overflowed; an access a GPU faults on (misaligned, outside a static __shared__ variable)
+        if kind in (5, 10):  # a fiber's stack overflowed; an access a GPU faults on (misaligned,
+            #                   or outside a static __shared__ variable)
             return EmulatorFault(f"{where}: {msg}")
         if kind == 2:
             return BarrierError(f"{where}: {msg}")
@@ -403,7 +404,8 @@ class Function:
 def _guard_table(allocations):
     """The runtime's table of guard spans (memory.Allocation.padding_spans) of ``allocations``:
     an instrumented access there fails as a fault at that address, which _describe_fault words."""
-    spans = sorted({span for alloc in {id(a): a for a in allocations}.values() for span in alloc.padding_spans()})
+    unique = {id(alloc): alloc for alloc in allocations}.values()
+    spans = sorted({span for alloc in unique for span in alloc.padding_spans()})
     table = (build._Region * max(len(spans), 1))()
     for k, (lo, hi) in enumerate(spans):
         table[k].lo, table[k].hi = lo, hi

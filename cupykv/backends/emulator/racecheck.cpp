@@ -309,7 +309,8 @@ void RaceCheck::report(int kind, const Rec& first, const Rec& second, uint32_t r
   hazards.push_back(h);
 }
 
-void RaceCheck::check_initialised(const Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset) {
+void RaceCheck::check_initialised(const Cell& c, const Rec& cur, bool shared, const Access& a,
+                                  uint64_t offset) {
   if (shared && stale(c.write, true) && !(reported_ & (1u << CUEMU_UNINIT))) {
     reported_ |= 1u << CUEMU_UNINIT;
     report(CUEMU_UNINIT, cur, cur, a.region->index, offset);
