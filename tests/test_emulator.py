@@ -309,6 +309,8 @@ def test_c_read_past_end(good, bugs):
     msg = str(e.value)
     assert "thread (63,0,0)" in msg and "read of argument 0 at element 64" in msg
     assert "first byte past the end" in msg and "float32 array of shape (64,)" in msg
+    # the faulting instruction's line (a page fault: the signal's pc)
+    assert f") at bugs.cu:{line_of(BUGS, 'y[threadIdx.x] = x[threadIdx.x + 1];')} " in msg, msg
     assert_still_works(good)
 
 
@@ -330,8 +332,10 @@ def test_d_write_into_padding_is_caught_at_once(good, bugs):
     """248 bytes end 8 bytes before the guard page (16-byte aligned start): the write into that
     padding fails when it happens, naming the thread and the element, as past a page would."""
     y = E.zeros(62)
+    line = line_of(BUGS, "__global__ void write_past_end(float* y) { y[threadIdx.x + 1] = 2.f; }")
     with pytest.raises(E.EmulatorFault, match=r"thread \(61,0,0\): out-of-bounds write of argument 0 at "
-                                              r"element 62 \(byte offset 248, the first byte past the end"):
+                                              r"element 62 \(byte offset 248, the first byte past the end.*\) "
+                                              rf"at bugs.cu:{line}"):
         bugs.get_function("write_past_end")(1, 62, (y,))
     assert_still_works(good)
 
@@ -343,11 +347,13 @@ def test_c_reads_just_outside_an_argument_fail_whatever_its_size(good, bugs, mon
     guard page, or into the padding and slack beside the buffer (which a CPU could read)."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
     x = E.asarray(np.arange(elements, dtype=np.float32))
+    past, before = line_of(BUGS, "y[threadIdx.x] = x[threadIdx.x + 1];"), line_of(BUGS, "x[(int)threadIdx.x - 1]")
     with pytest.raises(E.EmulatorFault, match=rf"thread \({elements - 1},0,0\): out-of-bounds read of argument 0 "
-                                              rf"at element {elements} \(byte offset {4 * elements}, the first byte"):
+                                              rf"at element {elements} \(byte offset {4 * elements}, the first byte"
+                                              rf".*\) at bugs.cu:{past}"):
         bugs.get_function("read_past_end")(1, elements, (x, E.zeros(elements)))
     with pytest.raises(E.EmulatorFault, match=r"thread \(0,0,0\): out-of-bounds read 4 bytes before the start "
-                                              r"of argument 0"):
+                                              rf"of argument 0 .* at bugs.cu:{before}"):
         bugs.get_function("read_before_start")(1, elements, (x, E.zeros(elements)))
     assert_still_works(good)
 
@@ -363,8 +369,10 @@ def test_f_dynamic_shared_memory_out_of_bounds(good, bugs, shared_mem):
     """One float past the end of dynamic shared memory (only the last thread writes there): the
     guard page at 256 bytes, the padding before it at 248."""
     last = shared_mem // 4 - 1
+    line = line_of(BUGS, "s[threadIdx.x + 1] = 1.f;")
     with pytest.raises(E.EmulatorFault, match=rf"thread \({last},0,0\): out-of-bounds dynamic shared "
-                                              rf"memory write at byte offset {shared_mem} .*{shared_mem} bytes"):
+                                              rf"memory write at byte offset {shared_mem} .*{shared_mem} bytes "
+                                              rf"of dynamic shared memory\) at bugs.cu:{line}"):
         bugs.get_function("smem_past_end")(1, last + 1, (E.zeros(64),), shared_mem=shared_mem)
     assert_still_works(good)
 

@@ -192,13 +192,13 @@ void check_static_bounds(const Region& stat, uintptr_t addr, size_t size, uint8_
 }
 
 // An access whose first or last byte lies in a guard span ends the launch as a fault there.
-inline void check_guards(const Region* first, uintptr_t addr, size_t size, uint8_t kind) {
+inline void check_guards(const Region* first, uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   const Region* last = first && addr + size <= first->hi ? first : find_region(addr + size - 1);
   const Region* hit = first && first->space == CUEMU_GUARD ? first
                       : last && last->space == CUEMU_GUARD ? last : nullptr;
   if (!hit) return;
   const uintptr_t at = hit == first ? addr : hit->lo;
-  fail_with_fault(at, kind & (ACCESS_WRITE | ACCESS_ATOMIC) ? 1 : 0);
+  fail_with_fault(at, kind & (ACCESS_WRITE | ACCESS_ATOMIC) ? 1 : 0, (uint32_t)((uintptr_t)ra - T.module_base));
 }
 
 inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
@@ -209,7 +209,7 @@ inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   // instruments an aggregate copy (`out[i] = in[j]`, a uint4) store first: reads wait.
   if (T.settle && (kind & (ACCESS_WRITE | ACCESS_ATOMIC))) settle_observers();
   const Region* r = find_region(addr);
-  if (!g_guards.empty()) check_guards(r, addr, size, kind);
+  if (!g_guards.empty()) check_guards(r, addr, size, kind, ra);
   if (!r) return;
   if (r->space == CUEMU_SHARED_STATIC) check_static_bounds(*r, addr, size, kind, ra);
   const size_t room = r->hi - addr;

@@ -163,7 +163,8 @@ class _Result(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("has_thread", ctypes.c_int32),
                 ("block_idx", ctypes.c_uint32 * 3), ("thread_idx", ctypes.c_uint32 * 3),
                 ("addr", ctypes.c_uint64), ("is_write", ctypes.c_int32),
-                ("signo", ctypes.c_int32), ("msg", ctypes.c_char * 8192)]
+                ("signo", ctypes.c_int32), ("fault_site", ctypes.c_uint32),
+                ("has_fault_site", ctypes.c_int32), ("msg", ctypes.c_char * 8192)]
 
 
 class _Entry(ctypes.Structure):

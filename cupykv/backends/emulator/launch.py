@@ -386,7 +386,10 @@ class Function:
         msg = _expand_places(r.msg.decode(errors="replace"), self.module.path, regions)
         kind = r.kind
         if kind == 1:
-            return EmulatorFault(f"{where}: " + _describe_fault(r, bindings, smem, shared_mem))
+            line = ""
+            if r.has_fault_site:
+                line = " at " + sites.describe_sites(self.module.path, {r.fault_site})[r.fault_site]
+            return EmulatorFault(f"{where}: " + _describe_fault(r, bindings, smem, shared_mem) + line)
         if kind in (5, 10):  # a fiber's stack overflowed; an access a GPU faults on (misaligned,
             #                   or outside a static __shared__ variable)
             return EmulatorFault(f"{where}: {msg}")

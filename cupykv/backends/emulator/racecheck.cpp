@@ -168,7 +168,7 @@ class RaceCheck final : public Observer {
   bool read(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
   // A read of a byte of shared memory that no thread of the running block has written: the GPU
   // returns what an earlier block (or launch) left there. Reported as CUEMU_UNINIT.
-  void check_initialised(const Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
+  void check_initialized(const Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
   bool write(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
   void report(int kind, const Rec& first, const Rec& second, uint32_t region, uint64_t offset);
   // The (first epoch, linear block) entry of the block that ran `epoch`; the running block's when
@@ -309,7 +309,7 @@ void RaceCheck::report(int kind, const Rec& first, const Rec& second, uint32_t r
   hazards.push_back(h);
 }
 
-void RaceCheck::check_initialised(const Cell& c, const Rec& cur, bool shared, const Access& a,
+void RaceCheck::check_initialized(const Cell& c, const Rec& cur, bool shared, const Access& a,
                                   uint64_t offset) {
   if (shared && stale(c.write, true) && !(reported_ & (1u << CUEMU_UNINIT))) {
     reported_ |= 1u << CUEMU_UNINIT;
@@ -318,7 +318,7 @@ void RaceCheck::check_initialised(const Cell& c, const Rec& cur, bool shared, co
 }
 
 bool RaceCheck::read(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset) {
-  check_initialised(c, cur, shared, a, offset);
+  check_initialized(c, cur, shared, a, offset);
   if (unordered(c.write, cur, shared) && !(reported_ & (1u << CUEMU_RAW))) {
     reported_ |= 1u << CUEMU_RAW;
     report(CUEMU_RAW, c.write, cur, a.region->index, offset);
@@ -340,7 +340,7 @@ bool RaceCheck::read(Cell& c, const Rec& cur, bool shared, const Access& a, uint
 }
 
 bool RaceCheck::write(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset) {
-  if (cur.kind == REC_ATOMIC) check_initialised(c, cur, shared, a, offset);  // it reads first
+  if (cur.kind == REC_ATOMIC) check_initialized(c, cur, shared, a, offset);  // it reads first
   bool same_value_candidate = false;
   if (unordered(c.write, cur, shared)) {
     if (c.write.kind == REC_PLAIN && cur.kind == REC_PLAIN) {

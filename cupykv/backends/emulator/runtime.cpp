@@ -112,6 +112,8 @@ volatile sig_atomic_t g_fault_sig = 0;
 uint64_t g_fault_addr = 0;
 int g_fault_write = -1;
 Fiber* g_fault_fiber = nullptr;
+uint32_t g_fault_site = 0;   // the faulting access in the module (cuemu_result.fault_site)
+int g_has_fault_site = 0;
 struct sigaction g_old_act[4];
 const int g_sigs[4] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
 char* g_altstack = nullptr;
@@ -914,11 +916,13 @@ CUEMU_EXPORT void cuemu_trap(const char* what, const char* file, int line) {
 }
 // An access the instrumentation caught in a guard span (alignment padding beside a buffer): ends
 // the launch as the fault a guard page would have raised there (on_fault, below).
-[[noreturn]] void cuemu::fail_with_fault(uint64_t addr, int is_write) {
+[[noreturn]] void cuemu::fail_with_fault(uint64_t addr, int is_write, uint32_t site) {
   g_fault_sig = SIGSEGV;
   g_fault_addr = addr;
   g_fault_write = is_write;
   g_fault_fiber = g_cur;
+  g_fault_site = site;
+  g_has_fault_site = 1;
   siglongjmp(g_jb, 1);
 }
 [[noreturn]] void cuemu::fail_launch(int kind, const char* msg) {
@@ -1042,6 +1046,9 @@ static void on_fault(int sig, siginfo_t* si, void* uc_) {
       g_fault_addr = addr;
       g_fault_write = sig == SIGSEGV ? ((uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0) : -1;
       g_fault_fiber = g_cur;
+      // The faulting instruction itself, written as the return address that would follow it.
+      g_has_fault_site = g_module_code.has(pc);
+      g_fault_site = g_has_fault_site ? cuemu::trace_site((const void*)(pc + 1)) : 0;
       siglongjmp(g_jb, 1);
     }
     report_unrecoverable(sig, addr, pc);
@@ -1060,6 +1067,7 @@ static void on_interrupt(int, siginfo_t*, void* uc_) {
   g_fault_addr = 0;
   g_fault_write = -1;
   g_fault_fiber = g_cur;
+  g_has_fault_site = 0;
   siglongjmp(g_jb, 1);
 }
 
@@ -1191,6 +1199,8 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
     r->addr = g_fault_addr;
     r->is_write = g_fault_write;
     r->signo = g_fault_sig;
+    r->fault_site = g_fault_site;
+    r->has_fault_site = g_has_fault_site;
     describe_fault(r);
     rc = r->kind;
     g_err_fiber = g_fault_fiber;

@@ -156,6 +156,8 @@ struct cuemu_result {
   uint64_t addr;       // fault address
   int32_t is_write;    // 1 write, 0 read, -1 unknown
   int32_t signo;
+  uint32_t fault_site;      // the faulting access as a call site (offset in the module + 1, as a
+  int32_t has_fault_site;   // return address would be), when it lies in the kernel's code
   char msg[8192];
 };
 

@@ -140,9 +140,9 @@ std::string site_text(uint32_t site);
 std::string place_text(int region, uint64_t offset);
 std::string address_text(uintptr_t addr);
 
-// Ends the launch from the running fiber as a fault at `addr` (is_write 1, 0, or -1: unknown), as if
-// a guard page had been touched there (runtime.cpp).
-[[noreturn]] void fail_with_fault(uint64_t addr, int is_write);
+// Ends the launch from the running fiber as a fault at `addr` (is_write 1, 0, or -1: unknown) by the
+// access at call site `site`, as if a guard page had been touched there (runtime.cpp).
+[[noreturn]] void fail_with_fault(uint64_t addr, int is_write, uint32_t site);
 
 // Ends the launch from the running fiber with an error of `kind` (CUEMU_ERR_*) and message
 // `msg` (runtime.cpp); the running thread is blamed.
