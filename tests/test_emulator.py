@@ -31,7 +31,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter",
-             "read_before_start"]
+             "read_before_start", "scale_restricted"]
 
 
 def line_of(path, needle, nth=0):
@@ -442,6 +442,37 @@ def test_reads_of_unwritten_shared_memory_fail(good, bugs, kernel, grid, threads
     assert re.search(memory + rf", at bugs.cu:{line_of(BUGS, needle)} by block", message), message
     assert sum(read.count for read in caught.value.reads) == reads
     assert_still_works(good)
+
+
+def test_u_overlapping_arguments_of_a_restrict_parameter_are_refused(good, bugs):
+    """An array passed for a __restrict__ parameter that overlaps another array argument, one of
+    the two written, is refused before anything runs (on a GPU either may see stale data); two
+    overlapping read-only arguments are fine, and so are arrays that only touch."""
+    fn = bugs.get_function("scale_restricted")
+    assert fn.param_restrict == (True, True, True)
+    buffer = E.asarray(np.arange(1, 17, dtype=np.float32))
+    with pytest.raises(E.LaunchError, match=r"kernel 'scale_restricted': arguments 0 \(float32 array of shape "
+                                            r"\(8,\).*\) and 1 \(.*\) overlap in 28 bytes, but argument 0 is "
+                                            r"declared __restrict__ and argument 0 is written"):
+        fn(1, 8, (buffer[1:9], buffer[:8], buffer[8:]))
+    assert E.asnumpy(buffer).tolist() == list(range(1, 17))   # nothing ran
+    out, x = E.zeros(8), E.asarray(np.arange(8, dtype=np.float32))
+    fn(1, 8, (out, x, x))                                      # both read-only: no promise broken
+    fn(1, 8, (buffer[8:], buffer[:8], buffer[:8]))             # adjacent halves do not overlap
+    assert E.asnumpy(buffer)[8:].tolist() == [2.0 * v * v for v in range(1, 9)]
+    assert_still_works(good)
+
+
+def test_restrict_parameters_are_read_from_the_source():
+    """Which parameters a __global__ definition declares __restrict__, past comments,
+    __launch_bounds__ and template argument lists."""
+    from cupykv.backends.emulator import source
+    src = ("// __global__ void commented(float* __restrict__ a);\n"
+           "template <int N> __global__ void __launch_bounds__(N * 32, 2) k(\n"
+           "    float* __restrict__ out,  // written\n    const Pair<int, float>* in, int n,\n"
+           "    const float* __restrict__ w) {}\n"
+           "extern \"C\" __global__ void plain(float* y) {}\n")
+    assert source.parse_restrict_params(src) == {"k": (True, False, False, True), "plain": (False,)}
 
 
 def test_p_misaligned_vector_load(good, bugs):

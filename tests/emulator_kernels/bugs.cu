@@ -153,3 +153,8 @@ __global__ void uncleared_counter(int* y) {
 __global__ void read_before_start(const float* x, float* y) {
   y[threadIdx.x] = x[(int)threadIdx.x - 1];
 }
+
+// (u) out and x declared __restrict__: a caller must not pass overlapping arrays (in place).
+__global__ void scale_restricted(float* __restrict__ out, const float* __restrict__ x, const float* __restrict__ w) {
+  out[threadIdx.x] = 2.f * x[threadIdx.x] * w[threadIdx.x];
+}

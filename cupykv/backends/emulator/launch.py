@@ -63,6 +63,7 @@ class Module:
         self.code = code
         self.name_expressions = names
         self.launch_bounds = source.parse_launch_bounds(code)
+        self.restrict_params = source.parse_restrict_params(code)
         self._lib, self._entries = build.load_module(code, names, include_dirs, options,
                                                      filename)
         self.path = self._lib._name  # the built .so: its line tables name race sites
@@ -81,8 +82,11 @@ class Module:
             if entry is None:
                 raise EmulatorError(f"emulator: no kernel {name!r} in this module; its name "
                                     f"expressions are {sorted(self._entries)}")
-            bound = self.launch_bounds.get(source.base_name(name))
-            fn = self._functions[name] = Function(self, name, entry, bound)
+            base = source.base_name(name)
+            fn = self._functions[name] = Function(self, name, entry, self.launch_bounds.get(base))
+            restrict = self.restrict_params.get(base, ())
+            if len(restrict) == len(fn.param_sizes):
+                fn.param_restrict = restrict
         return fn
 
 
@@ -134,6 +138,8 @@ class Function:
         # Non-const pointer parameters: the race checker tracks the bytes of their arrays.
         self.param_writable = tuple(k == "p" and not _points_to_const(t)
                                     for k, t in zip(self.param_kinds, self.param_types))
+        # Pointer parameters declared __restrict__ (from the source; none known: all False).
+        self.param_restrict = (False,) * n
         self.launch_bound = launch_bound  # (expression, int or None) or None
         self.max_threads = launch_bound[1] if launch_bound else None
         self.max_dynamic_smem = MAX_DYNAMIC_SMEM   # raised by opt_in_shared_memory
@@ -196,7 +202,7 @@ class Function:
                          f"{_KIND_WORDS[self.param_kinds[i]]})" + (f"; {hint}" if hint else ""))
 
     def _pack(self, args):
-        """Writes the argument values; returns [(index, array, pointer)] of array args."""
+        """Writes the argument values; returns [(index, array)] of the array arguments."""
         n = len(self.param_sizes)
         if not isinstance(args, (tuple, list)):
             raise self._err(f"args must be a tuple or list, got {type(args).__name__}")
@@ -275,6 +281,7 @@ class Function:
 
     def _launch(self, grid, block, args, shared_mem, seed):
         array_args = self._pack(args)
+        self._check_restrict(array_args)
         bindings, shadows = self._bind_arrays(array_args)
         check_races = racecheck.enabled() and self.module.instrumented
         count_traffic = accounting.active() and self.module.instrumented
@@ -330,6 +337,26 @@ class Function:
             raise racecheck.launch_error(self.name, described, dropped, hint)
         for sh in shadows:
             sh.check_read_only(self.name)
+
+    def _check_restrict(self, array_args):
+        """Refuses two array arguments whose bytes overlap when one is a ``__restrict__`` parameter
+        and one is written (a non-const pointer): the GPU compiler may keep or reorder either
+        one's accesses (a const ``__restrict__`` input may be read through the read-only cache)
+        as if no other pointer reached those bytes."""
+        if not any(self.param_restrict):
+            return
+        extents = [(i, a, *memory.byte_extent(a)) for i, a in array_args if a.size]
+        for k, (i, a, lo, hi) in enumerate(extents):
+            for j, b, lo2, hi2 in extents[k + 1:]:
+                restricted = [p for p in (i, j) if self.param_restrict[p]]
+                if not restricted or not (self.param_writable[i] or self.param_writable[j]):
+                    continue
+                if lo < hi2 and lo2 < hi:
+                    raise LaunchError(
+                        f"kernel {self.name!r}: arguments {i} ({_describe(a)}) and {j} ({_describe(b)}) "
+                        f"overlap in {min(hi, hi2) - max(lo, lo2)} bytes, but argument {restricted[0]} "
+                        f"is declared __restrict__ and argument {i if self.param_writable[i] else j} is "
+                        f"written: on a GPU either may see stale data (pass arrays that do not overlap)")
 
     def _bind_arrays(self, array_args):
         """Passes guarded arrays directly and shadows the others in guarded copies

@@ -243,6 +243,36 @@ def parse_launch_bounds(text):
     return found
 
 
+_GLOBAL = re.compile(r"\b__global__\b")
+_CALL = re.compile(r"([A-Za-z_]\w*)\s*\(")
+
+
+def parse_restrict_params(text):
+    """{kernel base name: (bool per parameter: declared ``__restrict__``)} of the ``__global__``
+    function definitions in ``text`` (a kernel defined twice keeps its first parameter list)."""
+    blanked = blank(text)
+    found = {}
+    for m in _GLOBAL.finditer(blanked):
+        line_start = blanked.rfind("\n", 0, m.start()) + 1
+        if blanked[line_start:m.start()].lstrip().startswith("#"):
+            continue
+        pos = m.end()
+        while True:
+            call = _CALL.search(blanked, pos)
+            if call is None:
+                break
+            end = _balanced(blanked, call.end() - 1)
+            if call.group(1) in ("__launch_bounds__", "__attribute__", "alignas"):
+                pos = end
+                continue
+            params = _split_top(blanked[call.end():end - 1])
+            if params == [""] or params == ["void"]:
+                params = []
+            found.setdefault(call.group(1), tuple(bool(re.search(r"\b__restrict__\b", p)) for p in params))
+            break
+    return found
+
+
 def base_name(name_expression):
     """``'ns::k<float, 4>'`` -> ``'k'``."""
     s = name_expression.strip().lstrip("&").strip()
