@@ -31,7 +31,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter",
-             "read_before_start", "scale_restricted"]
+             "read_before_start", "scale_restricted", "copy_past_end"]
 
 
 def line_of(path, needle, nth=0):
@@ -441,6 +441,15 @@ def test_reads_of_unwritten_shared_memory_fail(good, bugs, kernel, grid, threads
     assert f"no thread of its block wrote ({reads} read{'s' * (reads != 1)} at 1 call site)" in message, message
     assert re.search(memory + rf", at bugs.cu:{line_of(BUGS, needle)} by block", message), message
     assert sum(read.count for read in caught.value.reads) == reads
+    assert_still_works(good)
+
+
+def test_v_a_fault_inside_memcpy_names_the_kernel_line_that_called_it(good, bugs):
+    line = line_of(BUGS, "memcpy(&v, x + n - 1, (size_t)bytes);")
+    x = E.asarray(np.arange(64, dtype=np.float32))   # 256 bytes: the guard page follows at once
+    with pytest.raises(E.EmulatorFault, match=r"out-of-bounds read of argument 1 at element 64 \(byte offset 256, "
+                                              rf"the first byte past the end.*\) at bugs.cu:{line}"):
+        bugs.get_function("copy_past_end")(1, 1, (E.zeros(1), x, np.int32(64), np.int32(16)))
     assert_still_works(good)
 
 

@@ -158,3 +158,10 @@ __global__ void read_before_start(const float* x, float* y) {
 __global__ void scale_restricted(float* __restrict__ out, const float* __restrict__ x, const float* __restrict__ w) {
   out[threadIdx.x] = 2.f * x[threadIdx.x] * w[threadIdx.x];
 }
+
+// (v) a memcpy of `bytes` bytes from the last element of x: past the end, inside the copy.
+__global__ void copy_past_end(float* y, const float* x, int n, int bytes) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  memcpy(&v, x + n - 1, (size_t)bytes);
+  y[threadIdx.x] = v.x;
+}

@@ -74,6 +74,11 @@ TraceState T;
 std::vector<Region> g_regions;
 std::vector<Watch> g_watch;
 std::vector<Region> g_guards;  // the launch's guard spans (cuemu_launch_params.guards), watched last
+}  // namespace
+
+uint32_t copy_site = 0;
+
+namespace {
 
 // The static __shared__ variables whose declaration a fiber of the launch reached
 // (cuemu_static_shared), each boxed between guard bytes; `block` is the serial number of the
@@ -568,16 +573,19 @@ CUEMU_EXPORT void __tsan_func_entry(void*) {}
 CUEMU_EXPORT void __tsan_func_exit(void) {}
 
 CUEMU_EXPORT void* __wrap_memcpy(void* dst, const void* src, size_t n) {
+  cuemu::copy_site = cuemu::trace_site(__builtin_return_address(0));
   cuemu::record((uintptr_t)src, n, ACCESS_READ, __builtin_return_address(0));
   cuemu::record((uintptr_t)dst, n, ACCESS_WRITE, __builtin_return_address(0));
   return cuemu_copy(dst, src, n);  // not libc's: a fault in it must end the launch cleanly
 }
 CUEMU_EXPORT void* __wrap_memmove(void* dst, const void* src, size_t n) {
+  cuemu::copy_site = cuemu::trace_site(__builtin_return_address(0));
   cuemu::record((uintptr_t)src, n, ACCESS_READ, __builtin_return_address(0));
   cuemu::record((uintptr_t)dst, n, ACCESS_WRITE, __builtin_return_address(0));
   return cuemu_move(dst, src, n);
 }
 CUEMU_EXPORT void* __wrap_memset(void* dst, int value, size_t n) {
+  cuemu::copy_site = cuemu::trace_site(__builtin_return_address(0));
   cuemu::record((uintptr_t)dst, n, ACCESS_WRITE, __builtin_return_address(0));
   return cuemu_fill(dst, value, n);
 }

@@ -1046,9 +1046,11 @@ static void on_fault(int sig, siginfo_t* si, void* uc_) {
       g_fault_addr = addr;
       g_fault_write = sig == SIGSEGV ? ((uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0) : -1;
       g_fault_fiber = g_cur;
-      // The faulting instruction itself, written as the return address that would follow it.
-      g_has_fault_site = g_module_code.has(pc);
-      g_fault_site = g_has_fault_site ? cuemu::trace_site((const void*)(pc + 1)) : 0;
+      // The faulting instruction itself, written as the return address that would follow it, or
+      // the kernel's call of the copy it faulted in.
+      g_has_fault_site = g_module_code.has(pc) || g_copy_code.has(pc);
+      g_fault_site = g_module_code.has(pc) ? cuemu::trace_site((const void*)(pc + 1))
+                     : g_copy_code.has(pc) ? cuemu::copy_site : 0;
       siglongjmp(g_jb, 1);
     }
     report_unrecoverable(sig, addr, pc);

@@ -140,6 +140,10 @@ std::string site_text(uint32_t site);
 std::string place_text(int region, uint64_t offset);
 std::string address_text(uintptr_t addr);
 
+// The call site of the kernel's memcpy, memmove or memset that runs now (set by its wrapper in
+// access.cpp): a fault inside the copy is reported at that line.
+extern uint32_t copy_site;
+
 // Ends the launch from the running fiber as a fault at `addr` (is_write 1, 0, or -1: unknown) by the
 // access at call site `site`, as if a guard page had been touched there (runtime.cpp).
 [[noreturn]] void fail_with_fault(uint64_t addr, int is_write, uint32_t site);
