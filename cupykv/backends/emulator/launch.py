@@ -83,10 +83,8 @@ class Module:
                 raise EmulatorError(f"emulator: no kernel {name!r} in this module; its name "
                                     f"expressions are {sorted(self._entries)}")
             base = source.base_name(name)
-            fn = self._functions[name] = Function(self, name, entry, self.launch_bounds.get(base))
-            restrict = self.restrict_params.get(base, ())
-            if len(restrict) == len(fn.param_sizes):
-                fn.param_restrict = restrict
+            fn = self._functions[name] = Function(self, name, entry, self.launch_bounds.get(base),
+                                                  self.restrict_params.get(base, ()))
         return fn
 
 
@@ -127,7 +125,7 @@ def _dims(value, what, limits):
 class Function:
     """One kernel instance; call as ``fn(grid, block, args, shared_mem=0)``."""
 
-    def __init__(self, module, name, entry, launch_bound):
+    def __init__(self, module, name, entry, launch_bound, restrict=()):
         self.module = module
         self.name = name
         self._invoke = entry.invoke
@@ -138,8 +136,9 @@ class Function:
         # Non-const pointer parameters: the race checker tracks the bytes of their arrays.
         self.param_writable = tuple(k == "p" and not _points_to_const(t)
                                     for k, t in zip(self.param_kinds, self.param_types))
-        # Pointer parameters declared __restrict__ (from the source; none known: all False).
-        self.param_restrict = (False,) * n
+        # Parameters declared __restrict__ (source.parse_restrict_params; all False when the
+        # source's parameter list was not found or does not match the instance's).
+        self.param_restrict = tuple(restrict) if len(restrict) == n else (False,) * n
         self.launch_bound = launch_bound  # (expression, int or None) or None
         self.max_threads = launch_bound[1] if launch_bound else None
         self.max_dynamic_smem = MAX_DYNAMIC_SMEM   # raised by opt_in_shared_memory
