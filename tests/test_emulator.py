@@ -695,7 +695,8 @@ def test_static_shared_rewrite_keeps_line_numbers():
     src = ("__shared__ float at_file_scope[4];\n__global__ void k(float* y) {\n"
            "  __shared__ __align__(16) float tile[2][32];\n  __shared__ int count;\n"
            "  __shared__ float a[2], b[2];\n  extern __shared__ float dyn[];\n"
-           "  // __shared__ float in_comment[3];\n  y[0] = tile[1][2] + count + a[0] + b[0] + dyn[0];\n}\n")
+           "  // __shared__ float in_comment[3];\n  y[0] = tile[1][2] + count + a[0] + b[0] + dyn[0];\n"
+           "  __shared__ __align__(128) float wide[32];\n}\n")
     out = source.rewrite_shared(src)
     assert out.count("\n") == src.count("\n")
     lines = out.splitlines()
@@ -707,8 +708,29 @@ def test_static_shared_rewrite_keeps_line_numbers():
     assert lines[3] == (f"  thread_local struct {{ {guard_lo} int value; {guard_hi} }} cuemu_shared_count{{}}; "
                         "auto& count = *::cuemu::static_shared(&cuemu_shared_count);")
     assert lines[4] == "  __shared__ float a[2], b[2];"
+    # aligned past the guard: a box would move it off its alignment, so it is left unboxed
+    assert lines[8] == "  thread_local __align__(128) float cuemu_unboxed_wide[32]{}; auto& wide = *::cuemu::opaque(&cuemu_unboxed_wide);"
     assert lines[5].startswith("  float* const dyn = ")
     assert lines[6] == "  // __shared__ float in_comment[3];"
+
+
+def test_a_static_shared_array_aligned_past_the_guard_keeps_its_alignment():
+    """``__shared__ __align__(128)`` compiles and runs with its alignment (it is left unboxed), and
+    a race on it is still reported by its name."""
+    src = ("__global__ void wide(unsigned long long* y) {\n"
+           "  __shared__ __align__(128) float tile[32];\n"
+           "  tile[threadIdx.x] = 1.f;\n  __syncthreads();\n"
+           "  y[threadIdx.x] = reinterpret_cast<unsigned long long>(&tile[0]) % 128 + (unsigned long long)tile[31];\n"
+           "}\n"
+           "__global__ void wide_race(float* y) {\n"
+           "  __shared__ __align__(64) float tile[32];\n"
+           "  tile[threadIdx.x] = 1.f;\n  y[threadIdx.x] = tile[31 - threadIdx.x];\n}\n")
+    module = E.Module(src, ["wide", "wide_race"])
+    y = E.zeros(32, np.uint64)
+    module.get_function("wide")(1, 32, (y,))
+    assert E.asnumpy(y).tolist() == [1] * 32
+    with pytest.raises(E.RaceError, match=r"static __shared__ tile \(in wide_race\)"):
+        module.get_function("wide_race")(1, 32, (E.zeros(32),))
 
 
 @pytest.mark.parametrize("path", [GOOD, BUGS], ids=["good.cu", "bugs.cu"])

@@ -111,7 +111,7 @@ def static_shared_variable(path, offset):
         if start <= offset < start + max(size, 1):
             function, sep, variable = name.rpartition("::")
             boxed = variable.startswith(source.STATIC_SHARED_PREFIX)
-            variable = variable.removeprefix(source.STATIC_SHARED_PREFIX)
+            variable = variable.removeprefix(source.STATIC_SHARED_PREFIX).removeprefix(source.UNBOXED_PREFIX)
             where = f"{variable} (in {_without_arguments(function)})" if sep else variable
             return where, offset - start - (source.STATIC_SHARED_GUARD if boxed else 0)
     return None

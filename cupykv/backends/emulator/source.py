@@ -103,6 +103,8 @@ _STATIC_SHARED = re.compile(
     r"\s*\b(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\[\];{}]*\]\s*)*);")
 STATIC_SHARED_PREFIX = "cuemu_shared_"
 STATIC_SHARED_GUARD = 16  # guard bytes on each side of a function's variable (CUEMU_STATIC_SHARED_GUARD)
+UNBOXED_PREFIX = "cuemu_unboxed_"  # a function's variable aligned to more than the guard: not boxed
+_ALIGNMENT = re.compile(r"\b(?:__align__|alignas)\s*\(\s*(\d+)\s*\)")
 
 
 def rewrite_static_shared(text):
@@ -114,7 +116,9 @@ def rewrite_static_shared(text):
     ``value`` of a box, after ``STATIC_SHARED_GUARD`` guard bytes and before at least as many;
     at the declaration the runtime learns where the value lies, poisons it once per block
     and fails any access to the guards (access.cpp). The ``cuemu_shared_`` prefix of the box lets
-    reports name the variable (sites.py). The ``{}`` value-initialises the
+    reports name the variable (sites.py). A variable declared with an alignment above the guard
+    (``__align__(128)``) is not boxed (``cuemu_unboxed_`` prefix): neither poisoned nor bounds-checked.
+    The ``{}`` value-initialises the
     storage, which for the trivial constructors CUDA allows in shared memory is
     zero-initialisation at load time: without it g++ guards the default-initialisation of a
     class type (``__half``) with a thread-local flag that every fiber reads and the first one
@@ -132,7 +136,11 @@ def rewrite_static_shared(text):
         decl = " ".join(text[m.start("decl"):m.end("decl")].split())
         dims = " ".join(text[m.start("dims"):m.end("dims")].split())
         name = m.group("name")
-        if _in_function(blanked, m.start()):
+        over_aligned = any(int(a) > STATIC_SHARED_GUARD for a in _ALIGNMENT.findall(decl))
+        if _in_function(blanked, m.start()) and over_aligned:
+            storage = UNBOXED_PREFIX + name   # a box would move the value off its alignment
+            repl = f"thread_local {decl} {storage}{dims}{{}}; auto& {name} = *::cuemu::opaque(&{storage});"
+        elif _in_function(blanked, m.start()):
             storage = STATIC_SHARED_PREFIX + name
             repl = (f"thread_local struct {{ unsigned char cuemu_guard_lo[{STATIC_SHARED_GUARD}]; "
                     f"{decl} value{dims}; unsigned char cuemu_guard_hi[{STATIC_SHARED_GUARD}]; }} "
