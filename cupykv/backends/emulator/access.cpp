@@ -533,8 +533,12 @@ inline void hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
   fail_launch(CUEMU_ERR_BAD_ACCESS, msg.c_str());
 }
 
-inline void aligned_hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
+inline void check_aligned(const void* addr, size_t size, uint8_t kind, const void* ra) {
   if (__builtin_expect(((uintptr_t)addr & (size - 1)) != 0, 0)) misaligned((uintptr_t)addr, size, kind, ra);
+}
+
+inline void aligned_hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
+  check_aligned(addr, size, kind, ra);
   hook(addr, size, kind, ra);
 }
 
@@ -591,7 +595,7 @@ CUEMU_EXPORT void* __wrap_memset(void* dst, int value, size_t n) {
 }
 
 CUEMU_EXPORT void cuemu_atomic_access(void* addr, unsigned size, void* site) {
-  if ((uintptr_t)addr & (size - 1)) cuemu::misaligned((uintptr_t)addr, size, ACCESS_ATOMIC, site);
+  cuemu::check_aligned(addr, size, ACCESS_ATOMIC, site);
   cuemu::record((uintptr_t)addr, size, ACCESS_ATOMIC, site);
 }
 

@@ -57,6 +57,12 @@ _ALIGN = re.compile(r"__align__\s*\([^()]*\)|alignas\s*\([^()]*\)|__attribute__\
 _NAMESPACE_OPEN = re.compile(r"(?:\bnamespace\b[\w\s:]*|\bextern\s*(?:\"C\"|\s))\s*$")
 
 
+def _in_directive(blanked, pos):
+    """True when ``pos`` lies on a preprocessor line (``#define ...``)."""
+    line_start = blanked.rfind("\n", 0, pos) + 1
+    return blanked[line_start:pos].lstrip().startswith("#")
+
+
 def _in_function(blanked, pos):
     """True when ``pos`` lies inside braces other than namespace / extern "C" ones."""
     stack = []
@@ -129,9 +135,8 @@ def rewrite_static_shared(text):
     pieces, last = [], 0
     for m in _STATIC_SHARED.finditer(blanked):
         before = blanked[max(0, m.start() - 16):m.start()]
-        line_start = blanked.rfind("\n", 0, m.start()) + 1
         if (re.search(r"\bextern\s*$", before) or not m.group("decl").strip()
-                or blanked[line_start:m.start()].lstrip().startswith("#")):
+                or _in_directive(blanked, m.start())):
             continue
         decl = " ".join(text[m.start("decl"):m.end("decl")].split())
         dims = " ".join(text[m.start("dims"):m.end("dims")].split())
@@ -239,8 +244,7 @@ def parse_launch_bounds(text):
         consts.setdefault(m.group(1), m.group(2) or m.group(3))
     found = {}
     for m in _LB.finditer(blanked):
-        line_start = blanked.rfind("\n", 0, m.start()) + 1
-        if blanked[line_start:m.start()].lstrip().startswith("#"):
+        if _in_directive(blanked, m.start()):
             continue  # inside a macro definition: cannot tell which kernel
         end = _balanced(blanked, m.end() - 1)
         expr = _split_top(blanked[m.end():end - 1])[0]
@@ -261,8 +265,7 @@ def parse_restrict_params(text):
     blanked = blank(text)
     found = {}
     for m in _GLOBAL.finditer(blanked):
-        line_start = blanked.rfind("\n", 0, m.start()) + 1
-        if blanked[line_start:m.start()].lstrip().startswith("#"):
+        if _in_directive(blanked, m.start()):
             continue
         pos = m.end()
         while True:
