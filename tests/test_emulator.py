@@ -31,7 +31,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter",
-             "read_before_start", "scale_restricted", "copy_past_end"]
+             "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far"]
 
 
 def line_of(path, needle, nth=0):
@@ -415,6 +415,62 @@ def test_o_static_shared_memory_is_poisoned_per_block(bugs, monkeypatch):
         others = np.delete(got[block], written)
         assert np.isnan(others).all(), got
         assert (others.view(np.uint32) == 0xFFFFFFFF).all()
+
+
+def test_w_a_result_that_reads_unwritten_memory_changes_with_the_poison(bugs, monkeypatch):
+    """fmaxf drops the NaN that the default poison puts in the one element nobody wrote, so the
+    off-by-one gives the right maximum; under CUPYKV_EMULATOR_POISON=0x41 (12.07 in float32)
+    empty() arrays hold that value instead and the answer changes."""
+    values = np.array([0.25, 0.75, 0.5, 0.125], np.float32)
+
+    def largest():
+        x = E.empty(5)                    # room for one more than the kernel should read
+        x[:4] = values
+        y = E.zeros(1)
+        bugs.get_function("max_one_too_far")(1, 1, (y, x, np.int32(4)))
+        return float(y[0]), x[4:].copy()
+
+    monkeypatch.delenv(E.memory.POISON_ENV, raising=False)
+    got, tail = largest()
+    assert np.isnan(tail).all() and got == 0.75          # the blind spot of a NaN poison
+    monkeypatch.setenv(E.memory.POISON_ENV, "0x41")
+    got, tail = largest()
+    assert (tail.view(np.uint32) == 0x41414141).all()
+    assert got == tail[0] != 0.75
+
+
+@pytest.mark.parametrize("text, byte", [("", 0xFF), ("0", 0), ("0x41", 0x41), (" 255 ", 255)])
+def test_the_poison_byte_comes_from_the_environment(monkeypatch, text, byte):
+    monkeypatch.setenv(E.memory.POISON_ENV, text)
+    assert E.memory.poison_byte() == byte
+    assert (E.empty(3, np.float16).view(np.uint8) == byte).all()
+
+
+@pytest.mark.parametrize("text", ["256", "-1", "red"])
+def test_a_bad_poison_byte_is_refused_naming_the_variable(bugs, monkeypatch, text):
+    monkeypatch.setenv(E.memory.POISON_ENV, text)
+    expected = rf"CUPYKV_EMULATOR_POISON='{text}': expected a byte value from 0 to 255"
+    with pytest.raises(ValueError, match=expected):
+        E.empty(3)
+    with pytest.raises(ValueError, match=expected):
+        bugs.get_function("dyn_smem_half_written")(1, 64, (E.zeros(64),), shared_mem=256)
+
+
+@pytest.mark.parametrize("poison", [0x00, 0x41, 0xFF])
+def test_shared_memory_before_it_is_written_holds_the_poison(bugs, monkeypatch, poison):
+    """Dynamic and static shared memory start each block as the launch's poison (race checker
+    off: with it on, these reads fail, test_reads_of_unwritten_shared_memory_fail)."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")
+    monkeypatch.setenv(E.memory.POISON_ENV, str(poison))
+    y = E.zeros(64)
+    bugs.get_function("dyn_smem_half_written")(1, 64, (y,), shared_mem=256)
+    got = E.asnumpy(y)
+    np.testing.assert_array_equal(got[1::2], np.arange(0, 64, 2))
+    assert (got[0::2].view(np.uint32) == poison * 0x01010101).all()
+    y = E.zeros(16)
+    bugs.get_function("static_smem_unwritten")(2, 64, (y,))
+    unwritten = np.delete(E.asnumpy(y).reshape(2, 8), [0, 1], axis=1)[0]
+    assert (unwritten.view(np.uint32) == poison * 0x01010101).all()
 
 
 UNINITIALIZED_READS = [

@@ -165,3 +165,11 @@ __global__ void copy_past_end(float* y, const float* x, int n, int bytes) {
   memcpy(&v, x + n - 1, (size_t)bytes);
   y[threadIdx.x] = v.x;
 }
+
+// (w) the largest of x[0..n-1], but the loop runs one element too far. A NaN there vanishes in
+// fmaxf, so under the default poison the answer is right by luck; another poison shows it.
+__global__ void max_one_too_far(float* y, const float* x, int n) {
+  float top = x[0];
+  for (int i = 1; i <= n; ++i) top = fmaxf(top, x[i]);
+  y[threadIdx.x] = top;
+}

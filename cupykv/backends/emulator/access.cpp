@@ -415,6 +415,8 @@ void trace_access_as(uint32_t tid, uintptr_t addr, size_t size, uint8_t kind, co
 
 uint32_t trace_thread() { return T.tid; }
 
+uint8_t trace_poison() { return T.poison <= 255 ? (uint8_t)T.poison : 0xFF; }
+
 uint32_t trace_site(const void* ra) { return (uint32_t)((uintptr_t)ra - T.module_base); }
 
 int trace_region_of(uintptr_t addr, size_t size) {

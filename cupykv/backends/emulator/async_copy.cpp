@@ -12,7 +12,7 @@
 // The emulator makes every way of depending on an unfinished copy fail at once:
 //   * At the issue, the source bytes are read (a load of the issuing thread at the call site:
 //     checked for faults, counted by the traffic counter, seen by the race checker) into the
-//     copy's private buffer, and the destination is filled with poison (0xFF) and marked
+//     copy's private buffer, and the destination is filled with the launch's poison and marked
 //     pending, byte by byte.
 //   * Any access to a pending byte, by any thread, a plain load or store, memcpy, another copy or
 //     ldmatrix, ends the launch with AsyncCopyError naming both call sites (access.cpp routes
@@ -48,7 +48,6 @@ uint64_t async_pending_bytes = 0;
 namespace {
 
 constexpr uint32_t kUncommitted = 0xFFFFFFFFu;
-constexpr uint8_t kPoison = 0xFF;
 
 struct Copy {
   uintptr_t dst;
@@ -229,7 +228,7 @@ CUEMU_EXPORT void cuemu_cp_async(void* dst_, const void* src_, unsigned cp_size,
   g.issuing = true;
   trace_access(dst, cp_size, ACCESS_WRITE, ra);  // fails if another pending copy writes these bytes
   g.issuing = false;
-  cuemu_fill(dst_, kPoison, cp_size);
+  cuemu_fill(dst_, trace_poison(), cp_size);
   const Region* r = trace_region_at(dst);
   for (uint32_t k = 0; k < cp_size; ++k) *owner_of(dst_region, dst + k, r->lo) = (uint16_t)(tid + 1);
   async_pending_bytes += cp_size;

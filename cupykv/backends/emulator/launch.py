@@ -25,7 +25,6 @@ MAX_BLOCK = (1024, 1024, 64)
 MAX_GRID = (2**31 - 1, 65535, 65535)
 MAX_DYNAMIC_SMEM = 49152  # without cudaFuncAttributeMaxDynamicSharedMemorySize
 MAX_OPT_IN_SMEM = 232448  # with it: sm_90's 227 KiB per block (sm_80: 163 KiB; sm_86 and sm_89: 99 KiB)
-POISON = 0xFF             # byte written over dynamic shared memory before each block
 
 STOP_ON_SIGINT = 1        # cuemu_launch_params.options: the runtime takes Ctrl-C during the launch
 ERR_INTERRUPTED = 7       # cuemu_launch's status when it did
@@ -155,7 +154,6 @@ class Function:
         self._params = build._LaunchParams()
         self._params.invoke = self._invoke
         self._params.args = ctypes.addressof(self._argv)
-        self._params.poison = POISON
         self._params.tls_probe = module._tls_probe
         self._result = build._Result()
 
@@ -303,6 +301,7 @@ class Function:
         p.checks = (racecheck.CHECK_RACES if check_races else 0) | \
             (accounting.CHECK_TRAFFIC if count_traffic else 0)
         p.seed = schedule.launch_seed(seed, self.name, grid, block, shared_mem)
+        p.poison = memory.poison_byte()
         p.regions = ctypes.addressof(region_table)
         p.nregions = len(regions)
         guard_table = _guard_table([alloc for _, _, _, alloc in bindings] + [smem])

@@ -16,6 +16,7 @@ import bisect
 import contextlib
 import ctypes
 import mmap
+import os
 import threading
 import weakref
 
@@ -23,7 +24,8 @@ import numpy as np
 
 PAGE = mmap.PAGESIZE
 CANARY = 0xCD   # slack and padding around each buffer
-POISON = 0xFF   # contents of empty() arrays
+POISON = 0xFF   # default contents of empty() arrays and of shared memory before it is written
+POISON_ENV = "CUPYKV_EMULATOR_POISON"
 _PROT_NONE, _PROT_RW = 0, 3
 _MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x02, 0x20, 0x4000
 
@@ -186,15 +188,42 @@ def _shape(shape):
     return tuple(int(s) for s in shape)
 
 
+def poison_byte():
+    """The byte that fills memory nobody has written: :func:`empty` arrays, shared memory
+    before each block, the destination of an asynchronous copy before its wait.
+
+    ``CUPYKV_EMULATOR_POISON`` (0 to 255, read at every call; ``0x7f`` style accepted)
+    chooses it; unset or empty, 0xFF (a NaN in every float type, -1 in signed integers).
+    A result that changes with the poison read memory nobody wrote, even where a NaN would
+    have vanished (``fmaxf``, a comparison, a product with zero).
+
+    Raises
+    ------
+    ValueError
+        The variable is not an integer from 0 to 255.
+    """
+    text = os.environ.get(POISON_ENV, "").strip()
+    if not text:
+        return POISON
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 255:
+        raise ValueError(f"{POISON_ENV}={text!r}: expected a byte value from 0 to 255 (such as 0xff or 0)")
+    return value
+
+
 def empty(shape, dtype=np.float32):
-    """An uninitialised array in guarded memory. Its bytes are 0xFF (NaN for float
-    types, -1 for signed integers) so that reading unwritten elements shows.
+    """An uninitialised array in guarded memory. Every byte is :func:`poison_byte` (0xFF
+    by default: NaN for float types, -1 for signed integers) so that reading unwritten
+    elements shows.
 
     Args:
         shape: int or tuple of ints.
         dtype: any numpy dtype, ``ml_dtypes.bfloat16`` included.
     """
-    return _fresh(shape, dtype, fill=POISON)
+    return _fresh(shape, dtype, fill=poison_byte())
 
 
 def zeros(shape, dtype=np.float32):

@@ -104,6 +104,7 @@ void request_settle();
 void trace_access(uintptr_t addr, size_t size, uint8_t kind, const void* ra);
 void trace_access_as(uint32_t tid, uintptr_t addr, size_t size, uint8_t kind, const void* ra);
 uint32_t trace_thread();                  // linear id of the running thread in its block
+uint8_t trace_poison();                   // the launch's poison byte (0xFF when it has none)
 uint32_t trace_site(const void* ra);      // a return address as a call site (offset in the module)
 // The launch's memory: the region of the table holding [addr, addr + size) entirely (0 dynamic
 // shared memory, 1 static shared memory, 2 + i regions[i]), -1 when none does; and the region
