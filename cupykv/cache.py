@@ -528,8 +528,9 @@ class KVCache:
             Steps in ``0..2**31-1`` (the kernel's int), one for all sequences or
             one per sequence. An int is a launch constant and a device array is
             read at run time: both are graph-safe. A sequence that would pass
-            ``max_seq`` is clamped and flagged. A device array must be
-            C-contiguous and must not overlap the cache's lengths or flags.
+            ``max_seq`` is clamped and flagged. A negative device value counts
+            as 0 (without a flag). A device array must be C-contiguous and must
+            not overlap the cache's lengths or flags.
 
         Raises
         ------
@@ -555,7 +556,7 @@ class KVCache:
             ``0 <= new_lengths[b] <= lengths[b]``. Host values are checked
             against the current lengths (a synchronising read, so not inside a
             captured step); a device array is clamped on the device so that
-            it can only shorten (graph-safe). A device array must be
+            it can only shorten, a negative value to 0 (graph-safe). A device array must be
             C-contiguous and must not overlap the cache's lengths or flags.
 
         Raises

@@ -36,7 +36,7 @@ if TYPE_CHECKING:   # the fast path is imported lazily: importing testing stays 
     from cupykv.cache import KVCache
 
 #: one cache operation from :func:`operations`: ``(name, argument)``
-Operation = Tuple[str, Union[Tuple[int, int], int, Sequence[int], Sequence[float], None]]
+Operation = Tuple[str, Union[Tuple[int, int], int, Sequence[int], Sequence[float], npt.NDArray[Any], None]]
 
 
 @st.composite
@@ -85,23 +85,33 @@ def query_shapes(spec: CacheSpec, groups: Sequence[int] = (1, 2, 4, 8),
 def operations(spec: CacheSpec, max_size: int = 12) -> st.SearchStrategy[list[Operation]]:
     """Strategy for sequences of cache operations, as ``(name, argument)`` pairs.
 
-    ``("append", (layer, n_new))``, ``("advance", int or [batch])``,
+    ``("append", (layer, n_new))``, ``("advance", n)``, ``("set_lengths", values)``
+    (``n`` and ``values``: one int or one per sequence, up to ``max_seq + 3``),
     ``("truncate", fractions [batch])`` (a fraction of each current length, so
     always a valid rollback) and ``("reset", None or slots)``; run them with
-    :func:`apply_operation`. Steps past capacity are included on purpose.
+    :func:`apply_operation`. Steps and lengths past capacity are included on
+    purpose. A per-sequence argument drawn as a NumPy array goes to the cache
+    as a device int32 array (the graph-safe path, read by the kernel at run
+    time) and to the reference as host values; a list goes to both as is.
     """
     batch, cap = spec.batch, spec.max_seq
     per_seq = st.lists(st.integers(0, cap + 3), min_size=batch, max_size=batch)
+    per_seq_on_device = per_seq.map(lambda values: np.array(values, np.int32))
+    fractions = st.lists(st.floats(0, 1), min_size=batch, max_size=batch)
     return st.lists(st.one_of(
         st.tuples(st.just("append"), st.tuples(st.integers(0, spec.n_layers - 1), st.integers(1, 4))),
-        st.tuples(st.just("advance"), st.integers(0, cap + 3) | per_seq),
-        st.tuples(st.just("truncate"), st.lists(st.floats(0, 1), min_size=batch, max_size=batch)),
+        st.tuples(st.just("advance"), st.integers(0, cap + 3) | per_seq | per_seq_on_device),
+        st.tuples(st.just("set_lengths"), st.integers(0, cap + 3) | per_seq | per_seq_on_device),
+        st.tuples(st.just("truncate"), fractions | fractions.map(np.array)),
         st.tuples(st.just("reset"), st.none() | st.lists(st.integers(0, batch - 1), unique=True, max_size=batch)),
     ), max_size=max_size)
 
 
 def apply_operation(cache: KVCache, oracle: reference.KVCache, operation: Operation, rng: np.random.Generator) -> None:
-    """Apply one ``(name, argument)`` from :func:`operations` to a backend cache and the reference."""
+    """Apply one ``(name, argument)`` from :func:`operations` to a backend cache and the reference.
+
+    A NumPy array argument reaches the cache as a device int32 array, and the reference as host values.
+    """
     name, argument = operation
     if name == "append":
         layer, n_new = cast(Tuple[int, int], argument)
@@ -111,8 +121,10 @@ def apply_operation(cache: KVCache, oracle: reference.KVCache, operation: Operat
         oracle.append(layer, k, v)
         return
     if name == "truncate":
-        argument = [int(f * n) for f, n in zip(cast(Sequence[float], argument), oracle.lengths)]
-    getattr(cache, name)(argument)
+        targets = [int(f * n) for f, n in zip(cast(Sequence[float], argument), oracle.lengths)]
+        argument = np.array(targets, np.int32) if isinstance(argument, np.ndarray) else targets
+    on_cache = cache.to_device(np.asarray(argument, np.int32)) if isinstance(argument, np.ndarray) else argument
+    getattr(cache, name)(on_cache)
     getattr(oracle, name)(argument)
 
 

@@ -42,6 +42,42 @@ def test_advance_past_capacity_clamps_and_flags(backend):
         cache.check()
 
 
+SET_LENGTHS_AT_CAPACITY = [   # (how the values are passed, values, lengths, overflow flags); max_seq is 10
+    ("int", 10, [10, 10, 10], [0, 0, 0]),
+    ("int", 11, [10, 10, 10], [1, 1, 1]),
+    ("host", [10, 11, 9], [10, 10, 9], [0, 1, 0]),
+    ("device", [10, 11, 9], [10, 10, 9], [0, 1, 0]),
+    ("device", [11, 10, 2**31 - 1], [10, 10, 10], [1, 0, 1]),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where, values, lengths, flags", SET_LENGTHS_AT_CAPACITY)
+def test_set_lengths_flags_only_values_past_capacity(backend, where, values, lengths, flags):
+    """max_seq itself is a full cache, not an overflow; max_seq + 1 is clamped and flagged."""
+    cache = cupykv.KVCache(SPEC, backend=backend)
+    cache.set_lengths(cache.to_device(np.array(values, np.int32)) if where == "device" else values)
+    assert cache.lengths_host().tolist() == lengths
+    assert cache._backend.to_host(cache.overflow).tolist() == flags
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_device_values_count_as_zero_without_a_flag(backend):
+    """Host values are checked (test_bad_input.py); a device array is read by the kernel at run time,
+    so its contract for negative values is the kernel's clamp: advance by 0, truncate or set to 0."""
+    cache = cupykv.KVCache(SPEC, backend=backend)
+    on_device = lambda values: cache.to_device(np.array(values, np.int32))
+    cache.advance([4, 2, 6])
+    cache.advance(on_device([-3, 1, -2**31]))
+    assert cache.lengths_host().tolist() == [4, 3, 6]
+    cache.truncate(on_device([-1, 3, -2**31]))
+    assert cache.lengths_host().tolist() == [0, 3, 0]
+    cache.set_lengths(on_device([-5, 7, -2**31]))
+    assert cache.lengths_host().tolist() == [0, 7, 0]
+    assert cache._backend.to_host(cache.overflow).tolist() == [0, 0, 0]
+    cache.check()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_additive_mask_matches_reference(backend, q_len):

@@ -247,22 +247,38 @@ def attention_cases(draw):
     q_len = draw(st.integers(1, 5))
     group = draw(st.sampled_from((1, 4)))
     window = draw(st.none() | st.integers(1, spec.max_seq + 2))
-    num_splits = draw(st.integers(1, min(3, max_splits(spec.max_seq))))
-    return spec, lengths, q_len, group, window, num_splits, draw(st.integers(0, spec.n_layers - 1))
+    # the splits: a factor (even shares of the attended keys) or fixed positions s * split_keys
+    splits = draw(st.one_of(st.builds(dict, num_splits=st.integers(1, min(3, max_splits(spec.max_seq)))),
+                            st.builds(dict, split_keys=st.sampled_from(range(128, spec.max_seq + 128, 128)))))
+    return spec, lengths, q_len, group, window, splits, draw(st.integers(0, spec.n_layers - 1))
 
 
-@settings(max_examples=EXAMPLES)
-@given(case=attention_cases())
-def test_attention_reads_exactly_the_attended_rows(case):
-    spec, lengths, q_len, group, window, num_splits, layer = case
+def read_attended_rows(spec, lengths, q_len, group, window, splits, layer):
+    """One attention call under the traffic counter, checked by :func:`assert_reads_exactly_the_attended_rows`."""
     cache = cupykv.KVCache(spec, backend="emulator")
     cache.advance(lengths)
     q = cache._backend.zeros((spec.batch, q_len, group * spec.n_kv_heads, spec.head_dim),
                              cache._backend.storage_dtype(spec.dtype))
     with testing.traffic(cache) as t:
-        cupykv.attention(q, cache, layer, window=window, num_splits=num_splits)
+        cupykv.attention(q, cache, layer, window=window, **splits)
     assert len(t.launches) == 1   # split or not: the splits are merged inside the launch
     assert_reads_exactly_the_attended_rows(t.launches[0], cache, layer, lengths, q_len, group, window)
+
+
+@settings(max_examples=EXAMPLES)
+@given(case=attention_cases())
+def test_attention_reads_exactly_the_attended_rows(case):
+    read_attended_rows(*case)
+
+
+@pytest.mark.parametrize("dtype, head_dim", [("float32", 64), ("bfloat16", 128)])
+@pytest.mark.parametrize("splits", [{"split_keys": 128}, {"num_splits": 3}], ids=["split_keys", "num_splits"])
+def test_a_sliding_window_reads_no_key_before_it_in_any_split(dtype, head_dim, splits):
+    """Keys before the window fill whole splits here (window 20 at length 290: keys 271..291 of
+    300): the splits that hold only such keys read nothing, and the one the window starts in
+    begins its reads at the window."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=300, batch=2, dtype=dtype)
+    read_attended_rows(spec, [290, 150], 2, 4, 20, splits, 0)
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64)])
