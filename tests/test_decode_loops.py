@@ -180,6 +180,11 @@ def commit_rule(ids, active, budget, next_ids, lengths, stops, max_length):
     return ids, tokens, advance_by, active, budget
 
 
+#: what follows the stop ids in the device list: nothing (the last entry is a stop id), or -1 (which
+#: ends the list, so the 5 after it is not a stop id).
+STOP_PADDINGS = ([], [-1], [-1, 5])
+
+
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), batch=st.integers(1, 300))
 def test_decode_commit_follows_its_rule(data, batch):
@@ -188,10 +193,11 @@ def test_decode_commit_follows_its_rule(data, batch):
     ints = lambda lo, hi: rng.integers(lo, hi, batch).astype(np.int32)   # noqa: E731
     ids, active, budget, next_ids, lengths = ints(0, 9), ints(0, 2), ints(0, 4), ints(0, 9), ints(0, 12)
     stops = data.draw(st.lists(st.integers(0, 9), max_size=4))
+    device_stops = (stops + data.draw(st.sampled_from(STOP_PADDINGS))) or [-1]   # unpadded: a stop id ends the list
     max_length = data.draw(st.integers(0, 14))
     n_active = np.array([active.sum() + 1000], np.int32)   # any count: the kernel subtracts the stops
     device = [model.backend.asarray(a) for a in (ids, np.zeros_like(ids), np.zeros_like(ids), active, budget,
-                                                 next_ids, lengths, np.array(stops + [-1, 5], np.int32), n_active)]
+                                                 next_ids, lengths, np.array(device_stops, np.int32), n_active)]
     decoding.decode_commit(*device, max_length=max_length)
     got = [model.backend.to_host(a) for a in device[:5]]
     want = commit_rule(ids, active, budget, next_ids, lengths, stops, max_length)
@@ -199,6 +205,17 @@ def test_decode_commit_follows_its_rule(data, batch):
         assert np.array_equal(g, w), name
     stopped_now = int(((active == 1) & (want[3] == 0)).sum())
     assert model.backend.to_host(device[8])[0] == n_active[0] - stopped_now   # one decrement per stop
+
+
+def test_decode_commit_stops_on_the_last_entry_of_an_unpadded_stop_list():
+    """n_stop counts every entry: with no -1 padding, the last entry is a stop id like the others."""
+    model = tiny(1)
+    device = [model.backend.asarray(np.array(values, np.int32)) for values in
+              ([0, 0, 0], [0, 0, 0], [0, 0, 0], [1, 1, 1], [5, 5, 5], [3, 7, 5], [1, 1, 1], [3, 7], [3])]
+    decoding.decode_commit(*device, max_length=10)
+    assert model.backend.to_host(device[3]).tolist() == [0, 0, 1]     # active: 3 and 7 stop, 5 goes on
+    assert model.backend.to_host(device[1]).tolist() == [3, 7, 5]     # tokens
+    assert model.backend.to_host(device[8]).tolist() == [1]           # n_active: one decrement per stop
 
 
 def test_decode_commit_arguments_are_named():

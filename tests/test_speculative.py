@@ -226,12 +226,13 @@ def test_speculative_accept_follows_its_rule(data, batch, k):
     active, budget = rng.integers(0, 2, batch).astype(np.int32), rng.integers(1, 10, batch).astype(np.int32)
     lengths = rng.integers(k + 2, 30, batch).astype(np.int32)
     stops = data.draw(st.lists(st.integers(0, 3), max_size=2))
+    device_stops = (stops + data.draw(st.sampled_from(([], [-1], [-1, 2])))) or [-1]   # unpadded: a stop id ends it
     max_length = data.draw(st.integers(1, 32))
     outputs = [backend.zeros(shape, np.int32) for shape in
                ((batch, k + 1), (batch,), (batch,), (batch,), (batch,), (batch, 2))]
     state = [backend.asarray(a) for a in (active, budget)]
     decoding.speculative_accept(*outputs, *state, backend.asarray(verify_ids), backend.asarray(target_ids),
-                                backend.asarray(lengths), backend.asarray(np.array(stops + [-1], np.int32)),
+                                backend.asarray(lengths), backend.asarray(np.array(device_stops, np.int32)),
                                 max_length=max_length)
     got = [backend.to_host(a) for a in outputs + state]
     want = accept_rule(active, budget, verify_ids, target_ids, lengths, stops, max_length)
@@ -240,6 +241,20 @@ def test_speculative_accept_follows_its_rule(data, batch, k):
                               "active", "budget")):
         g, w = (got[i][live], want[i][live]) if name in ("chain", "draft_pair") else (got[i], want[i])
         assert np.array_equal(g, w), name
+
+
+def test_speculative_accept_stops_on_the_last_entry_of_an_unpadded_stop_list():
+    """Sequence 0 emits 1 then 2 (its proposal 1 is accepted); 2, the last entry of the stop list [9, 2]
+    (no -1 padding), stops it there. Sequence 1 emits 1 then 3 and goes on."""
+    backend = target(1).backend
+    ints = lambda values: backend.asarray(np.array(values, np.int32))   # noqa: E731
+    outputs = [backend.zeros(shape, np.int32) for shape in ((2, 3), (2,), (2,), (2,), (2,), (2, 2))]
+    active, budget = ints([1, 1]), ints([9, 9])
+    decoding.speculative_accept(*outputs, active, budget, ints([[4, 1, 0], [4, 1, 0]]), ints([[1, 2, 0], [1, 3, 0]]),
+                                ints([10, 10]), ints([9, 2]), max_length=32)
+    tokens, accepted, target_lengths = (backend.to_host(a).tolist() for a in outputs[:3])
+    assert accepted == [1, 1] and tokens == [[1, 2, -1], [1, 3, -1]] and target_lengths == [9, 9]
+    assert backend.to_host(active).tolist() == [0, 1]
 
 
 def test_speculative_gather_reads_only_inside_src():
