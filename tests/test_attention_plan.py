@@ -309,6 +309,16 @@ def test_bad_split_keys_are_refused(kwargs, message):
         cupykv.AttentionPlan(cache, 1, 4, **kwargs)
 
 
+def test_split_keys_that_need_more_splits_than_a_grid_holds_are_refused_as_split_keys():
+    """CUDA's grid y holds 65535 splits: at max_seq 128 * 65535 + 1, split_keys 128 would need 65536, so
+    the smallest allowed is 256 (the error names split_keys, not the num_splits it implies)."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=1, max_seq=128 * 65535 + 1, batch=1)
+    cache = cupykv.KVCache(spec, backend="emulator")   # zero pages: nothing is committed
+    with pytest.raises(ValueError, match=r"^split_keys: expected an int in 256\.\.8388608, got 128$"):
+        cupykv.AttentionPlan(cache, 1, 1, split_keys=128)
+    assert cupykv.AttentionPlan(cache, 1, 1, split_keys=256).num_splits == 32768
+
+
 # -- a stated device: the emulator plans as a GPU with that many SMs would ----------------------------
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float32", 64), ("float8_e4m3", 64)])
 def test_a_stated_h200_gets_a_gpu_split_plan_that_the_emulator_runs_and_checks(monkeypatch, dtype, head_dim):
