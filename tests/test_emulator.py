@@ -31,7 +31,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter",
-             "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far"]
+             "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far",
+             "vector_tail_past_end", "packed_tail_past_end"]
 
 
 def line_of(path, needle, nth=0):
@@ -355,6 +356,29 @@ def test_c_reads_just_outside_an_argument_fail_whatever_its_size(good, bugs, mon
     with pytest.raises(E.EmulatorFault, match=r"thread \(0,0,0\): out-of-bounds read 4 bytes before the start "
                                               rf"of argument 0 .* at bugs.cu:{before}"):
         bugs.get_function("read_before_start")(1, elements, (x, E.zeros(elements)))
+    assert_still_works(good)
+
+
+TAIL_LOADS = [("vector_tail_past_end", "const uint4 packed = reinterpret_cast<const uint4*>(x)[v];"),
+              ("packed_tail_past_end", "const PackedEight eight = reinterpret_cast<const PackedEight*>(x)[v];")]
+
+
+@pytest.mark.parametrize("racecheck", ["1", "0"])
+@pytest.mark.parametrize("elements", [62, 63])
+@pytest.mark.parametrize("kernel, needle", TAIL_LOADS, ids=[kernel for kernel, _ in TAIL_LOADS])
+def test_x_y_a_load_that_starts_inside_and_ends_in_the_padding_fails(good, bugs, monkeypatch, racecheck, elements,
+                                                                     kernel, needle):
+    """The last 16 (or 32) bytes loaded from a 62- or 63-float array start inside it and end in the
+    padding up to byte 256 (no guard page there): an access is judged by its last byte too, as a
+    16-byte load (x) and as a range g++ instruments whole (y, a 32-byte packed struct)."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
+    x = E.asarray(np.arange(elements, dtype=np.float32))
+    with pytest.raises(E.EmulatorFault, match=rf"out-of-bounds read of argument 1 at element {elements} \(byte offset "
+                                              rf"{4 * elements}, the first byte past the end.*bugs.cu:{line_of(BUGS, needle)}"):
+        bugs.get_function(kernel)(1, 1, (E.zeros(1), x, np.int32(elements)))
+    y = E.zeros(1)
+    bugs.get_function(kernel)(1, 1, (y, E.asarray(np.arange(64, dtype=np.float32)), np.int32(64)))
+    assert y[0] == np.arange(64).sum()
     assert_still_works(good)
 
 

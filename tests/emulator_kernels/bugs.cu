@@ -173,3 +173,28 @@ __global__ void max_one_too_far(float* y, const float* x, int n) {
   for (int i = 1; i <= n; ++i) top = fmaxf(top, x[i]);
   y[threadIdx.x] = top;
 }
+
+// (x) sums x[0..n) four floats at a time, rounding the number of 16-byte loads up: the last load
+// runs past the end whenever n is not a multiple of 4, though it starts inside the array.
+__global__ void vector_tail_past_end(float* y, const float* x, int n) {
+  float sum = 0.f;
+  for (int v = 0; v < (n + 3) / 4; ++v) {
+    const uint4 packed = reinterpret_cast<const uint4*>(x)[v];
+    float four[4];
+    memcpy(four, &packed, 16);
+    sum += four[0] + four[1] + four[2] + four[3];
+  }
+  y[threadIdx.x] = sum;
+}
+
+// (y) the same eight floats at a time through a packed struct, which g++ instruments as a 32-byte
+// range: the last one starts 24 or 28 bytes before the end.
+struct __attribute__((packed)) PackedEight { float v[8]; };
+__global__ void packed_tail_past_end(float* y, const float* x, int n) {
+  float sum = 0.f;
+  for (int v = 0; v < (n + 7) / 8; ++v) {
+    const PackedEight eight = reinterpret_cast<const PackedEight*>(x)[v];
+    for (int e = 0; e < 8; ++e) sum += eight.v[e];
+  }
+  y[threadIdx.x] = sum;
+}

@@ -133,11 +133,18 @@ void set_span(const Span& s, uint8_t value) {
   memset(reinterpret_cast<void*>(s.lo), value, s.hi - s.lo);
 }
 
+// The largest sized access (a 16-byte vector). A guard span's granules are marked from this many
+// bytes minus one before it, so that an access starting in the buffer and ending in the guard (a
+// uint4 load over an array's last 8 bytes and 8 of padding) reaches record() and check_guards().
+constexpr uintptr_t kLargestSizedAccess = 16;
+
 // Marks the watched regions' granules, clearing those of the last launch that are not watched.
 void mark_watched(const std::vector<Watch>& watch) {
   std::vector<Span> next;
-  for (const Watch& w : watch)
-    next.push_back(Span{kShadowOffset + (w.lo >> 3), kShadowOffset + ((w.lo + w.len + 7) >> 3)});
+  for (const Watch& w : watch) {
+    const uintptr_t lo = w.region->space == CUEMU_GUARD ? w.lo - (kLargestSizedAccess - 1) : w.lo;
+    next.push_back(Span{kShadowOffset + (lo >> 3), kShadowOffset + ((w.lo + w.len + 7) >> 3)});
+  }
   std::vector<Span> cleared;
   for (const Span& s : g_marked)
     if (!contains(next, s)) {
@@ -518,6 +525,13 @@ inline void hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
   if (__builtin_expect(watched((uintptr_t)addr), 0)) record((uintptr_t)addr, size, kind, ra);
 }
 
+// A range (a struct copy, a memcpy g++ instruments whole) may start in unwatched memory and end in
+// a guard span: its last byte is looked at too.
+inline void range_hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
+  const uintptr_t lo = (uintptr_t)addr;
+  if (__builtin_expect(watched(lo) || (size > 1 && watched(lo + size - 1)), 0)) record(lo, size, kind, ra);
+}
+
 // An access of 2, 4, 8 or 16 bytes whose type g++ takes to be naturally aligned (it instruments
 // a less aligned one as a range) at an address that is not a multiple of its size: the GPU ends
 // the launch with cudaErrorMisalignedAddress (a uint4 load at an odd element, a 2-byte load of
@@ -566,10 +580,10 @@ CUEMU_SIZED_HOOKS(16)
 #undef CUEMU_SIZED_HOOKS
 
 CUEMU_EXPORT void __tsan_read_range(const void* addr, size_t size) {
-  cuemu::hook(addr, size, ACCESS_READ, __builtin_return_address(0));
+  cuemu::range_hook(addr, size, ACCESS_READ, __builtin_return_address(0));
 }
 CUEMU_EXPORT void __tsan_write_range(const void* addr, size_t size) {
-  cuemu::hook(addr, size, ACCESS_WRITE, __builtin_return_address(0));
+  cuemu::range_hook(addr, size, ACCESS_WRITE, __builtin_return_address(0));
 }
 // Called by a constructor of each module; there is no runtime library to start.
 CUEMU_EXPORT void __tsan_init(void) {}
