@@ -261,6 +261,7 @@ class Function:
 
         Raises:
             LaunchError: bad geometry, shared memory size or arguments (nothing ran).
+            ValueError: ``CUPYKV_EMULATOR_POISON`` is not a byte value (nothing ran).
             EmulatorFault: out-of-bounds access or stack overflow.
             BarrierError: divergent barrier, bad warp-intrinsic mask, deadlock.
             DeviceAssertError: failed device assert or trap.
@@ -272,11 +273,11 @@ class Function:
         Every error message ends with the schedule seed when ``CUPYKV_EMULATOR_SEED`` is set.
         """
         grid, block, shared_mem = self._check_geometry(grid, block, shared_mem)
-        seed = schedule.session_seed()
+        seed, poison = schedule.session_seed(), memory.poison_byte()
         with _launch_lock:  # one launch at a time: the runtime and the buffers are shared
-            self._launch(grid, block, args, shared_mem, seed)
+            self._launch(grid, block, args, shared_mem, seed, poison)
 
-    def _launch(self, grid, block, args, shared_mem, seed):
+    def _launch(self, grid, block, args, shared_mem, seed, poison):
         array_args = self._pack(args)
         self._check_restrict(array_args)
         bindings, shadows = self._bind_arrays(array_args)
@@ -301,7 +302,7 @@ class Function:
         p.checks = (racecheck.CHECK_RACES if check_races else 0) | \
             (accounting.CHECK_TRAFFIC if count_traffic else 0)
         p.seed = schedule.launch_seed(seed, self.name, grid, block, shared_mem)
-        p.poison = memory.poison_byte()
+        p.poison = poison
         p.regions = ctypes.addressof(region_table)
         p.nregions = len(regions)
         guard_table = _guard_table([alloc for _, _, _, alloc in bindings] + [smem])
