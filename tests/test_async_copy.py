@@ -15,12 +15,14 @@ import pytest
 
 from cupykv import nvrtc_check
 from cupykv.backends import emulator as E
+from cupykv.backends.emulator import build
 from cupykv.kernels import KERNEL_DIR
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
 SOURCE = KERNELS / "async_copy.cu"
 HEADER = Path(KERNEL_DIR) / "async_copy.cuh"
-NAMES = ["async_roundtrip<4>", "async_roundtrip<8>", "async_roundtrip<16>", "async_pipeline", "async_groups"]
+NAMES = ["async_roundtrip<4>", "async_roundtrip<8>", "async_roundtrip<16>", "async_pipeline", "async_groups",
+         "async_early_read"]
 
 
 def line(needle, path=SOURCE):
@@ -244,3 +246,22 @@ def test_the_kernels_compile_with_nvrtc_without_spills(arch):
     for instruction in ("cp.async.cg.shared.global", "cp.async.ca.shared.global", "cp.async.commit_group",
                         "cp.async.wait_group 1", "cp.async.wait_all"):
         assert instruction in program.ptx, instruction
+
+
+@pytest.mark.parametrize("poison", [0x41, 0xFF])
+def test_an_uninstrumented_module_reads_the_launchs_poison_before_the_wait(module, monkeypatch, poison):
+    """Without instrumentation (no shadow memory) an early read cannot be seen: it reads the poison
+    the copy's destination holds until the wait, the launch's byte (CUPYKV_EMULATOR_POISON), and the
+    data lands at the wait. The instrumented build of the same kernel stops at the read."""
+    monkeypatch.setenv(E.memory.POISON_ENV, str(poison))
+    src, out = E.asarray(np.arange(1, 5, dtype=np.float32)), E.zeros(8)
+    with pytest.raises(E.AsyncCopyError, match=line("for (int k = 0; k < 4; ++k) out[k] = tile[k];")):
+        module.get_function("async_early_read")(1, 1, (src, out))
+    monkeypatch.setattr(build, "instrumented", lambda: False)
+    plain = E.Module(SOURCE.read_text(), ["async_early_read"], include_dirs=[KERNELS, KERNEL_DIR],
+                     filename=str(SOURCE))
+    assert not plain.instrumented
+    plain.get_function("async_early_read")(1, 1, (src, out))
+    got = E.asnumpy(out)
+    assert (got[:4].view(np.uint32) == poison * 0x01010101).all(), got[:4].view(np.uint32)
+    np.testing.assert_array_equal(got[4:], [1, 2, 3, 4])

@@ -81,3 +81,15 @@ __global__ void async_groups(const float* __restrict__ src, float* __restrict__ 
     out[threadIdx.x] = mine[4 * probe];
     cp_async_wait_all();
 }
+
+// One thread copies 16 bytes of src into shared memory and stores what it reads there before the
+// wait (out[0..3], a planted misuse) and after it (out[4..7]). An instrumented module stops at the
+// early read (AsyncCopyError); an uninstrumented one reads the launch's poison there.
+__global__ void async_early_read(const float* __restrict__ src, float* __restrict__ out) {
+    __shared__ __align__(16) float tile[4];
+    cp_async_16(tile, src);
+    cp_async_commit();
+    for (int k = 0; k < 4; ++k) out[k] = tile[k];
+    cp_async_wait<0>();
+    for (int k = 0; k < 4; ++k) out[4 + k] = tile[k];
+}
