@@ -70,16 +70,25 @@ class AttentionKernel:
 
 def mma_row_tiles(query_rows: int) -> int:
     """m16 row tiles per block of the tensor-core kernel for ``query_rows`` (``q_len * group``) rows
-    per sequence and kv head: one up to TILE_ROWS rows, the most there are past that, so that a
-    block reads each K/V row once for twice the rows (cupykv.kernels.ATTENTION_MMA_ROW_TILES)."""
-    return ATTENTION_MMA_ROW_TILES[0] if query_rows <= TILE_ROWS else ATTENTION_MMA_ROW_TILES[-1]
+    per sequence and kv head: the fewest of cupykv.kernels.ATTENTION_MMA_ROW_TILES that hold them,
+    or the most there are, so that a block reads each K/V row once for up to 64 rows."""
+    return next((tiles for tiles in ATTENTION_MMA_ROW_TILES if query_rows <= TILE_ROWS * tiles),
+                ATTENTION_MMA_ROW_TILES[-1])
+
+
+def mma_row_groups(row_tiles: int) -> int:
+    """Warps of the tensor-core kernel per key warp (``attention_mma_row_groups``): a warp holds at
+    most ``kMaxWarpTiles`` row tiles, so four tiles take two row groups that share the K/V stages."""
+    return max(1, row_tiles // MMA_TILING["kMaxWarpTiles"])
 
 
 def mma_shared_memory_bytes(dtype: str, head_dim: int, row_tiles: int) -> int:
     """Dynamic shared memory of one tensor-core attention block: the q pieces of each row tile,
-    then the warps' K/V stages (``namespace attention_mma_tiling`` of attention_mma.cu)."""
+    then the key warps' K/V stages, or the key warps' accumulators and row statistics (which take
+    that memory over after the key loop) where those are more (``namespace attention_mma_tiling``
+    of attention_mma.cu)."""
     stages = MMA_TILING[f"kStages{head_dim}Fp8" if dtype == "float8_e4m3" else f"kStages{head_dim}"]
-    return row_tiles * MMA_TILING[f"kQTile{head_dim}"] + stages
+    return max(row_tiles * MMA_TILING[f"kQTile{head_dim}"] + stages, row_tiles * MMA_TILING[f"kAccTile{head_dim}"])
 
 
 def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, query_rows: int = 1) -> AttentionKernel:
@@ -90,7 +99,7 @@ def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, que
     row_tiles = mma_row_tiles(query_rows)
     op, instance = attention_instance(dtype, head_dim, io_dtype, row_tiles)
     if op == "attention_mma":
-        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"],
+        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"] * mma_row_groups(row_tiles),
                                mma_shared_memory_bytes(dtype, head_dim, row_tiles), TILE_ROWS * row_tiles)
     return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
 

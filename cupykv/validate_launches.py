@@ -103,14 +103,17 @@ def _attention_round(backend: Backend, dtype: str, io_dtype: str, head_dim: int,
     k = random_array(backend, (2, 3, 1, head_dim), io_dtype, seed)        # [batch, n_new, n_kv, head_dim]
     v = random_array(backend, (2, 3, 1, head_dim), io_dtype, seed + 1)
     q = random_array(backend, (2, 1, 2, head_dim), io_dtype, seed + 2)    # [batch, q_len, n_heads, head_dim]
-    # 9 queries x 2 heads = 18 rows of one kv head: past 16, the tensor-core kernel's two row tiles
+    # 9 queries x 2 heads = 18 rows of one kv head: past 16, the tensor-core kernel's two row tiles;
+    # 9 x 4 = 36 rows: past 32, its four (two row groups of warps sharing the K/V stages)
     verify_q = random_array(backend, (2, 9, 2, head_dim), io_dtype, seed + 3)
+    wide_q = random_array(backend, (2, 9, 4, head_dim), io_dtype, seed + 4)
     cache.append(0, k, v, rope=rope, return_positions=True)
     positions = backend.asarray(np.array([[0, 1, 2], [0, 1, 2]], np.int32))          # where append wrote
     cache.write(0, positions, k, v, rope=rope, return_positions=True)                 # the same rows again
     for num_splits in NUM_SPLITS:
         cupykv.attention(q, cache, 0, rope=rope, num_splits=num_splits)
         cupykv.attention(verify_q, cache, 0, num_splits=num_splits)
+        cupykv.attention(wide_q, cache, 0, num_splits=num_splits)
     cache.advance(3)
     cache.set_lengths([3, 3])
     cache.additive_mask(q_len=1)

@@ -363,7 +363,8 @@ def test_the_split_combine_is_right_on_every_replay(backend, splits, q_len, dtyp
     _nhd(oracle.k, spec)[1] = _nhd(oracle.k, spec)[0][:, ::-1]    # layer 1: the keys reversed
     cache = cupykv.KVCache(spec, backend=backend)
     plan = cupykv.AttentionPlan(cache, q_len, group * spec.n_kv_heads, num_splits=splits)
-    assert plan.kernel.rows_per_block == (32 if plan.kernel.tensor_cores and q_len * group > 16 else 16)
+    assert plan.kernel.rows_per_block == (16 if not plan.kernel.tensor_cores or q_len * group <= 16 else
+                                          32 if q_len * group <= 32 else 64)
     q = cache.to_device(q_host)
     outs = [cache.to_device(np.zeros(q_host.shape, spec.np_dtype)) for _ in range(spec.n_layers)]
     targets = cache.to_device(np.zeros(spec.batch, np.int32))

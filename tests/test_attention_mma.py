@@ -8,9 +8,10 @@ those tolerances are too loose to see, or where its own tiling has edges:
 - precision: its fp32 split results equal those of the CUDA-core kernel on the same values in a
   float32 cache, to fp32 accumulation error, with rope (q rotated in fp32: three 16-bit pieces),
   softcap and large logits. A dropped piece of q or of P is 100x to 1000x past that bound;
-- the 16-key warp steps and the rounds of 2 or 4 warps: lengths and windows at every edge;
-- one or two m16 row tiles per block: q_len x group from 1 to 128 rows, at every tile and block
-  edge, each row against the reference, with NaN in pending rows past the last query;
+- the 16-key warp steps and the rounds of 2 or 4 key warps: lengths and windows at every edge, with
+  one row group and with two (whose warps share the stages and meet at block barriers);
+- one, two or four m16 row tiles per block: q_len x group from 1 to 128 rows, at every tile, row
+  group and block edge, each row against the reference, with NaN in pending rows past the last query;
 - splits 1..64 with an uneven last split, on this kernel;
 - rows pending in the same step as a query but past it, holding NaN and inf: zero-filled or masked,
   never read into a product;
@@ -36,13 +37,18 @@ def test_the_plan_picks_tensor_cores_for_16_bit_caches_at_64_and_128_only():
     for dtype in ("float16", "bfloat16"):
         cuda_type = "__half" if dtype == "float16" else "__nv_bfloat16"
         for head_dim in (64, 128):
-            for query_rows, row_tiles in ((1, 1), (16, 1), (17, 2), (128, 2)):
+            for query_rows, row_tiles, row_groups in ((1, 1, 1), (16, 1, 1), (17, 2, 1), (32, 2, 1), (33, 4, 2),
+                                                      (64, 4, 2), (128, 4, 2)):
                 kernel = attention_kernel(dtype, head_dim, query_rows=query_rows)
                 assert kernel.tensor_cores
                 assert kernel.instance == f"cupykv_attention_mma<{cuda_type}, {cuda_type}, {head_dim}, {row_tiles}>"
-                # the same warps at every row count: they split the keys, so a row's sums follow them
-                assert kernel.threads == 32 * WARPS[head_dim] and kernel.rows_per_block == 16 * row_tiles
-                assert kernel.shared_mem_bytes == row_tiles * MMA[f"kQTile{head_dim}"] + MMA[f"kStages{head_dim}"]
+                # the same key warps at every row count: they split the keys, so a row's sums follow them;
+                # four tiles take two warps per key warp
+                assert kernel.threads == 32 * WARPS[head_dim] * row_groups and kernel.rows_per_block == 16 * row_tiles
+                loop = row_tiles * MMA[f"kQTile{head_dim}"] + MMA[f"kStages{head_dim}"]
+                merge = WARPS[head_dim] * 16 * row_tiles * (head_dim + 2) * 4   # accumulators, row max and sum
+                assert kernel.shared_mem_bytes == max(loop, merge)
+                assert (kernel.shared_mem_bytes == merge) == (row_tiles == 4 and head_dim == 64)
                 assert kernel.shared_mem_bytes <= MMA["kMaxShared"]
                 assert kernel.opts_in_to_shared_memory == (kernel.shared_mem_bytes > 48 * 1024)
         assert not attention_kernel(dtype, 96, query_rows=64).tensor_cores
@@ -96,15 +102,17 @@ def test_split_results_equal_the_cuda_core_kernel_to_fp32_accuracy(backend, dtyp
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, head_dim", CASES)
-def test_lengths_at_every_step_and_warp_round_edge(backend, dtype, head_dim):
+@pytest.mark.parametrize("q_len", [1, 16], ids=["4rows", "64rows"])   # one row group, or two
+def test_lengths_at_every_step_and_warp_round_edge(backend, dtype, head_dim, q_len):
     round_keys = STEP * WARPS[head_dim]
     edges = sorted({e + d for e in (STEP, 2 * STEP, round_keys, 2 * round_keys + STEP, 128) for d in (-1, 0, 1)})
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=max(edges) + 3,
                             batch=len(edges), dtype=dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(1)
-    testing.fill(cache, oracle, [e - 1 for e in edges], rng)   # the query's own row makes e live rows
-    q = testing.random_rows(rng, spec, (len(edges), 1, 4, head_dim))
+    # the queries' own rows make e live rows for the last query (and e - q_len + 1 .. e for the others)
+    testing.fill(cache, oracle, [max(e - q_len, 0) for e in edges], rng)
+    q = testing.random_rows(rng, spec, (len(edges), q_len, 4, head_dim))
     for num_splits in (1, 2):
         got = cupykv.attention(cache.to_device(q), cache, 0, num_splits=num_splits)
         assert_attention_close(testing.to_numpy(got, spec), reference.attention(q, oracle, 0), dtype,
@@ -114,7 +122,7 @@ def test_lengths_at_every_step_and_warp_round_edge(backend, dtype, head_dim):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, head_dim", CASES[:2])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 13, 32, 64])
-@pytest.mark.parametrize("q_len", [1, 5], ids=["4rows", "20rows"])   # GQA 4: one row tile, or two
+@pytest.mark.parametrize("q_len", [1, 5, 9], ids=["4rows", "20rows", "36rows"])   # GQA 4: 1, 2 or 4 row tiles
 def test_every_split_count_with_an_uneven_last_split(backend, dtype, head_dim, splits, q_len):
     lives = [splits * 128 + 1, 2 * 128 * splits + 1 if splits <= 8 else 300, 17]
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=max(lives) + q_len + 3,
@@ -131,14 +139,15 @@ def test_every_split_count_with_an_uneven_last_split(backend, dtype, head_dim, s
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, head_dim", CASES[:2])
 @pytest.mark.parametrize("window", [1, STEP - 1, STEP, STEP + 1, 2 * STEP, 100])
-def test_windows_at_step_edges(backend, dtype, head_dim, window):
+@pytest.mark.parametrize("q_len", [3, 12], ids=["12rows", "48rows"])   # one row group, or two
+def test_windows_at_step_edges(backend, dtype, head_dim, window, q_len):
     lengths = [2 * STEP * WARPS[head_dim] + 5, STEP + 2, 3 * STEP, 200]
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=260,
                             batch=len(lengths), dtype=dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(window)
     testing.fill(cache, oracle, lengths, rng)
-    q = testing.random_rows(rng, spec, (len(lengths), 3, 4, head_dim))
+    q = testing.random_rows(rng, spec, (len(lengths), q_len, 4, head_dim))
     got = cupykv.attention(cache.to_device(q), cache, 0, window=window, num_splits=2)
     assert_attention_close(testing.to_numpy(got, spec), reference.attention(q, oracle, 0, window=window), dtype,
                            float(np.abs(oracle.v.astype(np.float32)).max()))
@@ -178,22 +187,24 @@ def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, dtype, 
     q = testing.random_rows(rng, spec, (2, 16, 6, head_dim))
     alone = testing.to_numpy(cupykv.AttentionPlan(cache, 1, 6, split_keys=256).run(cache.to_device(q[:, :1].copy()), 0),
                              spec)
-    for q_len in (2, 5, 9, 16):   # 12, 30 (one block of two row tiles), 54 and 96 rows
+    for q_len in (2, 5, 9, 16):   # 12, 30 (two row tiles), 54 (four: two row groups) and 96 rows (two blocks)
         together = cupykv.AttentionPlan(cache, q_len, 6, split_keys=256).run(cache.to_device(q[:, :q_len].copy()), 0)
         assert np.array_equal(testing.bits(testing.to_numpy(together, spec)[:, :1]), testing.bits(alone)), q_len
 
 
-# (q_len, group): rows 17 (the second tile holds one row), 31, 32 (one full block of two tiles), 33 (a
-# second block of one row: its second tile is past the rows), 40, 48, 64 and 128 (four blocks)
-ROW_SHAPES = [(17, 1), (31, 1), (8, 4), (11, 3), (5, 8), (16, 3), (8, 8), (16, 8)]
+# (q_len, group): rows 17 (the second tile holds one row), 31, 32 (one full block of two tiles); past 32
+# a block of four tiles in two row groups: 33 (the second group holds one row), 40, 48, 64 (one full
+# block), 65 (a second block whose second group is past the rows), 96 (the same, with its first group
+# full) and 128 (two full blocks)
+ROW_SHAPES = [(17, 1), (31, 1), (8, 4), (11, 3), (5, 8), (16, 3), (8, 8), (13, 5), (12, 8), (16, 8)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, head_dim", CASES)
 @pytest.mark.parametrize("q_len, group", ROW_SHAPES, ids=[f"q{q}xg{g}" for q, g in ROW_SHAPES])
-def test_two_row_tiles_at_every_tile_and_block_edge(backend, dtype, head_dim, q_len, group):
-    """Every row of a two-tile block equals the reference; rows appended past the last query share
-    its step and hold NaN and inf, which must never reach a product."""
+def test_two_and_four_row_tiles_at_every_tile_group_and_block_edge(backend, dtype, head_dim, q_len, group):
+    """Every row of a two- or four-tile block equals the reference; rows appended past the last query
+    share its step and hold NaN and inf, which must never reach a product."""
     lengths = [3, 2 * STEP * WARPS[head_dim] + 5, 130]
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=max(lengths) + q_len + 24,
                             batch=len(lengths), dtype=dtype)
@@ -208,7 +219,9 @@ def test_two_row_tiles_at_every_tile_and_block_edge(backend, dtype, head_dim, q_
     oracle.append(0, k, v)
     q = testing.random_rows(rng, spec, (len(lengths), q_len, 2 * group, head_dim))
     plan = cupykv.AttentionPlan(cache, q_len, 2 * group, num_splits=2)
-    assert plan.kernel.rows_per_block == 32 and plan.grid == (len(lengths) * 2 * -(-q_len * group // 32), 2)
+    block_rows = 32 if q_len * group <= 32 else 64
+    assert plan.kernel.rows_per_block == block_rows
+    assert plan.grid == (len(lengths) * 2 * -(-q_len * group // block_rows), 2)
     got = testing.to_numpy(plan.run(cache.to_device(q), 0), spec)
     assert np.isfinite(got.astype(np.float32)).all()
     attended = max(float(np.abs(oracle.v[0, b, :n + q_len].astype(np.float32)).max()) for b, n in enumerate(lengths))
@@ -219,12 +232,13 @@ def test_two_row_tiles_at_every_tile_and_block_edge(backend, dtype, head_dim, q_
 @pytest.mark.parametrize("dtype, head_dim", CASES[:2])
 @pytest.mark.parametrize("options", [dict(window=60, num_splits=3), dict(rope=cupykv.Rope(), softcap=30.0),
                                      dict(split_keys=128)], ids=["window", "rope-softcap", "split_keys"])
-@pytest.mark.parametrize("q_len, group", [(9, 4), (32, 1)], ids=["q9xg4", "q32xg1"])
-def test_two_row_tiles_with_windows_rope_and_fixed_splits(backend, dtype, head_dim, options, q_len, group):
-    # 36 rows: a full block and one of 4 rows; 32 queries of one head: a block whose second tile's
-    # windows start 16 keys after the first tile's (its unmasked steps must follow the last query)
+@pytest.mark.parametrize("q_len, group", [(9, 4), (32, 1), (48, 1)], ids=["q9xg4", "q32xg1", "q48xg1"])
+def test_more_row_tiles_with_windows_rope_and_fixed_splits(backend, dtype, head_dim, options, q_len, group):
+    # 36 rows: four tiles, the second row group holding 4 rows; 32 queries of one head: a block whose
+    # second tile's windows start 16 keys after the first tile's (its unmasked steps must follow the
+    # last query); 48 queries of one head: a second row group whose windows start 32 keys later
     lengths = [40, 300]
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=340, batch=2, dtype=dtype)
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=360, batch=2, dtype=dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(7)
     testing.fill(cache, oracle, [n + q_len for n in lengths], rng)

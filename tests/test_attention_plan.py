@@ -358,13 +358,18 @@ def test_a_plan_opts_in_to_its_shared_memory_before_it_asks_for_the_occupancy(mo
                         lambda self, op, instance, threads, shared: calls.append(("occupancy", instance, shared)) or 1)
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=128, max_seq=1024, batch=1, dtype="bfloat16")
     cache = cupykv.KVCache(spec, backend="emulator")
-    plan = attention_plan.AttentionPlan(cache, 9, 8)   # 36 rows per kv head: two row tiles, 60928 bytes
+    plan = attention_plan.AttentionPlan(cache, 4, 16)   # 32 rows per kv head: two row tiles, 60928 bytes
     instance = "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 2>"
     assert plan.kernel.instance == instance and plan.shared_mem_bytes == 60928
     assert calls[:2] == [("opt-in", instance, 60928), ("occupancy", instance, 60928)]
     calls.clear()
+    plan = attention_plan.AttentionPlan(cache, 9, 8)   # 36 rows per kv head: four row tiles, 87040 bytes
+    wide = "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 4>"
+    assert plan.kernel.instance == wide and plan.shared_mem_bytes == 87040
+    assert calls[:2] == [("opt-in", wide, 87040), ("occupancy", wide, 87040)]
+    calls.clear()
     attention_plan.AttentionPlan(cache, 2, 8)   # 8 rows: one tile, 47872 bytes, no opt-in
     assert [call[0] for call in calls] == ["occupancy"]
     calls.clear()
-    plan = attention_plan.AttentionPlan(cache, 9, 8, num_splits=2)   # no occupancy query: still opted in
+    plan = attention_plan.AttentionPlan(cache, 4, 16, num_splits=2)   # no occupancy query: still opted in
     assert calls == [("opt-in", instance, 60928)]

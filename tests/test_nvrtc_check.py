@@ -44,6 +44,9 @@ def test_command_line_prints_the_table_and_succeeds():
                      result.stdout, re.M), result.stdout
     assert re.search(r"^sm_90  cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 2> +\d+ +64 +60944 +3 +6 +2  shared",
                      result.stdout, re.M), result.stdout
+    # four row tiles: two row groups of 2 warps (128 threads), 87040 + 16 bytes: 2 blocks, 1 declared
+    assert re.search(r"^sm_90  cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 4> +\d+ +128 +87056 +2 +8 +1  ",
+                     result.stdout, re.M), result.stdout
     major, minor = nvrtc_check.PINNED_NVRTC.split(".")[:2]
     assert f"NVRTC {major}.{minor} (nvidia-cuda-nvrtc {nvrtc_check.PINNED_NVRTC}) from " in result.stdout
     assert "-ftz=true" in result.stdout.splitlines()[0]
@@ -178,6 +181,8 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
             assert r.min_blocks == (3 if "<float," in r.instance else 4), r
         elif r.instance.startswith("cupykv_attention_mma<") and r.instance.endswith(", 2>"):
             assert r.min_blocks == 2, r   # attention_mma_min_blocks<T, 2>(): 2 (sm_80's shared memory)
+        elif r.instance.startswith("cupykv_attention_mma<") and r.instance.endswith(", 4>"):
+            assert r.min_blocks == 1, r   # attention_mma_min_blocks<T, 4>(): 1 (sm_80's shared memory)
         elif r.instance.startswith("cupykv_attention_mma<"):   # attention_mma_min_blocks<T, 1>(): 4 for fp8, else 3
             assert r.min_blocks == (4 if "__nv_fp8_e4m3" in r.instance else 3), r
         elif r.instance.startswith("cupykv_linear<"):
@@ -203,7 +208,8 @@ def _docs_table():
 def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
     rows = _docs_table()
     assert len(rows) >= 17
-    assert {size for kernel, _, size, _ in rows if kernel == "attention_mma"} == {"64, 1", "64, 2", "128, 1", "128, 2"}
+    assert {size for kernel, _, size, _ in rows if kernel == "attention_mma"} == {
+        f"{head_dim}, {tiles}" for head_dim in (64, 128) for tiles in (1, 2, 4)}
     computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
                 for row in occupancy.rows(reports)}
     for kernel, cuda_type, size, by_arch in rows:
@@ -257,18 +263,21 @@ def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
     assert code == 1 and "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128> (sm_80): 3 blocks/SM, limited by shared" in stderr
 
 
-def test_the_two_row_tile_bytes_in_flight_in_the_docs_follow_the_check(reports):
-    """docs/performance.md's table of two-row-tile blocks: blocks per SM as the check computes them,
-    and bytes in flight = blocks x warps x the steps a warp has in flight (K and V of 16 keys)."""
+def test_the_two_and_four_row_tile_bytes_in_flight_in_the_docs_follow_the_check(reports):
+    """docs/performance.md's tables of two- and four-row-tile blocks: blocks per SM as the check
+    computes them, and bytes in flight = blocks x key warps x the steps a key warp has in flight (K
+    and V of 16 keys; the two row groups of a four-tile block share them)."""
     mma = KERNELS["attention_mma"].constants("attention_mma_tiling")
     text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
-    rows = re.findall(r"^  \| (16-bit|fp8), head_dim (\d+) \| (\d+) / (\d+)[^|]*\| (\d+) KB / (\d+) KB \|$", text, re.M)
-    assert len(rows) == 4
+    rows = re.findall(r"^  \| (16-bit|fp8), head_dim (\d+)(?:, (4) tiles)? \| (\d+) / (\d+)[^|]*\| (\d+) KB / (\d+) KB \|$",
+                      text, re.M)
+    assert sorted((kind, head_dim, tiles or "2") for kind, head_dim, tiles, *_ in rows) == sorted(
+        (kind, head_dim, tiles) for kind in ("16-bit", "fp8") for head_dim in ("64", "128") for tiles in ("2", "4"))
     computed = {(row.report.arch, row.report.instance): row.occupancy.blocks for row in occupancy.rows(reports)}
-    for kind, head_dim, b80, b90, kb80, kb90 in rows:
+    for kind, head_dim, tiles, b80, b90, kb80, kb90 in rows:
         head_dim = int(head_dim)
         types = "__nv_fp8_e4m3, __nv_bfloat16" if kind == "fp8" else "__nv_bfloat16, __nv_bfloat16"
-        instance = f"cupykv_attention_mma<{types}, {head_dim}, 2>"
+        instance = f"cupykv_attention_mma<{types}, {head_dim}, {tiles or 2}>"
         itemsize, ahead = (1, mma["kStagesFp8"] - 1) if kind == "fp8" else (2, mma["kStages"] - 1)
         per_block = mma[f"kWarps{head_dim}"] * ahead * 2 * mma["kStepKeys"] * head_dim * itemsize
         for arch, blocks, kb in (("sm_80", b80, kb80), ("sm_90", b90, kb90)):

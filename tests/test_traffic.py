@@ -282,11 +282,12 @@ def test_a_sliding_window_reads_no_key_before_it_in_any_split(dtype, head_dim, s
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64)])
-@pytest.mark.parametrize("q_len, group", [(8, 4), (4, 8), (16, 2), (9, 4), (8, 8), (16, 8)])
-def test_speculative_verification_reads_k_and_v_once_per_32_query_rows(dtype, head_dim, q_len, group):
-    """q_len x group rows past 16 run two m16 tiles per block: a block of 32 rows reads each K/V row
-    of its keys once (so q_len 8 at GQA 4 reads the live rows once), where one tile per block
-    read them once per 16 rows."""
+@pytest.mark.parametrize("q_len, group", [(8, 4), (4, 8), (16, 2), (9, 4), (5, 8), (8, 8), (16, 8)])
+def test_speculative_verification_reads_k_and_v_once_per_64_query_rows(dtype, head_dim, q_len, group):
+    """q_len x group rows past 16 run two m16 tiles per block, and past 32 four (two row groups of
+    warps sharing each K/V step): a block of 32 or 64 rows reads each K/V row of its keys once (so
+    q_len 8 reads the live rows once at GQA 4 and at GQA 8), where one tile per block read them once
+    per 16 rows."""
     lengths = [200, 37]
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=256, batch=2, dtype=dtype)
     cache = cupykv.KVCache(spec, backend="emulator")
@@ -295,13 +296,14 @@ def test_speculative_verification_reads_k_and_v_once_per_32_query_rows(dtype, he
     with testing.traffic(cache) as t:
         cupykv.attention(q, cache, 0, num_splits=2)
     rows = q_len * group
-    # each block of 32 rows reads keys [0, its last query's position]
-    per_block = [min(spec.max_seq, n + (min(first + 32, rows) - 1) // group + 1)
-                 for n in lengths for first in range(0, rows, 32)]
+    block_rows = 32 if rows <= 32 else 64
+    # each block reads keys [0, its last query's position]
+    per_block = [min(spec.max_seq, n + (min(first + block_rows, rows) - 1) // group + 1)
+                 for n in lengths for first in range(0, rows, block_rows)]
     for array in (cache.k, cache.v):
         loaded = t.launches[0].of(array).bytes_loaded
         assert loaded == sum(per_block) * spec.n_kv_heads * head_dim * spec.itemsize
-        if rows <= 32:   # one block: each live row once
+        if rows <= 64:   # one block: each live row once
             assert loaded == sum(n + q_len for n in lengths) * spec.n_kv_heads * head_dim * spec.itemsize
 
 

@@ -155,9 +155,9 @@ PLANS = {
                         dtypes=("bfloat16", "float16", "float32"), layouts=("NHD", "HND"), n_kv_heads=2,
                         head_dim=64, uneven_lengths=True, model_dtype="float32", e2e_batches=(1, 2), prompt_len=8,
                         new_tokens=8, e2e_repeat=0, compile=False),
-        # the tensor-core kernel at q_len 1 and 5 (two warp rounds of keys), GQA 1 and 4: 1 to 20 query rows,
-        # one m16 tile per block and, at 20 rows, two
-        shapes=ShapesPlan(batches=(1,), lives=(40, 100), groups=(1, 4), q_lens=(1, 5), n_kv_heads=2, head_dim=64,
+        # the tensor-core kernel at q_len 1, 5 and 9 (two warp rounds of keys), GQA 1 and 4: 1 to 36 query
+        # rows, one m16 tile per block, two at 20 rows and four (two row groups of warps) at 36
+        shapes=ShapesPlan(batches=(1,), lives=(40, 100), groups=(1, 4), q_lens=(1, 5, 9), n_kv_heads=2, head_dim=64,
                           check_live=70),
         fp8=Fp8Plan(batches=(1,), lives=(100,), groups=(1, 4), n_kv_heads=2, head_dim=64, check_live=70)),
 }

@@ -33,8 +33,9 @@ CACHE_DTYPE_PAIRS = tuple((dtype, dtype) for dtype in CUDA_TYPES) + tuple(("floa
 ATTENTION_HEAD_DIMS = (64, 128)
 
 #: m16 row tiles per block of the tensor-core attention (kernels/attention_mma.cu): 1 for up to 16
-#: query rows per sequence and kv head (q_len x group), 2 past that.
-ATTENTION_MMA_ROW_TILES = (1, 2)
+#: query rows per sequence and kv head (q_len x group), 2 for up to 32, 4 past that (two row groups
+#: of warps sharing the K/V stages).
+ATTENTION_MMA_ROW_TILES = (1, 2, 4)
 
 #: rows a linear warp accumulates at once; one instance each (see kernels/linear.cu).
 LINEAR_ROW_TILES = (1, 2, 4, 8, 16)

@@ -14,18 +14,27 @@
 // last block of a tile to finish merges the splits into `out` (attention_merge.cuh).
 //
 // Design (docs/performance.md has the budget):
-// - A block owns 16 * ROW_TILES query rows (query x head of one GQA group: one or two m16 tiles)
-//   and the keys of its split (attention_keys.cuh). The plan takes ROW_TILES = 2 past 16 rows per
-//   sequence and kv head (speculative verification, wide GQA), so that the block reads each K/V row
-//   of its keys once for 32 rows. Its kWarps warps take 16-key steps of that range in turn (warp w:
-//   steps w, w + kWarps, ...), each with its own online-softmax state per tile, and merge at the
-//   end in a fixed order. No barrier runs inside the key loop. Each step's K and V fragments are
-//   loaded once and used for every tile; a tile past the block's rows is skipped (block-uniform).
-// - Each warp double-buffers its steps (16-bit caches; fp8 below): the K and V rows of step
+// - A block owns 16 * ROW_TILES query rows (query x head of one GQA group: one, two or four m16
+//   tiles) and the keys of its split (attention_keys.cuh). The plan takes ROW_TILES = 2 past 16 rows
+//   per sequence and kv head and 4 past 32 (speculative verification, wide GQA), so that the block
+//   reads each K/V row of its keys once for up to 64 rows. Its kWarps key warps take 16-key steps
+//   of that range in turn (key warp w: steps w, w + kWarps, ...), each with its own online-softmax
+//   state per tile, and merge at the end in a fixed order. Each step's K and V fragments are loaded
+//   once and used for every tile of the warp; a tile past the block's rows is skipped (uniform
+//   across the warp).
+// - A warp holds at most kMaxWarpTiles = 2 tiles (their accumulators take most of its registers).
+//   Four tiles are two row groups of 2 tiles: warp (group g, key warp w) computes tiles 2g and
+//   2g + 1 over key warp w's steps, from a stage that the two warps of key warp w fill together
+//   and share. A row's sums are thus those of the same row in a one-tile block: the same steps,
+//   in the same order, merged in the same key-warp order.
+// - Each key warp double-buffers its steps (16-bit caches; fp8 below): the K and V rows of step
 //   n + kWarps are copied with 16-byte cp.async (.cg, L2 only) while step n is computed. Sixteen
 //   lanes read one 256-byte row (8 for head_dim 64), so a warp request covers whole rows; keys past
 //   the split are zero-filled, never read, so a stale row (NaN) past the live length cannot reach
-//   a product.
+//   a product. One row group: no barrier runs inside the key loop (__syncwarp orders a warp's own
+//   stage). Two row groups: the key loop runs in block-uniform rounds (round n: step n * kWarps + w
+//   of each key warp w), with a block barrier once a round's copies have landed and another once
+//   every warp is done with its stage.
 // - S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulation on operands of type
 //   M = mma_type<T, TI> (T for 16-bit caches). The operands are split into 16-bit pieces whose sum
 //   is the fp32 value: q is exact in M unless rotated or float (rope or TI float: three pieces, 24
@@ -51,11 +60,12 @@
 // so the split merge is unchanged. The smaller stages also hold the row max and sum at the end, and
 // let 4 blocks share an SM (attention_mma_min_blocks).
 //
-// Launch geometry: block (kWarps * 32); grid (batch * n_kv * tiles, num_splits), tiles =
+// Launch geometry: block (kWarps * row groups * 32); grid (batch * n_kv * tiles, num_splits), tiles =
 // ceil(q_len * group / (16 * ROW_TILES)), block x = (b * n_kv + kv_head) * tiles + tile, y = split.
 // Dynamic shared memory (attention_mma_tiling): ROW_TILES * kQTile<HEAD_DIM> + kStages<HEAD_DIM>
-// (16-bit caches) or kStages<HEAD_DIM>Fp8 (fp8 caches); past 48 KiB (two row tiles at head_dim 128,
-// and at 64 for 16-bit caches) the launch needs the kernel's opt-in, which the plan makes.
+// (16-bit caches) or kStages<HEAD_DIM>Fp8 (fp8 caches), at least ROW_TILES * kAccTile<HEAD_DIM>;
+// past 48 KiB (two or four row tiles, but for fp8 caches with two at head_dim 64) the launch needs
+// the kernel's opt-in, which the plan makes.
 //
 // Device-resident arguments: lengths [batch] int32, k_scales / v_scales [layers, n_kv] float32, q,
 // k/v cache (read), out, the partial_* workspace and split_counters (written), run_if [1] int32
@@ -71,7 +81,8 @@
 
 namespace attention_mma_tiling {
 constexpr int kTileRows = 16;      // query rows of one m16 tile: the m of mma.m16n8k16
-constexpr int kMaxRowTiles = 2;    // m16 tiles per block: 1 (up to 16 rows), or 2 (more; ROW_TILES)
+constexpr int kMaxRowTiles = 4;    // m16 tiles per block: 1 (up to 16 rows), 2 (32) or 4 (more; ROW_TILES)
+constexpr int kMaxWarpTiles = 2;   // m16 tiles per warp: four tiles per block are two row groups of warps
 constexpr int kStepKeys = 16;      // keys of one warp step: two n8 blocks of S, the k16 of P.V
 constexpr int kSplitAlign = 128;   // split boundaries (num_splits mode) fall on multiples of this
 constexpr int kStages = 2;         // K/V buffers per warp: one computed while the next lands
@@ -79,37 +90,46 @@ constexpr int kStagesFp8 = 3;      // fp8 caches: one computed while the next tw
 constexpr int kQPieces = 3;        // 16-bit pieces of a rotated (or float) q
 constexpr int kRowPad = 8;         // elements after each shared row: ldmatrix reads 8 rows conflict-free
 constexpr int kRowPadFp8 = 16;     // bytes after each fp8 stage row: 16-byte rows, conflict-free fragments
-// Warps per block: 4 at head_dim 64, 2 at 128, whatever the row tiles (the warps split the keys, so
-// a row's sums follow the warp count: it must not change with q_len).
+// Key warps per block: 4 at head_dim 64, 2 at 128, whatever the row tiles (they split the keys, so
+// a row's sums follow their count: it must not change with q_len). Four row tiles take that many
+// warps per row group.
 constexpr int kWarps64 = 4;
 constexpr int kWarps128 = 2;
 // Dynamic shared memory, bytes: the q pieces, [kQPieces][16 * ROW_TILES][head_dim + pad] M, that is
-// ROW_TILES times kQTile64 or kQTile128; then the K and V stages, [warps][stages][2][16][row] T.
-// After the key loop both are overwritten by the warps' fp32 accumulators [warps][16 * ROW_TILES]
-// [head_dim] and their row max and sum [2][warps][16 * ROW_TILES] (no bytes of their own).
+// ROW_TILES times kQTile64 or kQTile128; then the K and V stages, [key warps][stages][2][16][row] T.
+// After the key loop both are overwritten by the key warps' fp32 accumulators [key warps]
+// [16 * ROW_TILES][head_dim] and row max and sum [2][key warps][16 * ROW_TILES]: ROW_TILES times
+// kAccTile64 or kAccTile128, which four tiles at head_dim 64 need beyond the q pieces and stages.
 constexpr int kQTile64 = kQPieces * kTileRows * (64 + kRowPad) * 2;
 constexpr int kQTile128 = kQPieces * kTileRows * (128 + kRowPad) * 2;
 constexpr int kStages64 = kWarps64 * kStages * 2 * kStepKeys * (64 + kRowPad) * 2;
 constexpr int kStages128 = kWarps128 * kStages * 2 * kStepKeys * (128 + kRowPad) * 2;
 constexpr int kStages64Fp8 = kWarps64 * kStagesFp8 * 2 * kStepKeys * (64 + kRowPadFp8);
 constexpr int kStages128Fp8 = kWarps128 * kStagesFp8 * 2 * kStepKeys * (128 + kRowPadFp8);
+constexpr int kAccTile64 = kWarps64 * kTileRows * (64 + 2) * 4;
+constexpr int kAccTile128 = kWarps128 * kTileRows * (128 + 2) * 4;
 // Past 48 KiB a launch needs the kernel's opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize);
-// two row tiles at head_dim 128 (and 64, 16-bit caches) take it. kMaxShared: the most any instance
+// two and four row tiles take it (but fp8 caches with two at head_dim 64). kMaxShared: the most any instance
 // asks, within the opt-in limit of every target (99 KiB on sm_86 and sm_89).
 constexpr int kMaxShared = 99 * 1024;
 }  // namespace attention_mma_tiling
 
-template <int HEAD_DIM> constexpr int attention_mma_warps() {
+template <int HEAD_DIM> constexpr int attention_mma_warps() {   // key warps (per row group)
     return HEAD_DIM == 128 ? attention_mma_tiling::kWarps128 : attention_mma_tiling::kWarps64;
+}
+
+template <int ROW_TILES> constexpr int attention_mma_row_groups() {   // warps per key warp
+    return ROW_TILES > attention_mma_tiling::kMaxWarpTiles ? ROW_TILES / attention_mma_tiling::kMaxWarpTiles : 1;
 }
 
 // Blocks per SM the design assumes (__launch_bounds__; `python -m cupykv check` holds every instance
 // to it). One row tile: 3 for 16-bit caches, whose stages bind shared memory; 4 for fp8 caches, whose
 // stages are smaller (at head_dim 64 this caps registers at 128). Two row tiles: 2, what sm_80's
 // shared memory gives at head_dim 128 (the registers may grow to 255 for the second tile's
-// accumulators).
+// accumulators). Four: 1, what sm_80's shared memory gives at head_dim 128 (a warp's registers as
+// with two tiles).
 template <typename T, int ROW_TILES> constexpr int attention_mma_min_blocks() {
-    return ROW_TILES == 2 ? 2 : cupykv::is_fp8<T>::value ? 4 : 3;
+    return ROW_TILES == 4 ? 1 : ROW_TILES == 2 ? 2 : cupykv::is_fp8<T>::value ? 4 : 3;
 }
 
 namespace cupykv {
@@ -122,7 +142,8 @@ __device__ __forceinline__ unsigned short fp8_codes(const unsigned char* at) {
 }  // namespace cupykv
 
 template <typename T, typename TI, int HEAD_DIM, int ROW_TILES>
-__global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attention_mma_min_blocks<T, ROW_TILES>())
+__global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mma_row_groups<ROW_TILES>() * 32,
+                                  attention_mma_min_blocks<T, ROW_TILES>())
     cupykv_attention_mma(
     TI* __restrict__ out,                 // [batch, q_len, n_heads, head_dim] (num_splits == 1)
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
@@ -145,12 +166,15 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
     using M = typename cupykv::mma_type<T, TI>::type;   // the mma operand type
     constexpr bool kFp8 = cupykv::is_fp8<T>::value;
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "cupykv_attention_mma: head_dim 64 or 128");
-    static_assert(ROW_TILES == 1 || ROW_TILES == kMaxRowTiles, "cupykv_attention_mma: 1 or 2 row tiles");
+    static_assert(ROW_TILES == 1 || ROW_TILES == 2 || ROW_TILES == kMaxRowTiles, "cupykv_attention_mma: 1, 2 or 4 row tiles");
     static_assert(kFp8 ? sizeof(T) == 1 : sizeof(T) == 2 && cupykv::same_type<T, TI>::value,
                   "cupykv_attention_mma: __half or __nv_bfloat16 caches of their own type, or __nv_fp8_e4m3");
-    constexpr int kWarps = attention_mma_warps<HEAD_DIM>();
-    constexpr int kThreads = kWarps * 32;
+    constexpr int kWarps = attention_mma_warps<HEAD_DIM>();           // key warps
+    constexpr int kRowGroups = attention_mma_row_groups<ROW_TILES>();  // warps sharing each key warp's stages
+    constexpr int kWarpTiles = ROW_TILES / kRowGroups;                  // m16 tiles of one warp
+    constexpr int kThreads = kWarps * kRowGroups * 32;
     constexpr int kBlockRows = kTileRows * ROW_TILES;   // query rows of the block
+    constexpr int kWarpRows = kTileRows * kWarpTiles;   // query rows of one warp (of its row group)
     constexpr int kRow = HEAD_DIM + kRowPad;          // shared q row stride, elements of M
     constexpr int kStageRow = kFp8 ? HEAD_DIM + kRowPadFp8 : kRow;   // shared K/V row stride, elements of T
     constexpr int kTile = kStepKeys * kStageRow;      // one K or V tile of a stage, elements of T
@@ -160,19 +184,20 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
     constexpr int kDimBlocks = HEAD_DIM / 8;          // n8 blocks of the output
     constexpr int kQBytes = kQPieces * kBlockRows * kRow * (int)sizeof(M);
     constexpr int kStageBytes = kWarps * kStageCount * 2 * kTile * (int)sizeof(T);
-    constexpr int kAccBytes = kWarps * kBlockRows * HEAD_DIM * (int)sizeof(float);   // the warps' accumulators
+    constexpr int kAccBytes = kWarps * kBlockRows * HEAD_DIM * (int)sizeof(float);   // the key warps' accumulators
     constexpr int kStatBytes = 2 * kWarps * kBlockRows * (int)sizeof(float);          // their row max and sum
-    constexpr int kSharedBytes = kQBytes + kStageBytes;
-    static_assert(kSharedBytes == ROW_TILES * (HEAD_DIM == 128 ? kQTile128 : kQTile64)
-                                  + (kFp8 ? (HEAD_DIM == 128 ? kStages128Fp8 : kStages64Fp8)
-                                          : (HEAD_DIM == 128 ? kStages128 : kStages64)),
+    constexpr int kLoopBytes = kQBytes + kStageBytes, kMergeBytes = kAccBytes + kStatBytes;
+    constexpr int kSharedBytes = kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes;
+    static_assert(kLoopBytes == ROW_TILES * (HEAD_DIM == 128 ? kQTile128 : kQTile64)
+                                           + (kFp8 ? (HEAD_DIM == 128 ? kStages128Fp8 : kStages64Fp8)
+                                                   : (HEAD_DIM == 128 ? kStages128 : kStages64))
+                  && kMergeBytes == ROW_TILES * (HEAD_DIM == 128 ? kAccTile128 : kAccTile64),
                   "attention_mma: the shared memory layout differs from attention_mma_tiling");
     static_assert(kSharedBytes <= kMaxShared, "attention_mma: shared memory past kMaxShared");
-    static_assert(kAccBytes + kStatBytes <= kSharedBytes,
-                  "attention_mma: the q pieces and stages hold the warps' accumulators and row statistics at the end");
     static_assert(kQBytes % 16 == 0 && kStageRow * (int)sizeof(T) % 16 == 0, "attention_mma: 16-byte stage rows");
     (void)head_dim_runtime;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int key_warp = warp % kWarps, row_group = warp / kWarps;
     const int quad_row = lane / 4, quad_col = lane % 4;   // the mma fragment coordinates
 
     const int group = n_heads / n_kv;
@@ -182,7 +207,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
     const int split = blockIdx.y;
     const int first_row = (blockIdx.x - head_of_batch * tiles) * kBlockRows;
     const int block_rows = min(kBlockRows, q_len * group - first_row);
-    const int live_tiles = (block_rows - 1) / kTileRows + 1;          // m16 tiles holding a row: block-uniform
+    const int warp_first_row = row_group * kWarpRows;                 // the warp's first row in the block
+    // m16 tiles of the warp holding a row (0 for a row group past the block's rows): warp-uniform
+    const int live_tiles = block_rows > warp_first_row ? (block_rows - warp_first_row - 1) / kTileRows + 1 : 0;
     const int length = min(max(lengths[b], 0), max_seq);
     const int pieces = use_rope || cupykv::same_type<TI, float>::value ? kQPieces : 1;
     // The logit factor and, for fp8 caches, the head's V scale (16-bit caches: scale alone, no scales read).
@@ -196,7 +223,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
 
     extern __shared__ __align__(16) unsigned char smem_bytes[];
     M* q_tile = reinterpret_cast<M*>(smem_bytes);                     // [kQPieces][kBlockRows][kRow]
-    T* stages = reinterpret_cast<T*>(smem_bytes + kQBytes);           // [kWarps][kStageCount][K, V][kTile]
+    T* stages = reinterpret_cast<T*>(smem_bytes + kQBytes);           // [key warps][kStageCount][K, V][kTile]
 
     // 1. The block's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 (or a
     //    float q) cut into hi + mid + lo. Rows past the block are zeros.
@@ -222,12 +249,12 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
 
     const cupykv::KeyRange keys = cupykv::attention_split_keys(length, first_row, block_rows, group, max_seq, window,
                                                                split, num_splits, split_keys, kSplitAlign);
-    // Positions of this lane's two rows of each tile (quad_row and quad_row + 8); rows past the block
-    // attend nothing.
-    int position[ROW_TILES][2];
-    for (int t = 0; t < ROW_TILES; ++t)
+    // Positions of this lane's two rows of each of the warp's tiles (quad_row and quad_row + 8); rows
+    // past the block attend nothing.
+    int position[kWarpTiles][2];
+    for (int t = 0; t < kWarpTiles; ++t)
         for (int half = 0; half < 2; ++half) {
-            const int r = t * kTileRows + quad_row + 8 * half;
+            const int r = warp_first_row + t * kTileRows + quad_row + 8 * half;
             position[t][half] = r < block_rows ? length + (first_row + r) / group : -1;
         }
     // Every live row attends every key of a step in [first_open, last_open]: no mask needed there.
@@ -235,15 +262,19 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
     const int last_open = min(keys.end - 1, length + first_row / group);
 
     const long long head_base = layer_offset + b * stride_batch + kv_head * stride_head;
-    T* my_stages = stages + warp * kStageCount * 2 * kTile;
+    T* my_stages = stages + key_warp * kStageCount * 2 * kTile;
     const int steps = (keys.end - keys.begin + kStepKeys - 1) / kStepKeys;
+    const int rounds = (steps + kWarps - 1) / kWarps;   // key warp w's steps: n * kWarps + w, n < rounds
 
     // Copies the K and V rows of step `step` into stage `stage`; keys past the split are zero-filled.
-    // Copy c of the step is (key c / kPiecesPerRow, piece c % kPiecesPerRow); lane l issues copies
-    // l, l + 32, ...: a fixed column, and keys kKeysPerPass apart.
-    constexpr int kKeysPerPass = 32 / kPiecesPerRow;
+    // The kRowGroups warps of the key warp share them: copy c of the step is (key c / kPiecesPerRow,
+    // piece c % kPiecesPerRow), and thread s of those warps (s = 32 * row group + lane) issues copies
+    // s, s + kSharers, ...: a fixed column, and keys kKeysPerPass apart.
+    constexpr int kSharers = 32 * kRowGroups;
+    constexpr int kKeysPerPass = kSharers / kPiecesPerRow;
     static_assert(32 % kPiecesPerRow == 0 && kStepKeys % kKeysPerPass == 0, "attention_mma: whole rows per warp pass");
-    const int lane_key = lane / kPiecesPerRow, lane_column = (lane % kPiecesPerRow) * kCodesPerCopy;
+    const int sharer = 32 * row_group + lane;
+    const int lane_key = sharer / kPiecesPerRow, lane_column = (sharer % kPiecesPerRow) * kCodesPerCopy;
     const T* k_lane = k_cache + head_base + lane_column;
     const T* v_lane = v_cache + head_base + lane_column;
     auto load_step = [&](int step, int stage) {
@@ -260,9 +291,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
         }
     };
 
-    float acc[ROW_TILES][kDimBlocks][4];
-    float row_max[ROW_TILES][2], row_sum[ROW_TILES][2];   // row_sum: this lane's share (the quad's added at the end)
-    for (int t = 0; t < ROW_TILES; ++t) {
+    float acc[kWarpTiles][kDimBlocks][4];
+    float row_max[kWarpTiles][2], row_sum[kWarpTiles][2];   // row_sum: this lane's share (the quad's added at the end)
+    for (int t = 0; t < kWarpTiles; ++t) {
         for (int n = 0; n < kDimBlocks; ++n)
             for (int c = 0; c < 4; ++c) acc[t][n][c] = 0.0f;
         for (int half = 0; half < 2; ++half) {
@@ -271,29 +302,38 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
         }
     }
 
-    for (int ahead = 0; ahead + 1 < kStageCount; ++ahead) {   // steps warp, warp + kWarps, ... in flight
-        if (warp + ahead * kWarps < steps) load_step(warp + ahead * kWarps, ahead);
+    // The warps that share a stage meet: one warp's lanes, or (two row groups) the whole block, whose
+    // rounds are block-uniform.
+    auto stage_barrier = [] {
+        if constexpr (kRowGroups == 1) __syncwarp(); else __syncthreads();
+    };
+    for (int ahead = 0; ahead + 1 < kStageCount; ++ahead) {   // steps w, w + kWarps, ... in flight
+        if (key_warp + ahead * kWarps < steps) load_step(key_warp + ahead * kWarps, ahead);
         cupykv::cp_async_commit();
     }
     __syncthreads();   // the q pieces, written by every thread
 
-    for (int step = warp, n = 0; step < steps; step += kWarps, ++n) {
+    for (int n = 0; n < rounds; ++n) {
+        const int step = n * kWarps + key_warp;
+        if (kRowGroups == 1 && step >= steps) break;   // one row group: the warp's own steps are done
+        stage_barrier();   // every sharer is done with the stage the next copies refill (round n - 1's)
         const int next = step + (kStageCount - 1) * kWarps;
         if (next < steps) load_step(next, (n + kStageCount - 1) % kStageCount);
         cupykv::cp_async_commit();
-        cupykv::cp_async_wait<kStageCount - 1>();   // this lane's copies of step `step` have landed
-        __syncwarp();                               // ... and every lane's
+        cupykv::cp_async_wait<kStageCount - 1>();   // this thread's copies of step `step` have landed
+        stage_barrier();                            // ... and those of every thread sharing the stage
+        if (step >= steps) continue;   // two row groups: a key warp past its last step only meets the block
         const T* k_stage = my_stages + (n % kStageCount) * 2 * kTile;
         const T* v_stage = k_stage + kTile;
         const int first_key = keys.begin + step * kStepKeys;
 
         // 2. S = Q K^T for each tile's 16 rows x 16 keys: s[tile][n8 block][c], rows quad_row (c < 2)
         //    and quad_row + 8. The K fragments are loaded once for every tile.
-        float s[ROW_TILES][2][4];
-        for (int t = 0; t < ROW_TILES; ++t)
+        float s[kWarpTiles][2][4];
+        for (int t = 0; t < kWarpTiles; ++t)
             for (int nb = 0; nb < 2; ++nb)
                 for (int c = 0; c < 4; ++c) s[t][nb][c] = 0.0f;
-#pragma unroll (ROW_TILES == 1 ? HEAD_DIM / 16 : 2)   // two tiles: two k-steps at a time, or the hoisted fragments spill
+#pragma unroll (kWarpTiles == 1 ? HEAD_DIM / 16 : 2)   // two tiles: two k-steps at a time, or the hoisted fragments spill
         for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
             unsigned k_frag[4];   // keys 0-7 (k_frag[0..1]) and 8-15 (k_frag[2..3]), dims k0..k0+15
             if constexpr (kFp8) {
@@ -309,11 +349,11 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
             }
             const unsigned keys_lo[2] = {k_frag[0], k_frag[1]}, keys_hi[2] = {k_frag[2], k_frag[3]};
 #pragma unroll
-            for (int t = 0; t < ROW_TILES; ++t) {
-                if (ROW_TILES > 1 && t >= live_tiles) break;   // block-uniform: a tile past the block's rows is not computed
+            for (int t = 0; t < kWarpTiles; ++t) {
+                if (kWarpTiles > 1 && t >= live_tiles) break;   // warp-uniform: a tile past the block's rows is not computed
                 for (int p = 0; p < pieces; ++p) {
                     unsigned q_frag[4];
-                    cupykv::ldmatrix_x4(q_frag, q_tile + (p * kBlockRows + t * kTileRows + lane % 16) * kRow + k0
+                    cupykv::ldmatrix_x4(q_frag, q_tile + (p * kBlockRows + warp_first_row + t * kTileRows + lane % 16) * kRow + k0
                                                     + (lane / 16) * 8);
                     cupykv::mma_m16n8k16<M>(s[t][0], q_frag, keys_lo, s[t][0]);
                     cupykv::mma_m16n8k16<M>(s[t][1], q_frag, keys_hi, s[t][1]);
@@ -323,10 +363,10 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
 
         // 3. Scale, cap, mask (only in a step that can hold a masked key), online softmax per row.
         const bool open = first_key >= first_open && first_key + kStepKeys - 1 <= last_open;
-        unsigned p_hi[ROW_TILES][4], p_lo[ROW_TILES][4];   // P as the A fragments of P.V: S's fragments
+        unsigned p_hi[kWarpTiles][4], p_lo[kWarpTiles][4];   // P as the A fragments of P.V: S's fragments
 #pragma unroll
-        for (int t = 0; t < ROW_TILES; ++t) {
-            if (ROW_TILES > 1 && t >= live_tiles) break;
+        for (int t = 0; t < kWarpTiles; ++t) {
+            if (kWarpTiles > 1 && t >= live_tiles) break;
             for (int nb = 0; nb < 2; ++nb)
                 for (int c = 0; c < 4; ++c) {
                     float value = s[t][nb][c] * logit_scale;
@@ -383,37 +423,36 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * 32, attentio
             }
             const unsigned dims_lo[2] = {v_frag[0], v_frag[1]}, dims_hi[2] = {v_frag[2], v_frag[3]};
 #pragma unroll
-            for (int t = 0; t < ROW_TILES; ++t) {
-                if (ROW_TILES > 1 && t >= live_tiles) break;
+            for (int t = 0; t < kWarpTiles; ++t) {
+                if (kWarpTiles > 1 && t >= live_tiles) break;
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_hi[t], dims_lo, acc[t][d0 / 8]);
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_lo[t], dims_lo, acc[t][d0 / 8]);
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8 + 1], p_hi[t], dims_hi, acc[t][d0 / 8 + 1]);
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8 + 1], p_lo[t], dims_hi, acc[t][d0 / 8 + 1]);
             }
         }
-        __syncwarp();   // every lane is done with this stage before a later step refills it
     }
     cupykv::cp_async_wait_all();
 
-    // 5. Merge the warps in warp order: each publishes its row max, sum and accumulators.
-    for (int t = 0; t < ROW_TILES; ++t)
+    // 5. Merge the key warps in order: each warp publishes its rows' max, sum and accumulators.
+    for (int t = 0; t < kWarpTiles; ++t)
         for (int half = 0; half < 2; ++half) {
             row_sum[t][half] += __shfl_xor_sync(0xffffffffu, row_sum[t][half], 1);
             row_sum[t][half] += __shfl_xor_sync(0xffffffffu, row_sum[t][half], 2);
         }
     __syncthreads();   // every warp is done with the q pieces and its stages: they become the accumulators
-    float* warp_acc = reinterpret_cast<float*>(smem_bytes);         // [kWarps][kBlockRows][HEAD_DIM]
-    float* warp_max = reinterpret_cast<float*>(smem_bytes + kAccBytes);   // [kWarps][kBlockRows]
-    float* warp_sum = warp_max + kWarps * kBlockRows;                     // [kWarps][kBlockRows]
-    for (int t = 0; t < ROW_TILES; ++t)
+    float* warp_acc = reinterpret_cast<float*>(smem_bytes);         // [key warps][kBlockRows][HEAD_DIM]
+    float* warp_max = reinterpret_cast<float*>(smem_bytes + kAccBytes);   // [key warps][kBlockRows]
+    float* warp_sum = warp_max + kWarps * kBlockRows;                     // [key warps][kBlockRows]
+    for (int t = 0; t < kWarpTiles; ++t)
         for (int half = 0; half < 2; ++half) {
-            const int r = t * kTileRows + quad_row + 8 * half;
+            const int r = warp_first_row + t * kTileRows + quad_row + 8 * half;
             if (quad_col == 0) {
-                warp_max[warp * kBlockRows + r] = row_max[t][half];
-                warp_sum[warp * kBlockRows + r] = row_sum[t][half];
+                warp_max[key_warp * kBlockRows + r] = row_max[t][half];
+                warp_sum[key_warp * kBlockRows + r] = row_sum[t][half];
             }
             for (int n8 = 0; n8 < kDimBlocks; ++n8) {
-                float* at = warp_acc + (warp * kBlockRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
+                float* at = warp_acc + (key_warp * kBlockRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
                 at[0] = acc[t][n8][2 * half];
                 at[1] = acc[t][n8][2 * half + 1];
             }
