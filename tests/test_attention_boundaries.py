@@ -194,7 +194,7 @@ def test_query_rows_straddle_every_row_tile(backend, tile, multiple):
     for rows in straddling(tile, (multiple,)):
         group = max(g for g in range(1, 9) if rows % g == 0)
         q_len = rows // group
-        # float16 at head_dim 64 and bfloat16 at 128 run on tensor cores: blocks of 16 or 32 rows
+        # float16 at head_dim 64 and bfloat16 at 128 run on tensor cores: blocks of 16, 32 or 64 rows
         spec = _spec(CHUNK + q_len + 4, batch=2, n_kv=1 + rows % 2, head_dim=HEAD_DIMS[rows % 3], dtype=DTYPES[rows % 3])
         lengths = [CHUNK - q_len // 2, 0]           # seq 0's pending rows straddle a chunk edge
         marked = {b: _pending_marks(n, q_len) + [0, CHUNK - 1, CHUNK] for b, n in enumerate(lengths)}
