@@ -104,6 +104,26 @@ def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, que
     return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
 
 
+def block_row_choices(dtype: str, head_dim: int, io_dtype: str | None = None) -> tuple[int, ...]:
+    """The query rows a block of the cache's attention kernel may own: 16, 32 or 64 on tensor cores
+    (one, two or four m16 tiles), 16 on CUDA cores."""
+    if attention_kernel(dtype, head_dim, io_dtype).tensor_cores:
+        return tuple(TILE_ROWS * tiles for tiles in ATTENTION_MMA_ROW_TILES)
+    return (TILE_ROWS,)
+
+
+def _check_rows_per_block(rows_per_block: object, spec: CacheSpec) -> int:
+    """``rows_per_block`` as an int, one of :func:`block_row_choices` for the cache."""
+    choices = block_row_choices(spec.dtype, spec.head_dim, spec.io_dtype)
+    number = _args.check_int("rows_per_block", rows_per_block, 1)
+    if number not in choices:
+        which = ("one of " + ", ".join(map(str, choices)) + " (blocks of the tensor-core kernel)" if len(choices) > 1
+                 else f"{choices[0]} (blocks of the CUDA-core kernel, which a {spec.dtype} cache at head_dim "
+                      f"{spec.head_dim} runs)")
+        raise ValueError(f"rows_per_block: expected {which} or None, got {number}")
+    return number
+
+
 def query_blocks(q_len: int, group: int, rows_per_block: int = TILE_ROWS) -> int:
     """Blocks of up to ``rows_per_block`` query rows (query x head of one GQA group) per sequence and kv head."""
     return math.ceil(q_len * group / rows_per_block)
@@ -237,6 +257,12 @@ class AttentionPlan:
         ``q_len = k + 1`` verification pass equals the same row decoded alone,
         bit for bit: what speculative decoding needs to reproduce greedy
         tokens exactly. Splits past a sequence's live length exit at once.
+    rows_per_block : int, optional
+        Query rows (``q_len * group`` per sequence and kv head) one block
+        owns, for tuning: 16, 32 or 64 on tensor cores (:func:`block_row_choices`),
+        16 on CUDA cores. By default the fewest that hold ``q_len * group``,
+        64 at most: each block reads its keys' K/V once. A row's result does
+        not depend on it unsplit or with ``split_keys``.
 
     Attributes
     ----------
@@ -263,7 +289,8 @@ class AttentionPlan:
 
     def __init__(self, cache: KVCache, q_len: IntLike, n_heads: IntLike, *, scale: FloatLike | None = None,
                  window: IntLike | None = None, softcap: FloatLike | None = None, rope: Rope | None = None,
-                 num_splits: IntLike | None = None, split_keys: IntLike | None = None) -> None:
+                 num_splits: IntLike | None = None, split_keys: IntLike | None = None,
+                 rows_per_block: IntLike | None = None) -> None:
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache: expected a cupykv.KVCache, got {type(cache).__name__}")
         refuse_in_capture("making an AttentionPlan (it allocates its workspace)",
@@ -283,7 +310,9 @@ class AttentionPlan:
             raise ValueError(f"q_len: expected batch * q_len * n_heads <= {_args.INT32_MAX} query rows, got "
                              f"{spec.batch} * {self.q_len} * {self.n_heads} = {self.rows}")
         group = self.n_heads // spec.n_kv_heads
-        self.kernel = attention_kernel(spec.dtype, spec.head_dim, spec.io_dtype, self.q_len * group)
+        # a block of rows_per_block rows runs the kernel those rows pick (16, 32, 64: 1, 2, 4 tiles)
+        block_rows = self.q_len * group if rows_per_block is None else _check_rows_per_block(rows_per_block, spec)
+        self.kernel = attention_kernel(spec.dtype, spec.head_dim, spec.io_dtype, block_rows)
         rows_per_block = self.kernel.rows_per_block
         blocks = query_blocks(self.q_len, group, rows_per_block)
         self.block = (self.kernel.threads,)

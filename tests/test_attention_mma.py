@@ -249,3 +249,26 @@ def test_more_row_tiles_with_windows_rope_and_fixed_splits(backend, dtype, head_
     reference_options = {name: value for name, value in options.items() if name in ("window", "rope", "softcap")}
     want = reference.attention(q, oracle, 0, **reference_options)
     assert_attention_close(got, want, dtype, float(np.abs(oracle.v.astype(np.float32)).max()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES[:2])
+@pytest.mark.parametrize("options", [dict(num_splits=1), dict(split_keys=128), dict(rope=cupykv.Rope(), split_keys=256)],
+                         ids=["unsplit", "split_keys", "rope-split_keys"])
+def test_every_rows_per_block_gives_the_same_bits(backend, dtype, head_dim, options):
+    """rows_per_block (16, 32 or 64 rows: 1, 2 or 4 m16 tiles) changes which warps compute a row, not
+    the order of its sums: unsplit or with split_keys every row is bit-identical at each block size."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(11)
+    testing.fill(cache, oracle, [150, 333], rng)
+    cache.set_lengths([141, 324])   # 9 queries over rows already written: 36 rows per kv head at GQA 4
+    q = cache.to_device(testing.random_rows(rng, spec, (2, 9, 8, head_dim)))
+    results = {}
+    for rows in (None, 16, 32, 64):
+        plan = cupykv.AttentionPlan(cache, 9, 8, rows_per_block=rows, **options)
+        assert plan.kernel.rows_per_block == (rows or 64)
+        assert plan.grid[0] == 2 * 2 * -(-36 // (rows or 64))
+        results[rows] = testing.bits(testing.to_numpy(plan.run(q, 0), spec))
+    for rows in (16, 32, 64):
+        assert np.array_equal(results[rows], results[None]), rows

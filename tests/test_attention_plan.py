@@ -347,6 +347,28 @@ def test_a_bad_stated_sm_count_is_refused_by_name(monkeypatch):
         cupykv.KVCache(SPEC, backend="emulator").device_info()
 
 
+def test_rows_per_block_is_checked_by_name_before_anything_is_allocated():
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=128, max_seq=256, batch=1, dtype="bfloat16")
+    cache = cupykv.KVCache(spec, backend="emulator")
+    assert attention_plan.block_row_choices("bfloat16", 128) == (16, 32, 64)
+    with pytest.raises(ValueError, match=r"^rows_per_block: expected one of 16, 32, 64 \(blocks of the tensor-core "
+                                         r"kernel\) or None, got 48$"):
+        attention_plan.AttentionPlan(cache, 9, 8, rows_per_block=48)
+    with pytest.raises(TypeError, match=r"^rows_per_block: expected an int >= 1, got True \(bool\)$"):
+        attention_plan.AttentionPlan(cache, 9, 8, rows_per_block=True)
+    with pytest.raises(ValueError, match=r"^rows_per_block: expected an int >= 1, got 0$"):
+        attention_plan.AttentionPlan(cache, 9, 8, rows_per_block=0)
+    wide = attention_plan.AttentionPlan(cache, 1, 2, rows_per_block=64)   # 1 row in a block of 64
+    assert wide.kernel.rows_per_block == 64 and wide.grid == (2, wide.num_splits) and wide.block == (128,)
+    fp32 = cupykv.KVCache(cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=128, max_seq=256, batch=1,
+                                           dtype="float32"), backend="emulator")
+    assert attention_plan.block_row_choices("float32", 128) == (16,)
+    with pytest.raises(ValueError, match=r"^rows_per_block: expected 16 \(blocks of the CUDA-core kernel, which a "
+                                         r"float32 cache at head_dim 128 runs\) or None, got 32$"):
+        attention_plan.AttentionPlan(fp32, 9, 8, rows_per_block=32)
+    assert attention_plan.AttentionPlan(fp32, 9, 8, rows_per_block=16).kernel.rows_per_block == 16
+
+
 def test_a_plan_opts_in_to_its_shared_memory_before_it_asks_for_the_occupancy(monkeypatch):
     """On CuPy the occupancy query of a kernel that has not opted in to more than 48 KiB counts 0
     blocks; the plan must raise the kernel's limit first (and only past 48 KiB)."""

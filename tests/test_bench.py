@@ -114,10 +114,17 @@ def test_ratios_are_quotients_of_stored_figures(bench):
                       / 1e12)
         rows = row["q_len"] * row["group"]
         assert row["rows_per_block"] == (16 if rows <= 16 else 32 if rows <= 32 else 64)
+        # 64-row blocks are timed against blocks of 32 rows at the same point, and only they
+        assert (row["time_ms_32_row_blocks"] is not None) == (row["rows_per_block"] == 64)
+        if row["rows_per_block"] == 64:
+            assert _close(row["time_vs_32_row_blocks"], row["time_ms"] / row["time_ms_32_row_blocks"])
+            assert row["num_splits_32_row_blocks"] >= 1
         alone = next(r for r in sections["attention_shapes"]["results"] if r["q_len"] == 1 and all(
             r[key] == row[key] for key in ("batch", "group", "live_len")))
         assert _close(row["time_vs_q_len_1"], row["time_ms"] / alone["time_ms"])
     assert {row["rows_per_block"] for row in sections["attention_shapes"]["results"]} == {16, 32, 64}
+    narrow_checks = [c for c in sections["attention_shapes"]["checks"] if c["what"].endswith("blocks of 32 rows vs float32")]
+    assert narrow_checks and all(c["passed"] for c in narrow_checks)
     for row in sections["attention_fp8"]["results"]:   # head_dim 64, 2 kv heads (the smoke plan)
         for name, itemsize in (("bf16", 2), ("fp8", 1)):
             assert row[f"{name}_kv_bytes"] == row["batch"] * row["live_len"] * 2 * 64 * 2 * itemsize

@@ -3,7 +3,9 @@
 Decode (q_len 1) and speculative verification (q_len 4, 8, 16) over the same cache, so each
 figure is a percentage of the same run's copy bandwidth and each q_len > 1 point also gets its
 time as a ratio to q_len 1 at the same batch, group and live length (the redesign's target is
-at most 1.3 at q_len 8), and its TFLOPS.
+at most 1.3 at q_len 8), and its TFLOPS. Where the plan gives a block 64 rows (four m16 tiles in
+two row groups of warps, reading each K/V row once), the same point is also timed with blocks of
+32 rows (two blocks per 64 rows, each reading the K/V), so the run shows which design is faster.
 """
 from __future__ import annotations
 
@@ -88,22 +90,34 @@ def attention_shapes(ctx: Context) -> dict:
             q = random_array(backend, (batch, q_len, plan.n_kv_heads * group, plan.head_dim), "bfloat16", 502)
             out = backend.zeros(q.shape, backend.storage_dtype("bfloat16"))
             attention = cupykv.AttentionPlan(cache, q_len, plan.n_kv_heads * group)
+            # blocks of 64 rows against the design they replace, blocks of 32
+            narrower = (cupykv.AttentionPlan(cache, q_len, plan.n_kv_heads * group, rows_per_block=32)
+                        if attention.kernel.rows_per_block == 64 else None)
             cache.reset()
             cache.advance(plan.check_live)
-            attention.run(q, 0, out=out)
-            checks.append(_check(f"attention_shapes batch {batch} group {group} q_len {q_len} vs float32",
-                                 relative_error(backend, out, _reference(backend, q, cache, plan.check_live))))
+            want = _reference(backend, q, cache, plan.check_live)
+            for each, label in ((attention, ""), (narrower, ", blocks of 32 rows")):
+                if each is not None:
+                    each.run(q, 0, out=out)
+                    checks.append(_check(f"attention_shapes batch {batch} group {group} q_len {q_len}{label} "
+                                         "vs float32", relative_error(backend, out, want)))
             for live in lives:
                 cache.reset()
                 cache.advance(live - 1)   # query i attends live + i keys, its own pending row included
                 timing = ctx.timer(lambda: attention.run(q, 0, out=out))
                 nbytes = _kv_bytes(plan, batch, live + q_len - 1)
                 bandwidth = _rate(nbytes, timing.median_s)
-                results.append({"batch": batch, "group": group, "live_len": live, "q_len": q_len,
-                                "num_splits": attention.num_splits, "rows_per_block": attention.kernel.rows_per_block,
-                                "kv_bytes": nbytes, **timing.as_ms(),
-                                "bandwidth_GBps": bandwidth, "pct_of_copy": 100.0 * bandwidth / ctx.copy_GBps,
-                                "TFLOPS": _flops(plan, batch, q_len, group, live) / timing.median_s / 1e12})
+                row = {"batch": batch, "group": group, "live_len": live, "q_len": q_len,
+                       "num_splits": attention.num_splits, "rows_per_block": attention.kernel.rows_per_block,
+                       "kv_bytes": nbytes, **timing.as_ms(),
+                       "bandwidth_GBps": bandwidth, "pct_of_copy": 100.0 * bandwidth / ctx.copy_GBps,
+                       "TFLOPS": _flops(plan, batch, q_len, group, live) / timing.median_s / 1e12}
+                row.update(time_ms_32_row_blocks=None, num_splits_32_row_blocks=None, time_vs_32_row_blocks=None)
+                if narrower is not None:
+                    narrow_s = ctx.timer(lambda: narrower.run(q, 0, out=out)).median_s
+                    row.update(time_ms_32_row_blocks=narrow_s * 1e3, num_splits_32_row_blocks=narrower.num_splits,
+                               time_vs_32_row_blocks=timing.median_s / narrow_s)
+                results.append(row)
         del cache
     base = {(r["batch"], r["group"], r["live_len"]): r["time_ms"] for r in results if r["q_len"] == 1}
     for row in results:
@@ -122,7 +136,12 @@ def attention_shapes(ctx: Context) -> dict:
                   "kv_bytes": "bytes read", "time_ms": "ms, median", "bandwidth_GBps": "1e9 bytes/s",
                   "pct_of_copy": "percent of the copy section's bandwidth (read + write)",
                   "TFLOPS": "1e12 flop/s", "time_vs_q_len_1": "time over the q_len 1 time at the same batch, group "
-                                                              "and live length"},
+                                                              "and live length",
+                  "time_ms_32_row_blocks": "ms, median, of the same point with rows_per_block=32 (only where the "
+                                           "plan's blocks own 64 rows; None elsewhere)",
+                  "num_splits_32_row_blocks": "the split-KV factor of the 32-row plan",
+                  "time_vs_32_row_blocks": "time_ms over time_ms_32_row_blocks: below 1, the 64-row blocks are "
+                                           "faster"},
         "results": results,
         "checks": checks,
     }
