@@ -261,8 +261,8 @@ class AttentionPlan:
         Query rows (``q_len * group`` per sequence and kv head) one block
         owns, for tuning: 16, 32 or 64 on tensor cores (:func:`block_row_choices`),
         16 on CUDA cores. By default the fewest that hold ``q_len * group``,
-        64 at most: each block reads its keys' K/V once. A row's result does
-        not depend on it unsplit or with ``split_keys``.
+        64 at most: each block reads its keys' K/V once. Without a window, a
+        row's result does not depend on it, unsplit or with ``split_keys``.
 
     Attributes
     ----------
