@@ -259,10 +259,11 @@ class AttentionPlan:
         tokens exactly. Splits past a sequence's live length exit at once.
     rows_per_block : int, optional
         Query rows (``q_len * group`` per sequence and kv head) one block
-        owns, for tuning: 16, 32 or 64 on tensor cores (:func:`block_row_choices`),
-        16 on CUDA cores. By default the fewest that hold ``q_len * group``,
-        64 at most: each block reads its keys' K/V once. Without a window, a
-        row's result does not depend on it, unsplit or with ``split_keys``.
+        owns, for tuning: 16, 32 or 64 on tensor cores, 16 on CUDA cores
+        (:func:`cupykv.attention_plan.block_row_choices`). By default the
+        fewest that hold ``q_len * group``, 64 at most: each block reads its
+        keys' K/V once. Without a window, a row's result does not depend on
+        it, unsplit or with ``split_keys``.
 
     Attributes
     ----------
