@@ -2,8 +2,10 @@
 
 With a usable GPU (:func:`cupykv.backends.cuda_available`) the parts are, in order:
 
-- ``launches``: every kernel instance in :data:`cupykv.kernels.KERNELS` launched once
-  at small shapes (:mod:`cupykv.validate_launches`), failing on a missed instance;
+- ``launches``: every kernel module compiled first, side by side in worker processes
+  (``Backend.warm_up``: a cold machine pays for the largest module, not for all of them in
+  turn), then every kernel instance in :data:`cupykv.kernels.KERNELS` launched once at small
+  shapes (:mod:`cupykv.validate_launches`), failing on a missed instance;
 - ``gpu_suite``: ``pytest -m gpu tests`` (the notebooks and the stateful machine left out);
 - ``stateful``: the stateful machine on CuPy (``tests/test_stateful.py::TestCupyCache``);
 - ``memcheck``, ``racecheck``, ``synccheck``, ``initcheck``: the ``launches`` workload
@@ -165,8 +167,9 @@ def build_plan(out, scratch, backend: str, gpu_reason: str, tools: dict, budgets
     launches = (sys.executable, "-m", "cupykv.validate_launches", "--backend", backend)
     stateful_test = "tests/test_stateful.py::" + ("TestCupyCache" if gpu else "TestEmulatorCache")
     dev_profile = "HYPOTHESIS_PROFILE=dev"
+    # the first part pays for the cold compiles: every module at once, in worker processes (Backend.warm_up)
     parts = [Part("launches", f"every kernel instance in KERNELS launched once on {backend}", budgets.launches_s,
-                  (launches,))]
+                  ((*launches, "--warm-up"),))]
     if gpu:
         junit = str(scratch / "gpu_suite.xml")
         suite = _pytest("-m", "gpu", "tests", "--deselect", "tests/test_stateful.py::TestCupyCache", junit_xml=junit)

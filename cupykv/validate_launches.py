@@ -215,8 +215,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupykv.validate_launches", description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=("cupy", "emulator"), default=None)
     parser.add_argument("--workload", choices=WORKLOADS, default="every-kernel")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="compile every kernel module first, in parallel worker processes (Backend.warm_up)")
     args = parser.parse_args(argv)
     backend = get_backend(args.backend)
+    if args.warm_up:
+        warm = backend.warm_up()
+        slowest = max(warm.op_seconds, key=warm.op_seconds.get, default=None)
+        print(f"warm-up: {len(warm.ops)} kernel modules compiled in {warm.seconds:.1f} s by {warm.processes} "
+              f"processes" + (f" (slowest: {slowest}, {warm.op_seconds[slowest]:.1f} s)" if slowest else ""))
     # Without a memory pool each array is its own allocation, so compute-sanitizer sees its real bounds
     # (an overrun inside a pooled chunk is invisible) and initcheck never sees reused, stale memory.
     backend.use_exact_allocations()

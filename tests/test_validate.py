@@ -62,6 +62,10 @@ def test_cpu_run_part_statuses(cpu_run):
                            "bench", "ncu"]
     assert parts["launches"]["status"] == "passed"
     assert f"all {len(expected_instances())} kernel instances" in parts["launches"]["reason"]
+    assert parts["launches"]["commands"][0].endswith(" --warm-up")
+    # the part compiled the modules it did not already hold in worker processes first
+    log = (cpu_run["out"] / "validate.log").read_text()
+    assert re.search(r"^warm-up: \d+ kernel modules compiled in [\d.]+ s by \d+ processes", log, re.M), log[-2000:]
     assert parts["stateful"]["status"] == "passed"
     assert "TestEmulatorCache" in parts["stateful"]["what"]
     assert parts["stateful"]["tests"]["passed"] >= 1
@@ -212,6 +216,8 @@ def test_gpu_plan_runs_the_gpu_suite_and_the_stateful_machine_apart(tmp_path):
 
 def test_gpu_plan_runs_each_sanitizer_tool_over_the_launches(tmp_path):
     _, parts = _gpu_plan(tmp_path)
+    # the first part compiles every module in parallel; the sanitizers' runs load them from the disk cache
+    assert parts["launches"].commands == ((*LAUNCHES_ON_CUPY, "--warm-up"),)
     for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
         (command,) = parts[tool].commands
         assert list(command) == [TOOLS["compute-sanitizer"], "--tool", tool, "--error-exitcode", "1",
@@ -248,7 +254,7 @@ def test_emulator_plan_skips_the_gpu_parts(tmp_path):
     assert plan.label == NOT_GPU_LABEL and plan.total_s == EMULATOR_BUDGETS.total_s
     assert all(parts[name].skip_reason == NO_GPU for name in GPU_ONLY)
     assert "tests/test_stateful.py::TestEmulatorCache" in parts["stateful"].commands[0]
-    assert parts["launches"].commands[0][-2:] == ("--backend", "emulator")
+    assert parts["launches"].commands == ((PY, "-m", "cupykv.validate_launches", "--backend", "emulator", "--warm-up"),)
 
 
 def test_choose_backend(monkeypatch):

@@ -22,6 +22,7 @@ from cupykv.kernels import KERNELS
 
 if TYPE_CHECKING:
     from cupykv.backends.emulator.accounting import Traffic
+    from cupykv.backends.warm_up import WarmUp
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,19 @@ class Backend:
 
     def _compile(self, filename: str, source: str, instances: Sequence[str]) -> Any:
         raise NotImplementedError
+
+    def warm_up(self, ops: Sequence[str] | None = None, processes: int | None = None) -> WarmUp:
+        """Compile the kernel modules of ``ops`` (all by default) now, in parallel worker processes,
+        into this backend's disk cache, so that their first use anywhere loads them instead
+        (``cupykv.backends.warm_up``). Modules this backend already holds are left out.
+
+        Graph-safe: no — refused inside a captured step (CaptureError).
+        """
+        from cupykv.backends.warm_up import compile_in_parallel
+
+        refuse_in_capture("warm_up (it starts processes)", "warm up before capture")
+        ops = [op for op in (KERNELS if ops is None else ops) if op not in self._modules]
+        return compile_in_parallel(self.name, ops, processes)
 
     def occupancy(self, op: str, instance: str, threads: int, shared_mem: int) -> int:
         """Blocks of ``threads`` threads and ``shared_mem`` dynamic shared bytes resident per multiprocessor."""
