@@ -50,12 +50,16 @@
 // codes. A row is head_dim bytes, copied 16 codes per cp.async (8 lanes on a 128-byte row, 4 at
 // head_dim 64) into a stage row of head_dim + 16 bytes; a warp keeps kStagesFp8 = 3 stages, so steps
 // n + kWarps and n + 2 kWarps are in flight while n is computed: as many bytes as the 16-bit path's
-// one step. The mma B fragments are built from the bytes (no ldmatrix, no M tile), holding what
-// ldmatrix would: for S = Q K^T, lane (g = lane / 4, t = lane % 4) loads the code pairs K[g][k0+2t..],
-// K[g][k0+8+2t..], K[8+g][k0+2t..] and K[8+g][k0+8+2t..] (16 bits each); for P V it packs
-// V[2t][d0+g] with V[2t+1][d0+g] (two byte loads), and the same at keys 8 + 2t and at dims d0 + 8 + g.
-// Each pair is widened exactly to M (widen_fp8_pair). At that row stride both reads are free of bank
-// conflicts. The scales stay out of the loop: the logits are (scale * k_scale) * (q . codes), and the
+// one step. The mma B fragments are built from the bytes (no ldmatrix, no M tile), with the head
+// dims permuted so that each lane reads whole 32-bit words of codes: for S = Q K^T, the k slots
+// 2t, 2t + 1, 8 + 2t, 9 + 2t that lane (g = lane / 4, t = lane % 4) holds in each 16 are dims
+// 4t .. 4t + 3 (fp8_q_slot; q is stored in slot order), one word of key g and one of key 8 + g;
+// for P V, output column g of n8 block b is dim 32 (b / 4) + 4g + b % 4 (fp8_v_column), so lane g
+// reads one word of each of keys 2t, 2t + 1, 8 + 2t and 9 + 2t per 32 dims and pairs up the two
+// keys' codes with a byte permute; the accumulators stay in column order until the final write
+// reads each dim from its column. Each pair is widened exactly to M (widen_fp8_pair). At the stage
+// row stride every word read is free of bank conflicts (lanes of a warp hit 32 different banks).
+// The scales stay out of the loop: the logits are (scale * k_scale) * (q . codes), and the
 // output (unnormalised, before the partial write or the normalised store) is multiplied by v_scale,
 // so the split merge is unchanged. The smaller stages also hold the row max and sum at the end, and
 // let 4 blocks share an SM (attention_mma_min_blocks).
@@ -134,9 +138,27 @@ template <typename T, int ROW_TILES> constexpr int attention_mma_min_blocks() {
 
 namespace cupykv {
 
-// Two adjacent fp8 codes of shared memory (the lower address in the low byte) as one 16-bit load.
-__device__ __forceinline__ unsigned short fp8_codes(const unsigned char* at) {
-    return *reinterpret_cast<const unsigned short*>(at);
+// fp8 caches: the k slot of the mma that head dim d takes in S = Q K^T. Within each 16 dims, lane
+// t = quad_col of a B fragment holds slots 2t, 2t + 1, 8 + 2t and 9 + 2t; they take dims 4t .. 4t + 3,
+// so that the lane's four codes of a key are one 32-bit word of its stage row. q is stored in slot
+// order, so S is the same dot product, its terms summed in another order.
+__device__ __forceinline__ int fp8_q_slot(int d) {
+    const int within = d % 16, t = within / 4, h = (within / 2) % 2, e = within % 2;
+    return d - within + 8 * h + 2 * t + e;
+}
+
+// fp8 caches: the output column of P V (n8 block b, column g of the block: c = 8 b + g) that head
+// dim d takes. Column c stands for dim 32 (b / 4) + 4 g + b % 4, so that the V codes a B fragment's
+// lane g needs for blocks 4v .. 4v + 3 of a key are one 32-bit word of its stage row. The
+// accumulators keep column order; the final write reads dim d from its column.
+__device__ __forceinline__ int fp8_v_column(int d) {
+    const int within = d % 32;
+    return 8 * (4 * (d / 32) + within % 4) + within / 4;
+}
+
+// Four fp8 codes of shared memory (the lowest address in the low byte) as one 32-bit load.
+__device__ __forceinline__ unsigned fp8_code_word(const unsigned char* at) {
+    return *reinterpret_cast<const unsigned*>(at);
 }
 
 }  // namespace cupykv
@@ -238,10 +260,13 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             hi = cupykv::to_float<TI>(q[base + d + half_dim]);
             if (use_rope) cupykv::rope_rotate_pair(&lo, &hi, length + i, d, HEAD_DIM, rope_theta);
         }
+        // fp8 caches: each dim goes to its k slot (fp8_q_slot), where K's codes are read from
+        const int lo_column = kFp8 ? cupykv::fp8_q_slot(d) : d;
+        const int hi_column = kFp8 ? cupykv::fp8_q_slot(d + half_dim) : d + half_dim;
         for (int p = 0; p < kQPieces; ++p) {
             const M lo_piece = cupykv::from_float<M>(lo), hi_piece = cupykv::from_float<M>(hi);
-            q_tile[(p * kBlockRows + r) * kRow + d] = lo_piece;
-            q_tile[(p * kBlockRows + r) * kRow + d + half_dim] = hi_piece;
+            q_tile[(p * kBlockRows + r) * kRow + lo_column] = lo_piece;
+            q_tile[(p * kBlockRows + r) * kRow + hi_column] = hi_piece;
             lo -= cupykv::to_float(lo_piece);   // exact: the remainder of a rounding fits in fp32
             hi -= cupykv::to_float(hi_piece);
         }
@@ -337,13 +362,15 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
             unsigned k_frag[4];   // keys 0-7 (k_frag[0..1]) and 8-15 (k_frag[2..3]), dims k0..k0+15
             if constexpr (kFp8) {
-                // the registers of the ldmatrix below: keys quad_row and 8 + quad_row, dims 2t.. and 8 + 2t..
+                // slots 2t, 2t + 1 (k_frag[0]) and 8 + 2t, 9 + 2t ([1]) of keys quad_row and 8 + quad_row
+                // ([2], [3]) are dims k0 + 4t .. k0 + 4t + 3 (fp8_q_slot): one word of each key's row
                 const unsigned char* codes = reinterpret_cast<const unsigned char*>(k_stage)
-                                             + quad_row * kStageRow + k0 + 2 * quad_col;
-                k_frag[0] = cupykv::widen_fp8_pair<M>(cupykv::fp8_codes(codes));
-                k_frag[1] = cupykv::widen_fp8_pair<M>(cupykv::fp8_codes(codes + 8));
-                k_frag[2] = cupykv::widen_fp8_pair<M>(cupykv::fp8_codes(codes + 8 * kStageRow));
-                k_frag[3] = cupykv::widen_fp8_pair<M>(cupykv::fp8_codes(codes + 8 * kStageRow + 8));
+                                             + quad_row * kStageRow + k0 + 4 * quad_col;
+                const unsigned key_lo = cupykv::fp8_code_word(codes), key_hi = cupykv::fp8_code_word(codes + 8 * kStageRow);
+                k_frag[0] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo & 0xffffu));
+                k_frag[1] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo >> 16));
+                k_frag[2] = cupykv::widen_fp8_pair<M>((unsigned short)(key_hi & 0xffffu));
+                k_frag[3] = cupykv::widen_fp8_pair<M>((unsigned short)(key_hi >> 16));
             } else {
                 cupykv::ldmatrix_x4(k_frag, k_stage + ((lane / 16) * 8 + lane % 8) * kRow + k0 + ((lane / 8) % 2) * 8);
             }
@@ -409,15 +436,22 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         //    keys past the split are zeros.
 #pragma unroll
         for (int d0 = 0; d0 < HEAD_DIM; d0 += 16) {
-            unsigned v_frag[4];   // dims d0..d0+7 (v_frag[0..1]) and d0+8..d0+15 (v_frag[2..3])
+            unsigned v_frag[4];   // columns d0..d0+7 (v_frag[0..1]) and d0+8..d0+15 (v_frag[2..3])
             if constexpr (kFp8) {
-                // the registers of the ldmatrix below: keys 2t, 2t + 1 (and 8 + ...) of dims d0 + g, d0 + 8 + g
+                // keys 2t, 2t + 1 ([0], [2]) and 8 + 2t, 9 + 2t ([1], [3]) of columns d0 + g and d0 + 8 + g:
+                // the dims of blocks d0 / 8 and d0 / 8 + 1 (fp8_v_column) are bytes 0, 1 (or 2, 3) of the word
+                // at 32 (d0 / 32) + 4g of each key's row; the byte permutes pair up the keys' codes
                 const unsigned char* codes = reinterpret_cast<const unsigned char*>(v_stage)
-                                             + 2 * quad_col * kStageRow + d0 + quad_row;
-                for (int m = 0; m < 4; ++m) {
-                    const unsigned char* at = codes + (m % 2) * 8 * kStageRow + (m / 2) * 8;
-                    v_frag[m] = cupykv::widen_fp8_pair<M>((unsigned short)(at[0] | (at[kStageRow] << 8)));
-                }
+                                             + 2 * quad_col * kStageRow + (d0 / 32) * 32 + 4 * quad_row;
+                const unsigned selector = d0 % 32 == 0 ? 0x5140u : 0x7362u;
+                const unsigned keys_lo = __byte_perm(cupykv::fp8_code_word(codes),
+                                                     cupykv::fp8_code_word(codes + kStageRow), selector);
+                const unsigned keys_hi = __byte_perm(cupykv::fp8_code_word(codes + 8 * kStageRow),
+                                                     cupykv::fp8_code_word(codes + 9 * kStageRow), selector);
+                v_frag[0] = cupykv::widen_fp8_pair<M>((unsigned short)(keys_lo & 0xffffu));
+                v_frag[1] = cupykv::widen_fp8_pair<M>((unsigned short)(keys_hi & 0xffffu));
+                v_frag[2] = cupykv::widen_fp8_pair<M>((unsigned short)(keys_lo >> 16));
+                v_frag[3] = cupykv::widen_fp8_pair<M>((unsigned short)(keys_hi >> 16));
             } else {
                 cupykv::ldmatrix_x4_trans(v_frag, v_stage + (lane % 16) * kRow + d0 + (lane / 16) * 8);
             }
@@ -451,7 +485,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 warp_max[key_warp * kBlockRows + r] = row_max[t][half];
                 warp_sum[key_warp * kBlockRows + r] = row_sum[t][half];
             }
-            for (int n8 = 0; n8 < kDimBlocks; ++n8) {
+            for (int n8 = 0; n8 < kDimBlocks; ++n8) {   // in column order (fp8 caches: fp8_v_column)
                 float* at = warp_acc + (key_warp * kBlockRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
                 at[0] = acc[t][n8][2 * half];
                 at[1] = acc[t][n8][2 * half + 1];
@@ -465,6 +499,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     for (int e = tid; e < kBlockRows * HEAD_DIM; e += kThreads) {
         const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
         if (r >= block_rows) continue;
+        const int column = kFp8 ? cupykv::fp8_v_column(d) : d;   // where the warps left dim d
         float top = cupykv::neg_infinity();
         for (int w = 0; w < kWarps; ++w)
             if (warp_sum[w * kBlockRows + r] > 0.0f) top = fmaxf(top, warp_max[w * kBlockRows + r]);
@@ -474,7 +509,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             if (part > 0.0f) {
                 const float weight = expf(warp_max[w * kBlockRows + r] - top);
                 sum += part * weight;
-                value += warp_acc[(w * kBlockRows + r) * HEAD_DIM + d] * weight;
+                value += warp_acc[(w * kBlockRows + r) * HEAD_DIM + column] * weight;
             }
         }
         if constexpr (kFp8) value *= v_scale;   // the codes' sum times the head's scale
