@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     backend = get_backend(args.backend)
     if args.warm_up:
         warm = backend.warm_up()
-        slowest = max(warm.op_seconds, key=warm.op_seconds.get, default=None)
+        slowest = max(warm.op_seconds, key=lambda op: warm.op_seconds[op], default=None)
         print(f"warm-up: {len(warm.ops)} kernel modules compiled in {warm.seconds:.1f} s by {warm.processes} "
               f"processes" + (f" (slowest: {slowest}, {warm.op_seconds[slowest]:.1f} s)" if slowest else ""))
     # Without a memory pool each array is its own allocation, so compute-sanitizer sees its real bounds
