@@ -7,7 +7,8 @@ These tests hold it to the reference (which attends over ``code * scale`` in flo
 stated tolerance of the io dtype (cupykv.tolerances), where its design could go wrong:
 
 - every io dtype: bfloat16 and float16 q exact in one piece, float32 q in three bfloat16 pieces, rope
-  in three pieces; GQA groups 1, 4 and 8; q_len 1 and 4; splits 1 and 3 (the merge writes the io dtype);
+  in three pieces; GQA groups 1, 4 and 8; q_len 1, 4 and 8 (up to 64 rows: one, two and four row
+  tiles); splits 1 and 3 (the merge writes the io dtype);
 - the scales of the right layer and head (each different), read at run time;
 - the byte stages: lengths at every step and warp-round edge of the three-stage pipeline;
 - NaN codes (0x7F) in rows past the attended ones, pending in the query's own step or in the tail:
@@ -83,7 +84,7 @@ def test_the_plan_picks_tensor_cores_and_the_fp8_shared_memory(io_dtype, head_di
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("io_dtype", IO_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group, q_len", [(1, 1), (4, 4), (8, 1), (8, 4)])
+@pytest.mark.parametrize("group, q_len", [(1, 1), (4, 4), (8, 1), (8, 4), (8, 8)])
 @pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
 def test_matches_the_reference(backend, io_dtype, head_dim, group, q_len, use_rope):
     # lengths off the 16-key steps; layer 1, whose scales differ from layer 0's in every head
@@ -118,7 +119,7 @@ def test_lengths_at_every_step_and_warp_round_edge(backend, head_dim):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("q_len", [1, 4, 9])   # 4, 16 and 36 rows: one, one and four row tiles
 def test_nan_codes_past_the_attended_rows_never_reach_the_output(backend, head_dim, q_len):
     """Rows pending past the last query (in its own 16-key step) and the cache's tail hold NaN codes:
     past the split, so the copy zero-fills them, and nothing of them reaches the output."""
@@ -169,10 +170,10 @@ def test_scales_are_read_at_run_time(backend):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, head_dim):
     cache, _, rng = _caches(backend, [300, 411], head_dim=head_dim, max_seq=600)
-    q = testing.random_rows(rng, cache.spec, (2, 9, 6, head_dim))
+    q = testing.random_rows(rng, cache.spec, (2, 16, 6, head_dim))
     alone = cupykv.AttentionPlan(cache, 1, 6, split_keys=256).run(cache.to_device(q[:, :1].copy()), 0)
     alone = _host(alone, cache.spec)
-    for q_len in (2, 5, 9):
+    for q_len in (2, 5, 9, 16):   # 6, 15, 27 and 48 rows per kv head: one, one, two and four row tiles
         together = cupykv.AttentionPlan(cache, q_len, 6, split_keys=256).run(cache.to_device(q[:, :q_len].copy()), 0)
         assert np.array_equal(testing.bits(_host(together, cache.spec)[:, :1]), testing.bits(alone)), q_len
 
