@@ -4,14 +4,14 @@ import pytest
 from hypothesis import given, strategies as st
 
 import cupykv
-from cupykv import reference, testing
+from cupykv import attention_plan, reference, testing
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
 
 
 @st.composite
-def attention_cases(draw, max_seqs=(1, 3, 16, 40, 160), head_dims=(1, 3, 8, 16, 64, 128)):
-    spec = draw(testing.specs(max_seqs=max_seqs, head_dims=head_dims, kv_heads=(1, 2)))
+def attention_cases(draw, max_seqs=(1, 3, 16, 40, 160), head_dims=(1, 3, 8, 16, 64, 128), dtypes=testing.IO_DTYPES):
+    spec = draw(testing.specs(max_seqs=max_seqs, head_dims=head_dims, kv_heads=(1, 2), dtypes=dtypes))
     _, q_len, n_heads, _ = draw(testing.query_shapes(spec, groups=(1, 2, 4, 8), max_q_len=8))
     group = n_heads // spec.n_kv_heads
     lengths = draw(testing.lengths(spec))
@@ -25,7 +25,9 @@ def attention_cases(draw, max_seqs=(1, 3, 16, 40, 160), head_dims=(1, 3, 8, 16, 
     return spec, group, q_len, lengths, options, num_splits, draw(st.integers(0, 2**32 - 1))
 
 
-def run_case(backend, spec, group, q_len, lengths, options, num_splits, seed):
+def prepare_case(backend, spec, group, q_len, lengths, options, seed):
+    """A cache and its reference twin holding ``lengths`` rows and the ``q_len`` pending ones (NaN past
+    them), and the queries: ``(cache, oracle, layer, q)``."""
     rng = np.random.default_rng(seed)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     testing.fill(cache, oracle, lengths, rng, rope=options["rope"])
@@ -37,6 +39,11 @@ def run_case(backend, spec, group, q_len, lengths, options, num_splits, seed):
     oracle.append(layer, k, v, rope=options["rope"])
     testing.poison_tail(cache, np.asarray(lengths) + q_len)
     q = testing.random_rows(rng, spec, (spec.batch, q_len, group * spec.n_kv_heads, spec.head_dim))
+    return cache, oracle, layer, q
+
+
+def run_case(backend, spec, group, q_len, lengths, options, num_splits, seed):
+    cache, oracle, layer, q = prepare_case(backend, spec, group, q_len, lengths, options, seed)
     got = cupykv.attention(cache._backend.asarray(q), cache, layer, num_splits=min(num_splits, 1 + spec.max_seq // 128),
                            **options)
     want = reference.attention(q, oracle, layer, **options)
@@ -50,6 +57,27 @@ def run_case(backend, spec, group, q_len, lengths, options, num_splits, seed):
 @given(case=attention_cases())
 def test_attention_matches_reference(backend, case):
     run_case(backend, *case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(case=attention_cases(max_seqs=(16, 40, 160), head_dims=(64, 128),
+                            dtypes=("float16", "bfloat16", "float8_e4m3")),
+       split_keys=st.sampled_from([None, 128]))
+def test_rows_per_block_never_changes_a_rows_bits(backend, case, split_keys):
+    """Blocks of 16, 32 or 64 query rows (one, two or four m16 tiles) give every row the same bits,
+    unsplit or with split_keys (without a window, whose first key follows the block's first row)."""
+    spec, group, q_len, lengths, options, _, seed = case
+    options = dict(options, window=None)
+    cache, _, layer, q = prepare_case(backend, spec, group, q_len, lengths, options, seed)
+    q = cache.to_device(q)
+    splits = dict(num_splits=1) if split_keys is None else dict(split_keys=split_keys)
+    results = []
+    for rows in attention_plan.block_row_choices(spec.dtype, spec.head_dim, spec.io_dtype):
+        plan = cupykv.AttentionPlan(cache, q_len, group * spec.n_kv_heads, rows_per_block=rows, **splits, **options)
+        assert plan.kernel.tensor_cores and plan.kernel.rows_per_block == rows
+        results.append(testing.bits(testing.to_numpy(plan.run(q, layer), spec)))
+    for rows, bits in zip((32, 64), results[1:]):
+        assert np.array_equal(bits, results[0]), f"rows_per_block={rows} differs from 16 ({spec}, q_len {q_len})"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
