@@ -220,10 +220,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     backend = get_backend(args.backend)
     if args.warm_up:
-        warm = backend.warm_up()
-        slowest = max(warm.op_seconds, key=lambda op: warm.op_seconds[op], default=None)
-        print(f"warm-up: {len(warm.ops)} kernel modules compiled in {warm.seconds:.1f} s by {warm.processes} "
-              f"processes" + (f" (slowest: {slowest}, {warm.op_seconds[slowest]:.1f} s)" if slowest else ""))
+        try:
+            warm = backend.warm_up()
+        except Exception as error:   # e.g. a GPU in exclusive-process mode refuses the workers' contexts
+            # nothing is lost: the sweep compiles each module on its first use, as without --warm-up (and
+            # a module that does not compile fails there, with its own error)
+            print(f"warm-up: failed ({type(error).__name__}: {error}); each module compiles on first use instead")
+        else:
+            slowest = max(warm.op_seconds, key=lambda op: warm.op_seconds[op], default=None)
+            print(f"warm-up: {len(warm.ops)} kernel modules compiled in {warm.seconds:.1f} s by {warm.processes} "
+                  f"processes" + (f" (slowest: {slowest}, {warm.op_seconds[slowest]:.1f} s)" if slowest else ""))
     # Without a memory pool each array is its own allocation, so compute-sanitizer sees its real bounds
     # (an overrun inside a pooled chunk is invisible) and initcheck never sees reused, stale memory.
     backend.use_exact_allocations()

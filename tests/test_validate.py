@@ -313,6 +313,32 @@ def test_launches_main_exits_one_when_an_instance_is_not_launched(monkeypatch, c
     assert "new_op: cupykv_new_op<float>" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["warmed", "warm-up-failed"])
+def test_launches_main_warms_up_first_and_goes_on_when_the_warm_up_fails(monkeypatch, capsys, fails):
+    from cupykv import validate_launches
+    from cupykv.backends.warm_up import WarmUp
+    calls = []
+
+    def warm_up(self, ops=None, processes=None):
+        calls.append("warm-up")
+        if fails:
+            raise RuntimeError("cudaErrorDevicesUnavailable")
+        return WarmUp(("attention_mma", "add"), 2, 20.5, {"attention_mma": 19.4, "add": 0.5})
+
+    monkeypatch.setattr(Backend, "warm_up", warm_up)
+    monkeypatch.setattr(validate_launches, "launch_every_kernel",
+                        lambda backend: calls.append("sweep") or [("add", "cupykv_add<float>")])
+    assert launches_main(["--backend", "emulator", "--warm-up"]) == 0
+    assert calls == ["warm-up", "sweep"]
+    out = capsys.readouterr().out
+    if fails:
+        assert ("warm-up: failed (RuntimeError: cudaErrorDevicesUnavailable); each module compiles on first use "
+                "instead") in out
+    else:
+        assert "warm-up: 2 kernel modules compiled in 20.5 s by 2 processes (slowest: attention_mma, 19.4 s)" in out
+    assert "launched all 1 kernel instances" in out
+
+
 def test_recording_launches_records_and_restores():
     original = Backend.launch
     a = get_backend("emulator").asarray(np.ones(8, np.float32))
