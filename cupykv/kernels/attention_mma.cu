@@ -188,7 +188,8 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     using M = typename cupykv::mma_type<T, TI>::type;   // the mma operand type
     constexpr bool kFp8 = cupykv::is_fp8<T>::value;
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "cupykv_attention_mma: head_dim 64 or 128");
-    static_assert(ROW_TILES == 1 || ROW_TILES == 2 || ROW_TILES == kMaxRowTiles, "cupykv_attention_mma: 1, 2 or 4 row tiles");
+    static_assert(ROW_TILES == 1 || ROW_TILES == 2 || ROW_TILES == kMaxRowTiles,
+                  "cupykv_attention_mma: 1, 2 or 4 row tiles");
     static_assert(kFp8 ? sizeof(T) == 1 : sizeof(T) == 2 && cupykv::same_type<T, TI>::value,
                   "cupykv_attention_mma: __half or __nv_bfloat16 caches of their own type, or __nv_fp8_e4m3");
     constexpr int kWarps = attention_mma_warps<HEAD_DIM>();           // key warps
@@ -366,7 +367,8 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 // ([2], [3]) are dims k0 + 4t .. k0 + 4t + 3 (fp8_q_slot): one word of each key's row
                 const unsigned char* codes = reinterpret_cast<const unsigned char*>(k_stage)
                                              + quad_row * kStageRow + k0 + 4 * quad_col;
-                const unsigned key_lo = cupykv::fp8_code_word(codes), key_hi = cupykv::fp8_code_word(codes + 8 * kStageRow);
+                const unsigned key_lo = cupykv::fp8_code_word(codes);
+                const unsigned key_hi = cupykv::fp8_code_word(codes + 8 * kStageRow);
                 k_frag[0] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo & 0xffffu));
                 k_frag[1] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo >> 16));
                 k_frag[2] = cupykv::widen_fp8_pair<M>((unsigned short)(key_hi & 0xffffu));
@@ -380,8 +382,8 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 if (kWarpTiles > 1 && t >= live_tiles) break;   // warp-uniform: a tile past the block's rows is not computed
                 for (int p = 0; p < pieces; ++p) {
                     unsigned q_frag[4];
-                    cupykv::ldmatrix_x4(q_frag, q_tile + (p * kBlockRows + warp_first_row + t * kTileRows + lane % 16) * kRow + k0
-                                                    + (lane / 16) * 8);
+                    const int q_row = p * kBlockRows + warp_first_row + t * kTileRows + lane % 16;
+                    cupykv::ldmatrix_x4(q_frag, q_tile + q_row * kRow + k0 + (lane / 16) * 8);
                     cupykv::mma_m16n8k16<M>(s[t][0], q_frag, keys_lo, s[t][0]);
                     cupykv::mma_m16n8k16<M>(s[t][1], q_frag, keys_hi, s[t][1]);
                 }
