@@ -59,8 +59,10 @@ def test_modules_the_backend_holds_are_left_out():
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(ValueError, match=r"^ops: expected keys of cupykv.kernels.KERNELS, got \['nope'\]$"):
         compile_in_parallel("emulator", ["add", "nope"])
-    for bad in (0, True, 1.5):
-        with pytest.raises(ValueError, match=r"^processes: expected an int >= 1 or None, got "):
+    with pytest.raises(ValueError, match=r"^processes: expected an int >= 1, got 0$"):
+        compile_in_parallel("emulator", ["add"], 0)
+    for bad in (True, 1.5):
+        with pytest.raises(TypeError, match=r"^processes: expected an int >= 1, got "):
             compile_in_parallel("emulator", ["add"], bad)
 
 

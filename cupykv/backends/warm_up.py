@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from cupykv import _args
 from cupykv.kernels import KERNELS
 
 
@@ -65,8 +66,8 @@ def compile_in_parallel(backend_name: str, ops: Sequence[str] | None = None,
 
     Raises
     ------
-    ValueError
-        An unknown op or a process count below 1.
+    TypeError, ValueError
+        An unknown op, or a process count that is not an int >= 1.
     CompileError, RuntimeError
         A worker's compile failed; its error is raised here.
     """
@@ -74,10 +75,9 @@ def compile_in_parallel(backend_name: str, ops: Sequence[str] | None = None,
     unknown = [op for op in ops if op not in KERNELS]
     if unknown:
         raise ValueError(f"ops: expected keys of cupykv.kernels.KERNELS, got {unknown}")
-    if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
-        raise ValueError(f"processes: expected an int >= 1 or None, got {processes!r}")
+    wanted = (os.cpu_count() or 1) if processes is None else _args.check_int("processes", processes, 1)
     ordered = compile_order(ops)
-    workers = max(1, min(len(ordered), processes or os.cpu_count() or 1))
+    workers = max(1, min(len(ordered), wanted))
     started = time.monotonic()
     op_seconds: dict[str, float] = {}
     if ordered:
