@@ -347,7 +347,7 @@ def test_a_bad_stated_sm_count_is_refused_by_name(monkeypatch):
         cupykv.KVCache(SPEC, backend="emulator").device_info()
 
 
-def test_rows_per_block_is_checked_by_name_before_anything_is_allocated():
+def test_rows_per_block_is_checked_by_name():
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=128, max_seq=256, batch=1, dtype="bfloat16")
     cache = cupykv.KVCache(spec, backend="emulator")
     assert attention_plan.block_row_choices("bfloat16", 128) == (16, 32, 64)
