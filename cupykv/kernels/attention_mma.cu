@@ -359,36 +359,44 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         for (int t = 0; t < kWarpTiles; ++t)
             for (int nb = 0; nb < 2; ++nb)
                 for (int c = 0; c < 4; ++c) s[t][nb][c] = 0.0f;
+        // The q pieces are a compile-time count in each of the loop's two copies (one piece without
+        // rope, the common case; three with it), so the common path issues no predicated-off mma or
+        // ldmatrix for the pieces it does not have. Either copy sums the same terms in the same order.
+        auto scores = [&](auto piece_count) {
+            constexpr int kPieceCount = decltype(piece_count)::value;
 #pragma unroll (kWarpTiles == 1 ? HEAD_DIM / 16 : 2)   // two tiles: two k-steps at a time, or the hoisted fragments spill
-        for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
-            unsigned k_frag[4];   // keys 0-7 (k_frag[0..1]) and 8-15 (k_frag[2..3]), dims k0..k0+15
-            if constexpr (kFp8) {
-                // slots 2t, 2t + 1 (k_frag[0]) and 8 + 2t, 9 + 2t ([1]) of keys quad_row and 8 + quad_row
-                // ([2], [3]) are dims k0 + 4t .. k0 + 4t + 3 (fp8_q_slot): one word of each key's row
-                const unsigned char* codes = reinterpret_cast<const unsigned char*>(k_stage)
-                                             + quad_row * kStageRow + k0 + 4 * quad_col;
-                const unsigned key_lo = cupykv::fp8_code_word(codes);
-                const unsigned key_hi = cupykv::fp8_code_word(codes + 8 * kStageRow);
-                k_frag[0] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo & 0xffffu));
-                k_frag[1] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo >> 16));
-                k_frag[2] = cupykv::widen_fp8_pair<M>((unsigned short)(key_hi & 0xffffu));
-                k_frag[3] = cupykv::widen_fp8_pair<M>((unsigned short)(key_hi >> 16));
-            } else {
-                cupykv::ldmatrix_x4(k_frag, k_stage + ((lane / 16) * 8 + lane % 8) * kRow + k0 + ((lane / 8) % 2) * 8);
-            }
-            const unsigned keys_lo[2] = {k_frag[0], k_frag[1]}, keys_hi[2] = {k_frag[2], k_frag[3]};
+            for (int k0 = 0; k0 < HEAD_DIM; k0 += 16) {
+                unsigned k_frag[4];   // keys 0-7 (k_frag[0..1]) and 8-15 (k_frag[2..3]), dims k0..k0+15
+                if constexpr (kFp8) {
+                    // slots 2t, 2t + 1 (k_frag[0]) and 8 + 2t, 9 + 2t ([1]) of keys quad_row and 8 + quad_row
+                    // ([2], [3]) are dims k0 + 4t .. k0 + 4t + 3 (fp8_q_slot): one word of each key's row
+                    const unsigned char* codes = reinterpret_cast<const unsigned char*>(k_stage)
+                                                 + quad_row * kStageRow + k0 + 4 * quad_col;
+                    const unsigned key_lo = cupykv::fp8_code_word(codes);
+                    const unsigned key_hi = cupykv::fp8_code_word(codes + 8 * kStageRow);
+                    k_frag[0] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo & 0xffffu));
+                    k_frag[1] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo >> 16));
+                    k_frag[2] = cupykv::widen_fp8_pair<M>((unsigned short)(key_hi & 0xffffu));
+                    k_frag[3] = cupykv::widen_fp8_pair<M>((unsigned short)(key_hi >> 16));
+                } else {
+                    cupykv::ldmatrix_x4(k_frag, k_stage + ((lane / 16) * 8 + lane % 8) * kRow + k0 + ((lane / 8) % 2) * 8);
+                }
+                const unsigned keys_lo[2] = {k_frag[0], k_frag[1]}, keys_hi[2] = {k_frag[2], k_frag[3]};
 #pragma unroll
-            for (int t = 0; t < kWarpTiles; ++t) {
-                if (kWarpTiles > 1 && t >= live_tiles) break;   // warp-uniform: a tile past the block's rows is not computed
-                for (int p = 0; p < pieces; ++p) {
-                    unsigned q_frag[4];
-                    const int q_row = p * kBlockRows + warp_first_row + t * kTileRows + lane % 16;
-                    cupykv::ldmatrix_x4(q_frag, q_tile + q_row * kRow + k0 + (lane / 16) * 8);
-                    cupykv::mma_m16n8k16<M>(s[t][0], q_frag, keys_lo, s[t][0]);
-                    cupykv::mma_m16n8k16<M>(s[t][1], q_frag, keys_hi, s[t][1]);
+                for (int t = 0; t < kWarpTiles; ++t) {
+                    if (kWarpTiles > 1 && t >= live_tiles) break;   // warp-uniform: a tile past the block's rows is not computed
+#pragma unroll
+                    for (int p = 0; p < kPieceCount; ++p) {
+                        unsigned q_frag[4];
+                        const int q_row = p * kBlockRows + warp_first_row + t * kTileRows + lane % 16;
+                        cupykv::ldmatrix_x4(q_frag, q_tile + q_row * kRow + k0 + (lane / 16) * 8);
+                        cupykv::mma_m16n8k16<M>(s[t][0], q_frag, keys_lo, s[t][0]);
+                        cupykv::mma_m16n8k16<M>(s[t][1], q_frag, keys_hi, s[t][1]);
+                    }
                 }
             }
-        }
+        };
+        if (pieces == 1) scores(cupykv::Count<1>{}); else scores(cupykv::Count<kQPieces>{});
 
         // 3. Scale, cap, mask (only in a step that can hold a masked key), online softmax per row.
         const bool open = first_key >= first_open && first_key + kStepKeys - 1 <= last_open;
@@ -407,6 +415,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                     }
                     s[t][nb][c] = value;
                 }
+            float rescale[2];
             for (int half = 0; half < 2; ++half) {
                 float step_max = fmaxf(fmaxf(s[t][0][2 * half], s[t][0][2 * half + 1]),
                                        fmaxf(s[t][1][2 * half], s[t][1][2 * half + 1]));
@@ -414,16 +423,13 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
                 const float new_max = fmaxf(row_max[t][half], step_max);
                 const bool any = new_max != cupykv::neg_infinity();
-                const float rescale = any ? expf(row_max[t][half] - new_max) : 1.0f;
+                // exactly 1 while the row's max stands (no key attended yet included)
+                rescale[half] = new_max == row_max[t][half] ? 1.0f : cupykv::exp_shifted(row_max[t][half], new_max);
                 row_max[t][half] = new_max;
                 float p[2][2];
                 for (int nb = 0; nb < 2; ++nb)
-                    for (int e = 0; e < 2; ++e) p[nb][e] = any ? expf(s[t][nb][2 * half + e] - new_max) : 0.0f;
-                row_sum[t][half] = row_sum[t][half] * rescale + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
-                for (int n8 = 0; n8 < kDimBlocks; ++n8) {
-                    acc[t][n8][2 * half] *= rescale;
-                    acc[t][n8][2 * half + 1] *= rescale;
-                }
+                    for (int e = 0; e < 2; ++e) p[nb][e] = any ? cupykv::exp_shifted(s[t][nb][2 * half + e], new_max) : 0.0f;
+                row_sum[t][half] = row_sum[t][half] * rescale[half] + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
                 // a0a1: (row, keys 2t..2t+1); a2a3: (row + 8, ...); a4a5: (row, keys 8 + 2t..); a6a7: (row + 8, ...)
                 for (int nb = 0; nb < 2; ++nb) {
                     const M hi0 = cupykv::from_float<M>(p[nb][0]), hi1 = cupykv::from_float<M>(p[nb][1]);
@@ -432,6 +438,13 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                                                                cupykv::from_float<M>(p[nb][1] - cupykv::to_float(hi1)));
                 }
             }
+            // The tile's accumulators are rescaled only when some row's max moved in this step: once
+            // the maxima settle (most steps of a long context) the kHeadDim / 2 multiplies per lane
+            // are skipped. Skipping a multiply by exactly 1 is exact, so no row's bits depend on the
+            // other rows of its warp (the vote is warp-uniform, the arithmetic per row unchanged).
+            if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f))
+                for (int n8 = 0; n8 < kDimBlocks; ++n8)
+                    for (int c = 0; c < 4; ++c) acc[t][n8][c] *= rescale[c / 2];
         }
 
         // 4. O += P V, 16 dims (two n8 blocks) per V fragment, loaded once for every tile; V rows of

@@ -6,7 +6,9 @@
 // - the half-split rotary embedding (LLaMA / GPT-NeoX), computed in double
 //   so that the angle pos * theta^(-2i/d) stays accurate at long positions;
 // - the launch gate (gated_off): the run_if word every op kernel reads first;
-// - the float constants NVRTC does not define.
+// - the float constants NVRTC does not define;
+// - the online-softmax weight e^(x - max) on the base-2 exponential (exp_shifted);
+// - Count<N>, a compile-time count passed to a generic lambda.
 //
 // Compiles under NVRTC (sm_80, sm_90) and under cupykv's CPU emulator, which
 // supplies its own <cuda_fp16.h> and <cuda_bf16.h>.
@@ -27,6 +29,20 @@ namespace cupykv {
 __device__ __forceinline__ bool gated_off(const int* __restrict__ run_if) { return *run_if == 0; }
 
 __device__ __forceinline__ float neg_infinity() { return __int_as_float(0xff800000); }
+
+// A compile-time count as a value: a generic lambda called with Count<1>{} or Count<3>{} is
+// compiled once for each, with decltype(arg)::value a constant (NVRTC has no <type_traits>).
+template <int N> struct Count { static constexpr int value = N; };
+
+// The online-softmax weight e^(x - max), x <= max, as 2^((x - max) log2 e): the difference is
+// rounded first, so x == max gives 2^0 and a large max adds no error of its own (folding log2 e
+// into the logits would round max * log2 e instead). exp2f is one MUFU.EX2 under -ftz=true, which
+// CuPy always passes, against about eight instructions for expf; its 2 ulp and the product's
+// rounding (relative |x - max| 2^-24) stay far inside the stated fp32 accumulation term.
+// x = -inf (a masked key) gives 0; the caller handles max = -inf (no key attended).
+__device__ __forceinline__ float exp_shifted(float x, float max) {
+    return exp2f((x - max) * 1.4426950408889634f);
+}
 
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
