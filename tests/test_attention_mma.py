@@ -100,6 +100,44 @@ def test_split_results_equal_the_cuda_core_kernel_to_fp32_accuracy(backend, dtyp
     assert error <= 64 * 2.0 ** -24, f"split results differ by {error:.3g} of the value scale"
 
 
+# (q_len, group, row): the row whose max moves late. 16 rows (one tile): rows 3 and 12, a lane's first
+# and second half (quad_row and quad_row + 8); 32 rows: row 21, in the warp's second tile; 64 rows (two
+# row groups): rows 45 and 62, in the second group's first and second tile
+MOVING_ROWS = [(1, 16, 3), (1, 16, 12), (4, 8, 21), (8, 8, 45), (8, 8, 62)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", CASES)
+@pytest.mark.parametrize("q_len, group, moving_row", MOVING_ROWS, ids=[f"row{r}of{q * g}" for q, g, r in MOVING_ROWS])
+def test_a_new_max_in_a_late_step_rescales_that_rows_sums(backend, dtype, head_dim, q_len, group, moving_row):
+    """A tile's accumulators are rescaled only in a step where a warp vote finds a row whose max moved.
+    Here every row's max is key 0's logit, except one row whose max moves at key 260 (a late step of
+    the second key warp) by 8: that step alone must rescale the row's sums, by e^-8. Row r's query
+    is 4 e_r, so its logits are 4 k[j, r]: key 0 is 2 in every dim, key 260 is 4 in the moving
+    row's dim, and the other keys are small."""
+    length = 300
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=length + q_len + 4, batch=1,
+                            dtype=dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(moving_row)
+    k = rng.standard_normal((1, length + q_len, 1, head_dim)) * 0.125
+    k[:, 0] = 2.0
+    k[:, 260, 0, moving_row] = 4.0
+    k = k.astype(spec.io_np_dtype)
+    v = testing.random_rows(rng, spec, (1, length + q_len, 1, head_dim))
+    cache.append(0, cache.to_device(k), cache.to_device(v))
+    oracle.append(0, k, v)
+    cache.advance([length])
+    oracle.advance([length])
+    q = np.zeros((1, q_len, group, head_dim), spec.io_np_dtype)
+    for row in range(q_len * group):
+        q[0, row // group, row % group, row] = 4.0
+    for num_splits in (1, 2):
+        got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, scale=1.0, num_splits=num_splits), spec)
+        want = reference.attention(q, oracle, 0, scale=1.0)
+        assert_attention_close(got, want, dtype, float(np.abs(v.astype(np.float32)).max()), f"num_splits={num_splits}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, head_dim", CASES)
 @pytest.mark.parametrize("q_len", [1, 16], ids=["4rows", "64rows"])   # one row group, or two

@@ -43,6 +43,11 @@
 // - Masks only where a step can hold a masked key (the split's last step, the diagonal of a
 //   verification tile, a window's first keys): a block-uniform test per step, no integer division
 //   in the loop. Rows past the tile (q_len * group < 16) are zero queries, computed, never stored.
+// - Per step, only the work the step needs: the softmax weights are base-2 exponentials, one
+//   MUFU.EX2 each (exp_shifted, common.cuh); a tile's accumulators are rescaled only when a warp
+//   vote finds a row whose max moved in the step (a multiply by exactly 1 skipped, so exact); the
+//   S loop is compiled for one q piece and for three, so unrotated 16-bit q issues no
+//   predicated-off mma. docs/performance.md counts the common path's instructions.
 // - A row's result depends only on its own query and the split's keys (the mma sums each output
 //   element over its own row), so with split_keys a row is bit-identical for every q_len.
 //
