@@ -20,8 +20,10 @@
 //   reads each K/V row of its keys once for up to 64 rows. Its kWarps key warps take 16-key steps
 //   of that range in turn (key warp w: steps w, w + kWarps, ...), each with its own online-softmax
 //   state per tile, and merge at the end in a fixed order. Each step's K and V fragments are loaded
-//   once and used for every tile of the warp; a tile past the block's rows is skipped (uniform
-//   across the warp).
+//   once and used for every tile of the warp. A tile past the block's rows (the last block of a
+//   sequence and kv head) is computed on zero queries and never stored, as long as in a full
+//   block: a warp-uniform skip cost a WARPSYNC before every mma of every step (80 to 140 issued
+//   instructions a step on sm_90) in every block.
 // - A warp holds at most kMaxWarpTiles = 2 tiles (their accumulators take most of its registers).
 //   Four tiles are two row groups of 2 tiles: warp (group g, key warp w) computes tiles 2g and
 //   2g + 1 over key warp w's steps, from a stage that the two warps of key warp w fill together
@@ -236,8 +238,6 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     const int first_row = (blockIdx.x - head_of_batch * tiles) * kBlockRows;
     const int block_rows = min(kBlockRows, q_len * group - first_row);
     const int warp_first_row = row_group * kWarpRows;                 // the warp's first row in the block
-    // m16 tiles of the warp holding a row (0 for a row group past the block's rows): warp-uniform
-    const int live_tiles = block_rows > warp_first_row ? (block_rows - warp_first_row - 1) / kTileRows + 1 : 0;
     const int length = min(max(lengths[b], 0), max_seq);
     const int pieces = use_rope || cupykv::same_type<TI, float>::value ? kQPieces : 1;
     // The logit factor and, for fp8 caches, the head's V scale (16-bit caches: scale alone, no scales read).
@@ -389,7 +389,6 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 const unsigned keys_lo[2] = {k_frag[0], k_frag[1]}, keys_hi[2] = {k_frag[2], k_frag[3]};
 #pragma unroll
                 for (int t = 0; t < kWarpTiles; ++t) {
-                    if (kWarpTiles > 1 && t >= live_tiles) break;   // warp-uniform: a tile past the block's rows is not computed
 #pragma unroll
                     for (int p = 0; p < kPieceCount; ++p) {
                         unsigned q_frag[4];
@@ -408,7 +407,6 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         unsigned p_hi[kWarpTiles][4], p_lo[kWarpTiles][4];   // P as the A fragments of P.V: S's fragments
 #pragma unroll
         for (int t = 0; t < kWarpTiles; ++t) {
-            if (kWarpTiles > 1 && t >= live_tiles) break;
             for (int nb = 0; nb < 2; ++nb)
                 for (int c = 0; c < 4; ++c) {
                     float value = s[t][nb][c] * logit_scale;
@@ -478,8 +476,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             const unsigned dims_lo[2] = {v_frag[0], v_frag[1]}, dims_hi[2] = {v_frag[2], v_frag[3]};
 #pragma unroll
             for (int t = 0; t < kWarpTiles; ++t) {
-                if (kWarpTiles > 1 && t >= live_tiles) break;
-                cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_hi[t], dims_lo, acc[t][d0 / 8]);
+                    cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_hi[t], dims_lo, acc[t][d0 / 8]);
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_lo[t], dims_lo, acc[t][d0 / 8]);
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8 + 1], p_hi[t], dims_hi, acc[t][d0 / 8 + 1]);
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8 + 1], p_lo[t], dims_hi, acc[t][d0 / 8 + 1]);
