@@ -100,6 +100,44 @@ def test_split_results_equal_the_cuda_core_kernel_to_fp32_accuracy(backend, dtyp
     assert error <= 64 * 2.0 ** -24, f"split results differ by {error:.3g} of the value scale"
 
 
+# the operand types of P V: half for a half cache and an fp8 cache with half io; bf16 (no subnormals in
+# this range) for a bf16 cache
+P_OPERANDS = [("float16", None), ("float8_e4m3", "float16"), ("bfloat16", None)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, io_dtype", P_OPERANDS, ids=["half", "fp8-half-io", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_weights_below_the_half_subnormal_range_still_count(backend, dtype, io_dtype, head_dim):
+    """P V takes P as half pieces when the operands are half. A half below 2^-14 is subnormal, with a
+    step of 2^-24, so a weight under 2^-25 would round to zero in both pieces. Here each key warp's
+    first key of a split has a logit 17.375 above its 2047 other keys (weights e^-17.375, 2.9e-8):
+    their share of the split's result (V 1 against 0) must survive, to fp32 accuracy."""
+    split_keys, length = 2048, 4096
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=length + 8, batch=1, dtype=dtype,
+                            io_dtype=io_dtype)
+    cache = cupykv.KVCache(spec, backend=backend)
+    keys = np.arange(length + 1)   # the committed rows and the query's own
+    top = (keys % split_keys < STEP * WARPS[head_dim]) & (keys % STEP == 0)   # each key warp's first key of a split
+    k = np.zeros((1, length + 1, 1, head_dim), spec.io_np_dtype)
+    v = np.ones_like(k)
+    k[0, top, 0, 0] = 16.0
+    v[0, top] = 0.0
+    cache.append(0, cache.to_device(k), cache.to_device(v))
+    cache.advance([length])
+    q = np.zeros((1, 1, 1, head_dim), spec.io_np_dtype)
+    q[0, 0, 0, 0] = 1.0
+    plan = cupykv.AttentionPlan(cache, 1, 1, split_keys=split_keys, scale=17.375 / 16)
+    assert plan.kernel.tensor_cores
+    got, _ = _split_results(plan, cache.to_device(q))
+    weights = np.where(top, 1.0, np.exp(-17.375))
+    for split in range(len(got)):
+        part = slice(split * split_keys, (split + 1) * split_keys)
+        want = np.dot(weights[part], v[0, part, 0, 0].astype(np.float64)) / weights[part].sum()
+        error = np.abs(got[split, 0] - want).max()
+        assert error <= 64 * 2.0 ** -24, f"split {split}: {got[split, 0, 0]:.6g}, want {want:.6g}"
+
+
 # (q_len, group, row): the row whose max moves late. 16 rows (one tile): rows 3 and 12, a lane's first
 # and second half (quad_row and quad_row + 8); 32 rows: row 21, in the warp's second tile; 64 rows (two
 # row groups): rows 45 and 62, in the second group's first and second tile

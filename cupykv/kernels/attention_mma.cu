@@ -240,6 +240,12 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     const int warp_first_row = row_group * kWarpRows;                 // the warp's first row in the block
     const int length = min(max(lengths[b], 0), max_seq);
     const int pieces = use_rope || cupykv::same_type<TI, float>::value ? kQPieces : 1;
+    // P's weights as mma operands: with half operands they are taken times 2^15, so that a weight
+    // under 2^-14 (a subnormal half, in steps of 2^-24: one key 17.4 above the rest would round all
+    // their weights to zero) keeps its bits down to 2^-39. The row sums carry the same factor, and both
+    // are unscaled when published. The largest weight, 2^15, is far below the half's 65504.
+    constexpr bool kHalfP = cupykv::same_type<M, __half>::value;
+    constexpr float kPLog2Factor = kHalfP ? 15.0f : 0.0f, kPUnscale = kHalfP ? 1.0f / 32768.0f : 1.0f;
     // The logit factor and, for fp8 caches, the head's V scale (16-bit caches: scale alone, no scales read).
     float logit_scale = scale, v_scale = 1.0f;
     if constexpr (kFp8) {
@@ -431,7 +437,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 row_max[t][half] = new_max;
                 float p[2][2];
                 for (int nb = 0; nb < 2; ++nb)
-                    for (int e = 0; e < 2; ++e) p[nb][e] = any ? cupykv::exp_shifted(s[t][nb][2 * half + e], new_max) : 0.0f;
+                    for (int e = 0; e < 2; ++e) p[nb][e] = any ? cupykv::exp_shifted(s[t][nb][2 * half + e], new_max, kPLog2Factor) : 0.0f;
                 row_sum[t][half] = row_sum[t][half] * rescale[half] + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
                 // a0a1: (row, keys 2t..2t+1); a2a3: (row + 8, ...); a4a5: (row, keys 8 + 2t..); a6a7: (row + 8, ...)
                 for (int nb = 0; nb < 2; ++nb) {
@@ -490,6 +496,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         for (int half = 0; half < 2; ++half) {
             row_sum[t][half] += __shfl_xor_sync(0xffffffffu, row_sum[t][half], 1);
             row_sum[t][half] += __shfl_xor_sync(0xffffffffu, row_sum[t][half], 2);
+            row_sum[t][half] *= kPUnscale;   // exact: a power of two
         }
     __syncthreads();   // every warp is done with the q pieces and its stages: they become the accumulators
     float* warp_acc = reinterpret_cast<float*>(smem_bytes);         // [key warps][kBlockRows][HEAD_DIM]
@@ -504,8 +511,8 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             }
             for (int n8 = 0; n8 < kDimBlocks; ++n8) {   // in column order (fp8 caches: fp8_v_column)
                 float* at = warp_acc + (key_warp * kBlockRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
-                at[0] = acc[t][n8][2 * half];
-                at[1] = acc[t][n8][2 * half + 1];
+                at[0] = acc[t][n8][2 * half] * kPUnscale;
+                at[1] = acc[t][n8][2 * half + 1] * kPUnscale;
             }
         }
     __syncthreads();

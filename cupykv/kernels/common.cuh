@@ -44,6 +44,12 @@ __device__ __forceinline__ float exp_shifted(float x, float max) {
     return exp2f((x - max) * 1.4426950408889634f);
 }
 
+// e^(x - max) * 2^log2_factor in the same instructions: the factor is the addend of the product's
+// rounding (an FFMA for the FMUL). A power-of-two factor moves a weight's range, not its bits.
+__device__ __forceinline__ float exp_shifted(float x, float max, float log2_factor) {
+    return exp2f(fmaf(x - max, 1.4426950408889634f, log2_factor));
+}
+
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
