@@ -95,6 +95,10 @@ def test_split_results_equal_the_cuda_core_kernel_to_fp32_accuracy(backend, dtyp
     (got, got_sum), (want, want_sum) = (_split_results(p, c.to_device(q.astype(c.spec.np_dtype)))
                                         for p, c in zip(plans, (cache16, cache32)))
     assert np.array_equal(got_sum > 0, want_sum > 0)
+    # the workspace's row sums are sum_j e^(s_j - max) on both kernels, whatever factor the mma's operands
+    # took; each weight's exponent differs by up to |s_j - max| 2^-24 (about 60 2^-24 here) plus 2 ulp
+    sum_error = float(np.abs(got_sum - want_sum).max() / np.abs(want_sum).max())
+    assert sum_error <= 256 * 2.0 ** -24, f"split row sums differ by {sum_error:.3g}"
     value_scale = float(np.abs(want).max())
     error = np.abs(got - want).max() / value_scale
     assert error <= 64 * 2.0 ** -24, f"split results differ by {error:.3g} of the value scale"
