@@ -32,7 +32,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter",
              "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far",
-             "vector_tail_past_end", "packed_tail_past_end"]
+             "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
+             "local_array_past_end", "row_index_past_row"]
 
 
 def line_of(path, needle, nth=0):
@@ -404,10 +405,10 @@ def test_f_dynamic_shared_memory_out_of_bounds(good, bugs, shared_mem):
 STATIC_SHARED_BOUNDS = [
     # (kernel, threads, the bad line, what the error says): one past the end lands in the
     # variable's guard bytes, not in the next variable; so does index -1
-    ("static_smem_past_end", 128, "warp_totals[threadIdx.x / 32 + 1] = 1.f",
+    ("static_smem_past_end", 128, "slots[threadIdx.x / 32 + 1] = 1.f",
      r"thread \(96,0,0\): out-of-bounds write of 4 bytes at static __shared__ warp_totals \(in "
      r"static_smem_past_end\) byte offset 16 \(the first byte past the end of the variable's 16 bytes\)"),
-    ("static_smem_before_start", 64, "counts[(int)(threadIdx.x / 32) - 1] = 1.f",
+    ("static_smem_before_start", 64, "slots[(int)(threadIdx.x / 32) - 1] = 1.f",
      r"thread \(0,0,0\): out-of-bounds write of 4 bytes at static __shared__ counts \(in "
      r"static_smem_before_start\) byte offset -4 \(4 bytes before the start of the variable's 32 bytes\)"),
 ]
@@ -422,6 +423,35 @@ def test_static_shared_memory_out_of_bounds(good, bugs, monkeypatch, racecheck, 
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
     with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_of(BUGS, needle)}"):
         bugs.get_function(kernel)(1, threads, (E.zeros(threads),))
+    assert_still_works(good)
+
+
+ARRAY_INDEX_BOUNDS = [
+    # (kernel, threads, arguments, the bad line, what the error says): an index outside an array's
+    # stated bound, whatever memory the element would be in
+    ("static_smem_into_neighbour", 32, lambda: (E.zeros(32),), "sums[threadIdx.x + 11] = 1.f",
+     r"kernel 'static_smem_into_neighbour' block \(0,0,0\) thread \(5,0,0\): out-of-bounds index 16 into an "
+     r"array of type 'float \[8\]'"),
+    ("local_array_past_end", 1, lambda: (E.zeros(8), np.int32(4)), "for (int i = 0; i <= n; ++i) acc[i] += y[i];",
+     r"thread \(0,0,0\): out-of-bounds index 4 into an array of type 'float \[4\]'"),
+    ("row_index_past_row", 64, lambda: (E.zeros(64),), "y[threadIdx.x] = tile[0][threadIdx.x % 16];",
+     r"out-of-bounds index (8|9|1[0-5]) into an array of type 'float \[8\]'"),
+]
+
+
+@pytest.mark.parametrize("racecheck", ["1", "0"])
+@pytest.mark.parametrize("kernel, threads, arguments, needle, message", ARRAY_INDEX_BOUNDS,
+                         ids=["static-shared-into-neighbour", "local-array", "inner-dimension"])
+def test_an_index_outside_an_arrays_bound_fails(good, bugs, monkeypatch, racecheck, kernel, threads, arguments,
+                                               needle, message):
+    """An index outside the bound an array's type states ends the launch, naming the kernel, the
+    thread, the index, the array's type and the line: past a static __shared__ array by more than
+    its guard bytes (into the next variable), past a local array, and the inner index of a 2-d array
+    out of its row while the element is still inside the array. Memory checks cannot see these:
+    the bytes belong to something else, or to the same array."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
+    with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_of(BUGS, needle)} \(column \d+\)"):
+        bugs.get_function(kernel)(1, threads, arguments())
     assert_still_works(good)
 
 

@@ -92,20 +92,23 @@ __global__ void null_deref(float* y) { y[threadIdx.x] = 1.f; }
 // Integer division by zero (the GPU returns garbage; the emulator reports it).
 __global__ void divide_by_zero(int* y, int d) { y[threadIdx.x] = 100 / d; }
 
-// (m) a static __shared__ array indexed one past its end: one slot per warp, off by one.
+// (m) a static __shared__ array written one past its end through a pointer (an index into the
+// array itself is caught by its bound first, kernels below): one slot per warp, off by one.
 __global__ void static_smem_past_end(float* y) {
   __shared__ float warp_totals[4];
-  if (threadIdx.x % 32 == 0) warp_totals[threadIdx.x / 32 + 1] = 1.f;
+  float* const slots = warp_totals;
+  if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32 + 1] = 1.f;
   __syncthreads();
   y[threadIdx.x] = warp_totals[threadIdx.x % 4];
 }
 
-// (n) a static __shared__ array indexed one before its start.
+// (n) a static __shared__ array written one before its start through a pointer.
 __global__ void static_smem_before_start(float* y) {
   __shared__ float counts[8];
   __shared__ int flag;
   flag = 0;
-  if (threadIdx.x % 32 == 0) counts[(int)(threadIdx.x / 32) - 1] = 1.f;
+  float* const slots = counts;
+  if (threadIdx.x % 32 == 0) slots[(int)(threadIdx.x / 32) - 1] = 1.f;
   __syncthreads();
   y[threadIdx.x] = counts[threadIdx.x % 8] + (float)flag;
 }
@@ -197,4 +200,32 @@ __global__ void packed_tail_past_end(float* y, const float* x, int n) {
     for (int e = 0; e < 8; ++e) sum += eight.v[e];
   }
   y[threadIdx.x] = sum;
+}
+
+// An index past a static __shared__ array's end by more than its guard bytes, into the array
+// declared after it: only the array's bound can tell it from a write to the neighbour.
+__global__ void static_smem_into_neighbour(float* y) {
+  __shared__ float sums[8];
+  __shared__ float counts[8];
+  sums[threadIdx.x % 8] = 0.f;
+  counts[threadIdx.x % 8] = 0.f;
+  __syncthreads();
+  if (threadIdx.x == 5) sums[threadIdx.x + 11] = 1.f;
+  __syncthreads();
+  y[threadIdx.x] = sums[threadIdx.x % 8] + counts[threadIdx.x % 8];
+}
+
+// A local array indexed past its end (registers or local memory on the GPU: garbage, no fault).
+__global__ void local_array_past_end(float* y, int n) {
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; i <= n; ++i) acc[i] += y[i];
+  y[threadIdx.x] = acc[threadIdx.x % 4];
+}
+
+// The inner index of a two-dimensional array out of its row, the element still inside the array.
+__global__ void row_index_past_row(float* y) {
+  __shared__ float tile[4][8];
+  tile[threadIdx.x / 8 % 4][threadIdx.x % 8] = (float)threadIdx.x;
+  __syncthreads();
+  y[threadIdx.x] = tile[0][threadIdx.x % 16];
 }

@@ -610,6 +610,58 @@ CUEMU_EXPORT void* __wrap_memset(void* dst, int value, size_t n) {
   return cuemu_fill(dst, value, n);
 }
 
+// ---- array bounds (build.py's BOUNDS_FLAGS: GCC's -fsanitize=bounds, without its runtime) ----
+// What UndefinedBehaviorSanitizer passes for an index outside an array's stated bound. The index
+// comes inline when its type is at most 64 bits wide (info: log2 of the width, times 2, plus 1 if
+// signed); array_type->name is the type as the source spells it ('float [2][4]').
+namespace cuemu {
+namespace {
+struct UbsanSourceLocation {
+  const char* file;
+  uint32_t line, column;
+};
+struct UbsanTypeDescriptor {
+  uint16_t kind, info;
+  char name[1];
+};
+struct UbsanOutOfBoundsData {
+  UbsanSourceLocation location;
+  const UbsanTypeDescriptor* array_type;
+  const UbsanTypeDescriptor* index_type;
+};
+
+[[noreturn]] __attribute__((noinline, cold)) void out_of_bounds_index(const UbsanOutOfBoundsData* data,
+                                                                      uintptr_t index, const void* ra) {
+  const unsigned width = 1u << (data->index_type->info >> 1);
+  const bool is_signed = data->index_type->info & 1;
+  char index_text[48];
+  if (width > 64) {
+    snprintf(index_text, sizeof index_text, "a %u-bit index", width);
+  } else if (is_signed) {
+    const int shift = 64 - (int)width;
+    snprintf(index_text, sizeof index_text, "index %lld", (long long)((int64_t)((uint64_t)index << shift) >> shift));
+  } else {
+    snprintf(index_text, sizeof index_text, "index %llu", (unsigned long long)index);
+  }
+  char column[32];
+  snprintf(column, sizeof column, " (column %u)", (unsigned)data->location.column);
+  const std::string msg = std::string("out-of-bounds ") + index_text + " into an array of type " +
+                          data->array_type->name + " at " +
+                          site_text((uint32_t)((uintptr_t)ra - T.module_base)) + column;
+  fail_launch(CUEMU_ERR_BAD_ACCESS, msg.c_str());
+}
+}  // namespace
+}  // namespace cuemu
+
+CUEMU_EXPORT void __ubsan_handle_out_of_bounds_abort(void* data, uintptr_t index) {
+  cuemu::out_of_bounds_index(static_cast<const cuemu::UbsanOutOfBoundsData*>(data), index,
+                             __builtin_return_address(0));
+}
+CUEMU_EXPORT void __ubsan_handle_out_of_bounds(void* data, uintptr_t index) {   // a recoverable build's
+  cuemu::out_of_bounds_index(static_cast<const cuemu::UbsanOutOfBoundsData*>(data), index,
+                             __builtin_return_address(0));
+}
+
 CUEMU_EXPORT void cuemu_atomic_access(void* addr, unsigned size, void* site) {
   cuemu::check_aligned(addr, size, ACCESS_ATOMIC, site);
   cuemu::record((uintptr_t)addr, size, ACCESS_ATOMIC, site);

@@ -49,10 +49,15 @@ COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
 # -fno-optimize-sibling-calls: a call in tail position (an atomicAdd that ends a kernel) returns
 # into the kernel, not past it, so that the return address the callee reports is its call site.
 INSTRUMENT_FLAGS = ("-fsanitize=thread",)
+# An index outside the stated bound of an array (a local array, a static __shared__ array through
+# its reference, an array member; any dimension) calls __ubsan_handle_out_of_bounds_abort, which
+# the runtime defines (access.cpp): the launch ends, naming the line, the index and the array's type.
+# Without it such an index reads or writes the neighbouring variable silently, on the GPU as here.
+BOUNDS_FLAGS = ("-fsanitize=bounds", "-fno-sanitize-recover=bounds")
 NO_FUNC_ENTRY_EXIT = ("--param", "tsan-instrument-func-entry-exit=0")
 BASE_MODULE_FLAGS = tuple(f for f in COMMON_FLAGS if f != "-shared") + (
     "-fstack-clash-protection", "-fno-crossjumping", "-fno-optimize-sibling-calls", "-Wno-attributes",
-    "-include", "cuemu.h", "-g1")
+    "-include", "cuemu.h", "-g1") + BOUNDS_FLAGS
 MODULE_LINK_FLAGS = ("-shared", "-Wl,--wrap=__assert_fail")
 INSTRUMENT_LINK_FLAGS = ("-Wl,--wrap=memcpy", "-Wl,--wrap=memmove", "-Wl,--wrap=memset")
 _HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".cuh", ".inc", ".inl", ".cu")
