@@ -33,7 +33,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter",
              "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
-             "local_array_past_end", "row_index_past_row"]
+             "local_array_past_end", "row_index_past_row", "local_array_before_start"]
 
 
 def line_of(path, needle, nth=0):
@@ -436,18 +436,21 @@ ARRAY_INDEX_BOUNDS = [
      r"thread \(0,0,0\): out-of-bounds index 4 into an array of type 'float \[4\]'"),
     ("row_index_past_row", 64, lambda: (E.zeros(64),), "y[threadIdx.x] = tile[0][threadIdx.x % 16];",
      r"out-of-bounds index (8|9|1[0-5]) into an array of type 'float \[8\]'"),
+    ("local_array_before_start", 2, lambda: (E.zeros(2), np.int32(0)), "window[first + (int)threadIdx.x - 1]",
+     r"thread \(0,0,0\): out-of-bounds index -1 into an array of type 'float \[4\]'"),
 ]
 
 
 @pytest.mark.parametrize("racecheck", ["1", "0"])
 @pytest.mark.parametrize("kernel, threads, arguments, needle, message", ARRAY_INDEX_BOUNDS,
-                         ids=["static-shared-into-neighbour", "local-array", "inner-dimension"])
+                         ids=["static-shared-into-neighbour", "local-array", "inner-dimension", "negative"])
 def test_an_index_outside_an_arrays_bound_fails(good, bugs, monkeypatch, racecheck, kernel, threads, arguments,
                                                needle, message):
     """An index outside the bound an array's type states ends the launch, naming the kernel, the
     thread, the index, the array's type and the line: past a static __shared__ array by more than
-    its guard bytes (into the next variable), past a local array, and the inner index of a 2-d array
-    out of its row while the element is still inside the array. Memory checks cannot see these:
+    its guard bytes (into the next variable), past a local array and before its start (a negative
+    signed index), and the inner index of a 2-d array out of its row while the element is still
+    inside the array. Memory checks cannot see these:
     the bytes belong to something else, or to the same array."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
     with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_of(BUGS, needle)} \(column \d+\)"):

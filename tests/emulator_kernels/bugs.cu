@@ -229,3 +229,9 @@ __global__ void row_index_past_row(float* y) {
   __syncthreads();
   y[threadIdx.x] = tile[0][threadIdx.x % 16];
 }
+
+// A local array indexed one before its start by a signed index.
+__global__ void local_array_before_start(float* y, int first) {
+  float window[4] = {1.f, 2.f, 3.f, 4.f};
+  y[threadIdx.x] = window[first + (int)threadIdx.x - 1];
+}
