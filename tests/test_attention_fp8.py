@@ -6,9 +6,11 @@ applies the scales to its fp32 results: ``scale * k_scale`` on the logits, ``v_s
 These tests hold it to the reference (which attends over ``code * scale`` in float64) within the
 stated tolerance of the io dtype (cupykv.tolerances), where its design could go wrong:
 
-- every io dtype: bfloat16 and float16 q exact in one piece, float32 q in three bfloat16 pieces, rope
-  in three pieces; GQA groups 1, 4 and 8; q_len 1, 4 and 8 (up to 64 rows: one, two and four row
-  tiles); splits 1 and 3 (the merge writes the io dtype);
+- every io dtype: the mma operands are halves, bfloat16 and float16 q exact in one piece, float32 q in
+  three half pieces, rope in three pieces; GQA groups 1, 4 and 8; q_len 1, 4 and 8 (up to 64 rows: one,
+  two and four row tiles); splits 1 and 3 (the merge writes the io dtype);
+- bfloat16 and float32 q rows far outside the half's range (1e-7 and 1e5), which each row's power-of-two
+  factor brings into it;
 - the scales of the right layer and head (each different), read at run time;
 - the byte stages: lengths at every step and warp-round edge of the three-stage pipeline;
 - NaN codes (0x7F) in rows past the attended ones, pending in the query's own step or in the tail:
@@ -99,6 +101,29 @@ def test_matches_the_reference(backend, io_dtype, head_dim, group, q_len, use_ro
         got = _attend(cache, q, 1, rope=rope, num_splits=num_splits)
         assert got.dtype == cache.spec.io_np_dtype
         assert_attention_close(got, want, io_dtype, value_scale, f"num_splits={num_splits}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("io_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("magnitude", [1e-7, 1e5])
+def test_q_rows_outside_the_half_range_keep_their_precision(backend, io_dtype, head_dim, magnitude):
+    """The mma operands are halves (subnormal below 6.1e-5, at most 65504). q rows of bf16 or float io
+    of size 1e-7 (every element a subnormal half, or zero) or 1e5 (infinite as a half) are multiplied
+    by a power of two per row before they are cut into pieces, and the logits by its inverse, so with a
+    scale that makes the logits of order 1 the result is that of the exact q. The rows differ in
+    size by up to a factor 16, so their factors differ."""
+    lengths = [37, 301]
+    cache, oracle, rng = _caches(backend, lengths, head_dim=head_dim, io_dtype=io_dtype, seed=5)
+    q = rng.standard_normal((len(lengths), 2, 8, head_dim)) * magnitude
+    q *= 2.0 ** rng.integers(-2, 3, (len(lengths), 2, 8, 1))   # row sizes a factor 16 apart
+    q = q.astype(cache.spec.io_np_dtype)
+    scale = 2.0 / (magnitude * np.sqrt(head_dim))   # logits of about +-2 (k of about 1)
+    want = reference.attention(q, oracle, 1, scale=scale)
+    value_scale = _value_scale(oracle, 1, [n + 2 for n in lengths])
+    got = _attend(cache, q, 1, scale=scale, num_splits=2)
+    assert np.isfinite(got.astype(np.float32)).all()
+    assert_attention_close(got, want, io_dtype, value_scale)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -163,6 +163,19 @@ __device__ __forceinline__ int fp8_v_column(int d) {
     return 8 * (4 * (d / 32) + within % 4) + within / 4;
 }
 
+// fp8 caches with bf16 or float io: the k of a q row's factor 2^k, which brings its largest |q|
+// (`largest`, finite and positive, else k = 0) into [2^14, 2^15): the half's range keeps 11 bits down
+// to 2^-28 of it, and the largest piece stays below the half's 65504. k is kept within +-112, so
+// that 2^k and 2^-k are normal floats.
+__device__ __forceinline__ int fp8_q_exponent(float largest) {
+    if (!(largest > 0.0f) || isinf(largest)) return 0;
+    const int floor_log2 = ((__float_as_int(largest) >> 23) & 0xff) - 127;   // a normal float (ftz)
+    return min(max(14 - floor_log2, -112), 112);
+}
+
+// 2^k as a float, for |k| <= 126.
+__device__ __forceinline__ float power_of_two(int k) { return __int_as_float((k + 127) << 23); }
+
 // Four fp8 codes of shared memory (the lowest address in the low byte) as one 32-bit load.
 __device__ __forceinline__ unsigned fp8_code_word(const unsigned char* at) {
     return *reinterpret_cast<const unsigned*>(at);
@@ -194,6 +207,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     using namespace attention_mma_tiling;
     using M = typename cupykv::mma_type<T, TI>::type;   // the mma operand type
     constexpr bool kFp8 = cupykv::is_fp8<T>::value;
+    constexpr bool kScaledQ = kFp8 && !cupykv::same_type<TI, __half>::value;   // q rows scaled into the half's range
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "cupykv_attention_mma: head_dim 64 or 128");
     static_assert(ROW_TILES == 1 || ROW_TILES == 2 || ROW_TILES == kMaxRowTiles,
                   "cupykv_attention_mma: 1, 2 or 4 row tiles");
@@ -260,19 +274,24 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     T* stages = reinterpret_cast<T*>(smem_bytes + kQBytes);           // [key warps][kStageCount][K, V][kTile]
 
     // 1. The block's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 (or a
-    //    float q) cut into hi + mid + lo. Rows past the block are zeros.
+    //    float q) cut into hi + mid + lo. Rows past the block are zeros. fp8 caches with bf16 or float
+    //    io take half operands (kScaledQ): a row is first multiplied by 2^k so that its largest |q|
+    //    lies in [2^14, 2^15) (fp8_q_exponent), which a half holds with 11 bits down to 2^-14 of it,
+    //    and its logits by 2^-k (row_logit_scale below, from the factor kept in the row's padding).
     const int half_dim = HEAD_DIM / 2;
-    for (int e = tid; e < kBlockRows * half_dim; e += kThreads) {
-        const int r = e / half_dim, d = e - r * half_dim;
-        float lo = 0.0f, hi = 0.0f;   // the pair (d, d + half_dim)
+    // The pair (d, d + half_dim) of block row r as fp32, rotated when use_rope; zeros past the block.
+    auto load_pair = [&](int r, int d, float* lo, float* hi) {
+        *lo = 0.0f, *hi = 0.0f;
         if (r < block_rows) {
             const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
             const long long base = (((long long)b * q_len + i) * n_heads + h) * HEAD_DIM;
-            lo = cupykv::to_float<TI>(q[base + d]);
-            hi = cupykv::to_float<TI>(q[base + d + half_dim]);
-            if (use_rope) cupykv::rope_rotate_pair(&lo, &hi, length + i, d, HEAD_DIM, rope_theta);
+            *lo = cupykv::to_float<TI>(q[base + d]);
+            *hi = cupykv::to_float<TI>(q[base + d + half_dim]);
+            if (use_rope) cupykv::rope_rotate_pair(lo, hi, length + i, d, HEAD_DIM, rope_theta);
         }
-        // fp8 caches: each dim goes to its k slot (fp8_q_slot), where K's codes are read from
+    };
+    // Its pieces; fp8 caches: each dim goes to its k slot (fp8_q_slot), where K's codes are read from.
+    auto store_pieces = [&](int r, int d, float lo, float hi) {
         const int lo_column = kFp8 ? cupykv::fp8_q_slot(d) : d;
         const int hi_column = kFp8 ? cupykv::fp8_q_slot(d + half_dim) : d + half_dim;
         for (int p = 0; p < kQPieces; ++p) {
@@ -281,6 +300,29 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             q_tile[(p * kBlockRows + r) * kRow + hi_column] = hi_piece;
             lo -= cupykv::to_float(lo_piece);   // exact: the remainder of a rounding fits in fp32
             hi -= cupykv::to_float(hi_piece);
+        }
+    };
+    // The row's 2^-k, in the padding after its first piece (16 bytes no ldmatrix reads; 16-byte aligned).
+    auto q_unscale = [&](int r) -> float& { return *reinterpret_cast<float*>(q_tile + r * kRow + HEAD_DIM); };
+    if constexpr (kScaledQ) {
+        constexpr int kPairsPerLane = HEAD_DIM / 2 / 32;
+        for (int r = warp; r < kBlockRows; r += kThreads / 32) {   // a warp per row: lanes over its pairs
+            float lo[kPairsPerLane], hi[kPairsPerLane], largest = 0.0f;
+            for (int j = 0; j < kPairsPerLane; ++j) {
+                load_pair(r, lane + 32 * j, &lo[j], &hi[j]);
+                largest = fmaxf(largest, fmaxf(fabsf(lo[j]), fabsf(hi[j])));
+            }
+            const int exponent = cupykv::fp8_q_exponent(cupykv::warp_max(largest));
+            if (lane == 0) q_unscale(r) = cupykv::power_of_two(-exponent);
+            const float factor = cupykv::power_of_two(exponent);   // exact products
+            for (int j = 0; j < kPairsPerLane; ++j) store_pieces(r, lane + 32 * j, lo[j] * factor, hi[j] * factor);
+        }
+    } else {
+        for (int e = tid; e < kBlockRows * half_dim; e += kThreads) {
+            const int r = e / half_dim, d = e - r * half_dim;
+            float lo, hi;
+            load_pair(r, d, &lo, &hi);
+            store_pieces(r, d, lo, hi);
         }
     }
 
@@ -349,6 +391,13 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         cupykv::cp_async_commit();
     }
     __syncthreads();   // the q pieces, written by every thread
+    // The logit factor of this lane's rows (quad_row and quad_row + 8 of each tile): scale, times the
+    // k_scale of fp8 caches, times 2^-k for a scaled q row (exact: a power of two).
+    float row_logit_scale[kWarpTiles][2];
+    for (int t = 0; t < kWarpTiles; ++t)
+        for (int half = 0; half < 2; ++half)
+            row_logit_scale[t][half] =
+                kScaledQ ? logit_scale * q_unscale(warp_first_row + t * kTileRows + quad_row + 8 * half) : logit_scale;
 
     for (int n = 0; n < rounds; ++n) {
         const int step = n * kWarps + key_warp;
@@ -415,7 +464,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         for (int t = 0; t < kWarpTiles; ++t) {
             for (int nb = 0; nb < 2; ++nb)
                 for (int c = 0; c < 4; ++c) {
-                    float value = s[t][nb][c] * logit_scale;
+                    float value = s[t][nb][c] * row_logit_scale[t][c / 2];
                     if (softcap > 0.0f) value = softcap * tanhf(value / softcap);
                     if (!open) {
                         const int key = first_key + nb * 8 + 2 * quad_col + (c & 1), pos = position[t][c / 2];

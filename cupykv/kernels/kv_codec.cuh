@@ -40,11 +40,12 @@ template <> __device__ __forceinline__ __nv_fp8_e4m3 store_kv<__nv_fp8_e4m3>(flo
     return code;
 }
 
-// The operand type of the tensor-core path: T itself for 16-bit caches; for fp8 caches the io
-// type when it is __half, else __nv_bfloat16 (which holds every E4M3 value and fp32's range).
+// The operand type of the tensor-core path: T itself for 16-bit caches; __half for fp8 caches, whatever
+// the io type: it holds every E4M3 value exactly, a code widens to it in one instruction on sm_89 and
+// later (four for __nv_bfloat16), and P's pieces keep 22 bits (16 in bf16). attention_mma.cu brings q
+// rows of bf16 or float io into its range by a power of two.
 template <typename T, typename TI> struct mma_type { using type = T; };
-template <typename TI> struct mma_type<__nv_fp8_e4m3, TI> { using type = __nv_bfloat16; };
-template <> struct mma_type<__nv_fp8_e4m3, __half> { using type = __half; };
+template <typename TI> struct mma_type<__nv_fp8_e4m3, TI> { using type = __half; };
 
 // Two 16-bit values in one register, `low` in the low half (the mma and ldmatrix element order).
 template <typename T> __device__ __forceinline__ unsigned pack_pair(T low, T high) {
@@ -58,15 +59,6 @@ template <typename M> __device__ __forceinline__ unsigned widen_fp8_pair(unsigne
 template <> __device__ __forceinline__ unsigned widen_fp8_pair<__half>(unsigned short codes) {
     const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3);
     return (unsigned)pair.x | ((unsigned)pair.y << 16);
-}
-template <> __device__ __forceinline__ unsigned widen_fp8_pair<__nv_bfloat16>(unsigned short codes) {
-    const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3);
-    __half_raw low_raw, high_raw;
-    low_raw.x = pair.x;
-    high_raw.x = pair.y;
-    const __nv_bfloat16 low = __float2bfloat16_rn(__half2float(__half(low_raw)));    // exact
-    const __nv_bfloat16 high = __float2bfloat16_rn(__half2float(__half(high_raw)));
-    return pack_pair(low, high);
 }
 
 }  // namespace cupykv
