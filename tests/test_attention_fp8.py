@@ -117,6 +117,10 @@ def test_q_rows_outside_the_half_range_keep_their_precision(backend, io_dtype, h
     cache, oracle, rng = _caches(backend, lengths, head_dim=head_dim, io_dtype=io_dtype, seed=5)
     q = rng.standard_normal((len(lengths), 2, 8, head_dim)) * magnitude
     q *= 2.0 ** rng.integers(-2, 3, (len(lengths), 2, 8, 1))   # row sizes a factor 16 apart
+    # each row's largest element just below a power of two (as close as the io dtype allows): scaled into
+    # [2^14, 2^15) its largest piece stays a finite half (65504 is the largest)
+    top = np.floor(np.log2(np.abs(q).max(axis=-1)))
+    q[..., 0] = (2.0 - 2.0 ** -20) * 2.0 ** top
     q = q.astype(cache.spec.io_np_dtype)
     scale = 2.0 / (magnitude * np.sqrt(head_dim))   # logits of about +-2 (k of about 1)
     want = reference.attention(q, oracle, 1, scale=scale)
