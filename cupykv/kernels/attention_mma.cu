@@ -38,10 +38,13 @@
 //   of each key warp w), with a block barrier once a round's copies have landed and another once
 //   every warp is done with its stage.
 // - S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulation on operands of type
-//   M = mma_type<T, TI> (T for 16-bit caches). The operands are split into 16-bit pieces whose sum
-//   is the fp32 value: q is exact in M unless rotated or float (rope or TI float: three pieces, 24
-//   bits of mantissa for bf16, 22 and more for fp16), and P = hi + lo, so the products carry fp32
-//   precision, as on the CUDA-core kernel, and the stated tolerances hold unchanged.
+//   M = mma_type<T, TI> (T for 16-bit caches, __half for fp8 caches). The operands are split into
+//   16-bit pieces whose sum is the fp32 value: q is exact in M unless rotated or float (rope or TI
+//   float: three pieces, 24 bits of mantissa for bf16, 22 and more for fp16), and P = hi + lo (16
+//   bits in bf16, 22 in half), so the products carry close to fp32 precision, as on the CUDA-core
+//   kernel, and the stated tolerances hold unchanged. Half operands have a narrow range: P's pieces
+//   are taken of p * 2^15 (kPLog2Factor, unscaled when published), and q rows of bf16 or float io
+//   are brought into [2^14, 2^15) by a power of two per row (kScaledQ; step 1).
 // - Masks only where a step can hold a masked key (the split's last step, the diagonal of a
 //   verification tile, a window's first keys): a block-uniform test per step, no integer division
 //   in the loop. Rows past the tile (q_len * group < 16) are zero queries, computed, never stored.
@@ -64,7 +67,8 @@
 // for P V, output column g of n8 block b is dim 32 (b / 4) + 4g + b % 4 (fp8_v_column), so lane g
 // reads one word of each of keys 2t, 2t + 1, 8 + 2t and 9 + 2t per 32 dims and pairs up the two
 // keys' codes with a byte permute; the accumulators stay in column order until the final write
-// reads each dim from its column. Each pair is widened exactly to M (widen_fp8_pair). At the stage
+// reads each dim from its column. Each pair is widened exactly to M = __half (widen_fp8_pair: one
+// instruction on sm_89 and later, where a widen to bf16 takes four). At the stage
 // row stride every word read is free of bank conflicts (lanes of a warp hit 32 different banks).
 // The scales stay out of the loop: the logits are (scale * k_scale) * (q . codes), and the
 // output (unnormalised, before the partial write or the normalised store) is multiplied by v_scale,
