@@ -258,10 +258,11 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     const int warp_first_row = row_group * kWarpRows;                 // the warp's first row in the block
     const int length = min(max(lengths[b], 0), max_seq);
     const int pieces = use_rope || cupykv::same_type<TI, float>::value ? kQPieces : 1;
-    // P's weights as mma operands: with half operands they are taken times 2^15, so that a weight
-    // under 2^-14 (a subnormal half, in steps of 2^-24: one key 17.4 above the rest would round all
-    // their weights to zero) keeps its bits down to 2^-39. The row sums carry the same factor, and both
-    // are unscaled when published. The largest weight, 2^15, is far below the half's 65504.
+    // P's weights as mma operands: with half operands they are taken times 2^15. A half is subnormal
+    // below 2^-14, in steps of 2^-24, so unscaled a weight under 2^-25 rounded to zero in both pieces
+    // (one key 17.4 above the rest lost all their weights); scaled, a weight keeps 11 bits down to
+    // 2^-29 and its pieces are off by at most 2^-40. The row sums carry the same factor, and both are
+    // unscaled when published. The largest weight, 2^15, is far below the half's 65504.
     constexpr bool kHalfP = cupykv::same_type<M, __half>::value;
     constexpr float kPLog2Factor = kHalfP ? 15.0f : 0.0f, kPUnscale = kHalfP ? 1.0f / 32768.0f : 1.0f;
     // The logit factor and, for fp8 caches, the head's V scale (16-bit caches: scale alone, no scales read).
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     // 1. The block's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 (or a
     //    float q) cut into hi + mid + lo. Rows past the block are zeros. fp8 caches with bf16 or float
     //    io take half operands (kScaledQ): a row is first multiplied by 2^k so that its largest |q|
-    //    lies in [2^14, 2^15) (fp8_q_exponent), which a half holds with 11 bits down to 2^-14 of it,
+    //    lies in [2^14, 2^15) (fp8_q_exponent), which a half holds with 11 bits down to 2^-28 of it,
     //    and its logits by 2^-k (row_logit_scale below, from the factor kept in the row's padding).
     const int half_dim = HEAD_DIM / 2;
     // The pair (d, d + half_dim) of block row r as fp32, rotated when use_rope; zeros past the block.
@@ -501,7 +502,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 }
             }
             // The tile's accumulators are rescaled only when some row's max moved in this step: once
-            // the maxima settle (most steps of a long context) the kHeadDim / 2 multiplies per lane
+            // the maxima settle (most steps of a long context) the HEAD_DIM / 2 multiplies per lane
             // are skipped. Skipping a multiply by exactly 1 is exact, so no row's bits depend on the
             // other rows of its warp (the vote is warp-uniform, the arithmetic per row unchanged).
             if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f))
@@ -535,7 +536,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             const unsigned dims_lo[2] = {v_frag[0], v_frag[1]}, dims_hi[2] = {v_frag[2], v_frag[3]};
 #pragma unroll
             for (int t = 0; t < kWarpTiles; ++t) {
-                    cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_hi[t], dims_lo, acc[t][d0 / 8]);
+                cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_hi[t], dims_lo, acc[t][d0 / 8]);
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8], p_lo[t], dims_lo, acc[t][d0 / 8]);
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8 + 1], p_hi[t], dims_hi, acc[t][d0 / 8 + 1]);
                 cupykv::mma_m16n8k16<M>(acc[t][d0 / 8 + 1], p_lo[t], dims_hi, acc[t][d0 / 8 + 1]);
