@@ -114,9 +114,10 @@ P_OPERANDS = [("float16", None), ("float8_e4m3", "float16"), ("bfloat16", None)]
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_weights_below_the_half_subnormal_range_still_count(backend, dtype, io_dtype, head_dim):
     """P V takes P as half pieces when the operands are half. A half below 2^-14 is subnormal, with a
-    step of 2^-24, so a weight under 2^-25 would round to zero in both pieces. Here each key warp's
-    first key of a split has a logit 17.375 above its 2047 other keys (weights e^-17.375, 2.9e-8):
-    their share of the split's result (V 1 against 0) must survive, to fp32 accuracy."""
+    step of 2^-24, so a weight under 2^-25 would round to zero in both pieces. Here the first key of
+    each key warp in each split has a logit 17.375 above the split's other keys (weights e^-17.375,
+    2.9e-8), so every warp's max is such a key: the other keys' share of the split's result (V 1
+    against 0) must survive, to fp32 accuracy."""
     split_keys, length = 2048, 4096
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=length + 8, batch=1, dtype=dtype,
                             io_dtype=io_dtype)
@@ -153,8 +154,8 @@ MOVING_ROWS = [(1, 16, 3), (1, 16, 12), (4, 8, 21), (8, 8, 45), (8, 8, 62)]
 @pytest.mark.parametrize("q_len, group, moving_row", MOVING_ROWS, ids=[f"row{r}of{q * g}" for q, g, r in MOVING_ROWS])
 def test_a_new_max_in_a_late_step_rescales_that_rows_sums(backend, dtype, head_dim, q_len, group, moving_row):
     """A tile's accumulators are rescaled only in a step where a warp vote finds a row whose max moved.
-    Here every row's max is key 0's logit, except one row whose max moves at key 260 (a late step of
-    the second key warp) by 8: that step alone must rescale the row's sums, by e^-8. Row r's query
+    Here every row's max is key 0's logit, except one row whose max moves at key 260 (step 16 of 19)
+    by 8: that step alone must rescale the row's sums, by e^-8. Row r's query
     is 4 e_r, so its logits are 4 k[j, r]: key 0 is 2 in every dim, key 260 is 4 in the moving
     row's dim, and the other keys are small."""
     length = 300
