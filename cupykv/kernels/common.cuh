@@ -34,19 +34,15 @@ __device__ __forceinline__ float neg_infinity() { return __int_as_float(0xff8000
 // compiled once for each, with decltype(arg)::value a constant (NVRTC has no <type_traits>).
 template <int N> struct Count { static constexpr int value = N; };
 
-// The online-softmax weight e^(x - max), x <= max, as 2^((x - max) log2 e): the difference is
-// rounded first, so x == max gives 2^0 and a large max adds no error of its own (folding log2 e
-// into the logits would round max * log2 e instead). exp2f is one MUFU.EX2 under -ftz=true, which
-// CuPy always passes, against about eight instructions for expf; its 2 ulp and the product's
-// rounding (relative |x - max| 2^-24) stay far inside the stated fp32 accumulation term.
-// x = -inf (a masked key) gives 0; the caller handles max = -inf (no key attended).
-__device__ __forceinline__ float exp_shifted(float x, float max) {
-    return exp2f((x - max) * 1.4426950408889634f);
-}
-
-// e^(x - max) * 2^log2_factor in the same instructions: the factor is the addend of the product's
-// rounding (an FFMA for the FMUL). A power-of-two factor moves a weight's range, not its bits.
-__device__ __forceinline__ float exp_shifted(float x, float max, float log2_factor) {
+// The online-softmax weight e^(x - max), x <= max, times 2^log2_factor, as
+// 2^((x - max) log2 e + log2_factor): the difference is rounded first, so x == max gives exactly
+// 2^log2_factor and a large max adds no error of its own (folding log2 e into the logits would round
+// max * log2 e instead); a power-of-two factor (0 by default) moves a weight's range, not its bits,
+// in the same FFMA. exp2f is one MUFU.EX2 under -ftz=true, which CuPy always passes, against about
+// eight instructions for expf; its 2 ulp and the product's rounding (relative |x - max| 2^-24) stay
+// far inside the stated fp32 accumulation term. x = -inf (a masked key) gives 0; the caller handles
+// max = -inf (no key attended).
+__device__ __forceinline__ float exp_shifted(float x, float max, float log2_factor = 0.0f) {
     return exp2f(fmaf(x - max, 1.4426950408889634f, log2_factor));
 }
 
