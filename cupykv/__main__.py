@@ -9,7 +9,9 @@
 - ``check``: compiles every kernel instance with NVRTC for sm_80 and sm_90,
   prints the occupancy of the attention and linear instances, and fails on a
   compile error, a register spill, or an instance resident at fewer blocks per
-  SM than its ``__launch_bounds__`` minimum (no GPU needed).
+  SM than its ``__launch_bounds__`` minimum (no GPU needed). ``check --steps``
+  counts instead what one warp of the tensor-core attention issues per key
+  step, in sm_90 SASS (see ``cupykv.step_instructions``).
 - ``bench``: the performance harness (see ``cupykv.bench``); writes
   ``bench.json`` and ``bench.png``. On the emulator it is a smoke run whose
   timings are CPU emulation, not GPU figures.
@@ -45,6 +47,9 @@ def main(argv=None) -> int:
     check.add_argument("--nvrtc", default=None, metavar="PATH",
                        help="libnvrtc.so, or a folder holding one (default: the nvidia-cuda-nvrtc wheel, "
                             "else a CUDA toolkit)")
+    check.add_argument("--steps", action="store_true",
+                       help="instead, count the instructions one warp issues per key step of the tensor-core "
+                            "attention (sm_90 SASS through nvdisasm; see cupykv.step_instructions)")
     bench = commands.add_parser("bench", help="time copy, attention, linear and decode; write bench.json/.png")
     bench.add_argument("--backend", choices=("cupy", "emulator"), default=None,
                        help="default: cupy when a GPU is usable, else the emulator (a smoke run)")
@@ -99,6 +104,9 @@ def _run(args) -> int:
         from cupykv.bench import main as bench_main
         return bench_main(backend=args.backend, out=args.out, quick=args.quick)
     if args.command == "check":
+        if args.steps:
+            from cupykv.step_instructions import main as steps_main
+            return steps_main(args.nvrtc)
         from cupykv.nvrtc_check import main as check_main
         return check_main(args.nvrtc)
     from cupykv.demo import run_demo

@@ -162,11 +162,12 @@ def _program_log(lib, program) -> str:
 
 @dataclass(frozen=True)
 class Program:
-    """One source compiled for one arch: its instances' mangled names, ptxas's log and the PTX."""
+    """One source compiled for one arch: its instances' mangled names, ptxas's log, the PTX and the cubin."""
 
     lowered: dict[str, str]   # mangled name -> instance
     log: str
     ptx: str
+    cubin: bytes
 
 
 def compile_file(nvrtc: Nvrtc, filename: str, source: str, instances, arch: str,
@@ -181,8 +182,9 @@ def compile_file(nvrtc: Nvrtc, filename: str, source: str, instances, arch: str,
 
 
 def compile_program(nvrtc: Nvrtc, filename: str, source: str, instances, arch: str,
-                    include_dirs=(KERNEL_DIR,)) -> Program:
-    """:func:`compile_file`, keeping the PTX too."""
+                    include_dirs=(KERNEL_DIR,), extra_options=()) -> Program:
+    """:func:`compile_file`, keeping the PTX and the cubin too; ``extra_options`` follow :data:`OPTIONS`
+    (for example ``-DNAME=1``)."""
     lib = nvrtc.lib
     program = ctypes.c_void_p()
     _call(lib, "nvrtcCreateProgram", ctypes.byref(program), source.encode(), filename.encode(), 0, None, None)
@@ -190,7 +192,7 @@ def compile_program(nvrtc: Nvrtc, filename: str, source: str, instances, arch: s
         for instance in instances:
             _call(lib, "nvrtcAddNameExpression", program, instance.encode())
         includes = tuple(f"-I{d}" for d in (*include_dirs, *cuda_include_dirs()[:1]))
-        options = [opt.encode() for opt in OPTIONS + includes + (f"-arch={arch}",)]
+        options = [opt.encode() for opt in OPTIONS + tuple(extra_options) + includes + (f"-arch={arch}",)]
         status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
         log = _program_log(lib, program)
         if status != 0:
@@ -204,7 +206,10 @@ def compile_program(nvrtc: Nvrtc, filename: str, source: str, instances, arch: s
         _call(lib, "nvrtcGetPTXSize", program, ctypes.byref(size))
         ptx = ctypes.create_string_buffer(size.value)
         _call(lib, "nvrtcGetPTX", program, ptx)
-        return Program(lowered, log, ptx.value.decode(errors="replace"))
+        _call(lib, "nvrtcGetCUBINSize", program, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        _call(lib, "nvrtcGetCUBIN", program, cubin)
+        return Program(lowered, log, ptx.value.decode(errors="replace"), cubin.raw)
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 

@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     const int block_rows = min(kBlockRows, q_len * group - first_row);
     const int warp_first_row = row_group * kWarpRows;                 // the warp's first row in the block
     const int length = min(max(lengths[b], 0), max_seq);
-    const int pieces = use_rope || cupykv::same_type<TI, float>::value ? kQPieces : 1;
+    const int pieces = CUPYKV_COMMON_PATH(use_rope, false) || cupykv::same_type<TI, float>::value ? kQPieces : 1;
     // P's weights as mma operands: with half operands they are taken times 2^15. A half is subnormal
     // below 2^-14, in steps of 2^-24, so unscaled a weight under 2^-25 rounded to zero in both pieces
     // (one key 17.4 above the rest lost all their weights); scaled, a weight keeps 11 bits down to
@@ -463,14 +463,14 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         if (pieces == 1) scores(cupykv::Count<1>{}); else scores(cupykv::Count<kQPieces>{});
 
         // 3. Scale, cap, mask (only in a step that can hold a masked key), online softmax per row.
-        const bool open = first_key >= first_open && first_key + kStepKeys - 1 <= last_open;
+        const bool open = CUPYKV_COMMON_PATH(first_key >= first_open && first_key + kStepKeys - 1 <= last_open, true);
         unsigned p_hi[kWarpTiles][4], p_lo[kWarpTiles][4];   // P as the A fragments of P.V: S's fragments
 #pragma unroll
         for (int t = 0; t < kWarpTiles; ++t) {
             for (int nb = 0; nb < 2; ++nb)
                 for (int c = 0; c < 4; ++c) {
                     float value = s[t][nb][c] * row_logit_scale[t][c / 2];
-                    if (softcap > 0.0f) value = softcap * tanhf(value / softcap);
+                    if (CUPYKV_COMMON_PATH(softcap > 0.0f, false)) value = softcap * tanhf(value / softcap);
                     if (!open) {
                         const int key = first_key + nb * 8 + 2 * quad_col + (c & 1), pos = position[t][c / 2];
                         const bool attended = key < keys.end && key <= pos && (window <= 0 || key > pos - window);
@@ -505,7 +505,8 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             // the maxima settle (most steps of a long context) the HEAD_DIM / 2 multiplies per lane
             // are skipped. Skipping a multiply by exactly 1 is exact, so no row's bits depend on the
             // other rows of its warp (the vote is warp-uniform, the arithmetic per row unchanged).
-            if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f))
+            if (CUPYKV_COMMON_PATH(__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f),
+                                   CUPYKV_STEP_RESCALES))
                 for (int n8 = 0; n8 < kDimBlocks; ++n8)
                     for (int c = 0; c < 4; ++c) acc[t][n8][c] *= rescale[c / 2];
         }

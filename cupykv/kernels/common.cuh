@@ -8,7 +8,8 @@
 // - the launch gate (gated_off): the run_if word every op kernel reads first;
 // - the float constants NVRTC does not define;
 // - the online-softmax weight e^(x - max) on the base-2 exponential (exp_shifted);
-// - Count<N>, a compile-time count passed to a generic lambda.
+// - Count<N>, a compile-time count passed to a generic lambda;
+// - CUPYKV_COMMON_PATH, the mark on a hot loop's run-time tests that the instruction count fixes.
 //
 // Compiles under NVRTC (sm_80, sm_90) and under cupykv's CPU emulator, which
 // supplies its own <cuda_fp16.h> and <cuda_bf16.h>.
@@ -33,6 +34,18 @@ __device__ __forceinline__ float neg_infinity() { return __int_as_float(0xff8000
 // A compile-time count as a value: a generic lambda called with Count<1>{} or Count<3>{} is
 // compiled once for each, with decltype(arg)::value a constant (NVRTC has no <type_traits>).
 template <int N> struct Count { static constexpr int value = N; };
+
+// CUPYKV_COMMON_PATH(test, common_outcome) marks a run-time test of a kernel's hot loop. Every real
+// build evaluates `test`. The instruction count (cupykv.step_instructions, `python -m cupykv check
+// --steps`) defines CUPYKV_COUNT_COMMON_PATH and compiles `common_outcome` instead, a constant, so
+// that the loop it disassembles is the one a step on the common path issues, without the branches
+// it does not take. `common_outcome` may name CUPYKV_STEP_RESCALES (0 or 1), which the count also
+// defines, for a test whose outcome it counts both ways.
+#ifdef CUPYKV_COUNT_COMMON_PATH
+#define CUPYKV_COMMON_PATH(test, common_outcome) (common_outcome)
+#else
+#define CUPYKV_COMMON_PATH(test, common_outcome) (test)
+#endif
 
 // The online-softmax weight e^(x - max), x <= max, times 2^log2_factor, as
 // 2^((x - max) log2 e + log2_factor): the difference is rounded first, so x == max gives exactly

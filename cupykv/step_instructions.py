@@ -1,0 +1,306 @@
+"""Instructions a warp issues per key step of the tensor-core attention kernel, read from sm_90 SASS.
+
+``python -m cupykv check --steps`` prints, for each ``cupykv_attention_mma``
+instance, what one warp issues for one 16-key step on the common path, and
+the bytes of K/V that step brings: the design's bytes per instruction,
+against the :data:`H200_BYTES_PER_INSTRUCTION` an H200 needs to keep HBM
+busy. No GPU is involved; ``docs/performance.md`` ("Instructions per step on
+the common path") holds the table, and ``tests/test_step_instructions.py``
+holds the table to this count.
+
+How it counts:
+
+1. NVRTC compiles the instance for sm_90 with CuPy's options
+   (:data:`cupykv.nvrtc_check.OPTIONS`) plus ``-DCUPYKV_COUNT_COMMON_PATH``:
+   each run-time test of the key loop marked ``CUPYKV_COMMON_PATH``
+   (``common.cuh``) takes its common outcome, a constant. The step has no
+   softcap, no masked key and no rotary q. ``CUPYKV_STEP_RESCALES`` is 0
+   (every row's max settled: the accumulator rescale is skipped) or 1 (some
+   row's max moved in the step).
+2. nvdisasm (the ``nvidia-cuda-nvdisasm`` wheel of the pinned NVRTC's
+   version) lists the cubin's SASS.
+3. The key loop is the loop (a backward branch and the label it goes to)
+   with the most ``HMMA``; the shortest such loop. Every instruction of its
+   body counts once, ``NOP`` padding left out. A loop nested in it (the S
+   loop of a two-tile warp, which ``#pragma unroll`` leaves rolled, two
+   k-steps an iteration) counts as often as it runs: the step's S k-steps
+   (``head_dim / 16``) over the k-steps of one iteration (its ``HMMA`` over
+   the ``HMMA`` of one k-step).
+4. The step's ``HMMA`` must then equal what the tiling implies: per warp
+   tile and 16 head dims, two for S per q piece (two n8 blocks of keys) and
+   four for P.V (two n8 blocks of dims, P's high and low piece). A count
+   that does not is an error, not a row of the table.
+
+A forward branch inside the loop that the common path skips (a step's
+copies past the last step, for instance) still counts: the figure is an
+upper bound of the common path, and ``HMMA``-free.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from cupykv.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MMA_ROW_TILES, CACHE_DTYPE_PAIRS, KERNELS, cache_types
+from cupykv.nvrtc_check import PINNED_NVRTC, Nvrtc, NvrtcError, compile_program, load_nvrtc
+
+#: K/V bytes per issued warp instruction that keep an H200's HBM busy: 4.8 TB/s over 132 SMs x 4
+#: schedulers (one warp instruction a cycle each) x 1.98 GHz.
+H200_BYTES_PER_INSTRUCTION = 4.8e12 / (132 * 4 * 1.98e9)
+#: Cycles of an sm_90 tensor core (one per scheduler) for one dense 16-bit m16n8k16 (4096 flops) at its
+#: full rate: 989 TFLOPS = 132 SMs x 4 x 1024 flops a cycle at 1.83 GHz. Whether legacy mma.sync reaches
+#: that rate on sm_90 is for a GPU to measure; if it does not, every HMMA takes longer.
+HMMA_CYCLES = 4
+#: K/V bytes per HMMA that keep HBM busy at that rate (4.6 bytes a cycle and scheduler).
+H200_BYTES_PER_HMMA = H200_BYTES_PER_INSTRUCTION * HMMA_CYCLES
+STEP_KEYS = 16            # keys of one warp step (attention_mma.cu kStepKeys)
+Q_PIECES = 3              # 16-bit pieces of a float q (attention_mma.cu kQPieces)
+ARCH = "sm_90"
+COUNT_OPTION = "-DCUPYKV_COUNT_COMMON_PATH"
+_CACHE_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3": 1}
+
+
+class StepCountError(RuntimeError):
+    """nvdisasm is missing, or the SASS does not hold the key loop the count expects."""
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One ``cupykv_attention_mma`` instance: a cache dtype, its io dtype, head_dim and row tiles."""
+
+    dtype: str
+    io_dtype: str
+    head_dim: int
+    row_tiles: int
+
+    @property
+    def name(self) -> str:
+        return f"cupykv_attention_mma<{cache_types(self.dtype, self.io_dtype)}, {self.head_dim}, {self.row_tiles}>"
+
+    @property
+    def row_groups(self) -> int:
+        """Warps that share each key warp's stages (attention_mma_row_groups): 2 at four tiles."""
+        return 2 if self.row_tiles == 4 else 1
+
+    @property
+    def warp_tiles(self) -> int:
+        return self.row_tiles // self.row_groups
+
+    @property
+    def q_pieces(self) -> int:
+        """16-bit pieces of q without rope: three for a float q, one otherwise."""
+        return Q_PIECES if self.io_dtype == "float32" else 1
+
+    @property
+    def step_bytes(self) -> int:
+        """K and V bytes of one 16-key step, per warp: the row groups of a four-tile block share a step."""
+        return STEP_KEYS * self.head_dim * 2 * _CACHE_BYTES[self.dtype] // self.row_groups
+
+    @property
+    def step_hmma(self) -> int:
+        """The ``HMMA`` of one warp step: S (two per q piece) and P.V (four) per tile and 16 dims."""
+        return self.warp_tiles * (self.head_dim // 16) * (2 * self.q_pieces + 4)
+
+    @property
+    def label(self) -> str:
+        """How docs/performance.md names the instance: ``"fp8, bf16 io, 128, 4"``."""
+        short = {"bfloat16": "bf16", "float16": "half", "float32": "float", "float8_e4m3": "fp8"}
+        cache = short[self.dtype] + (f", {short[self.io_dtype]} io" if self.dtype == "float8_e4m3" else "")
+        return f"{cache}, {self.head_dim}, {self.row_tiles}"
+
+
+def instances() -> list[Instance]:
+    """Every ``cupykv_attention_mma`` instance the library compiles, in ``KERNELS`` order."""
+    found = [Instance(dtype, io, hd, tiles) for dtype, io in CACHE_DTYPE_PAIRS if dtype != "float32"
+             for hd in ATTENTION_HEAD_DIMS for tiles in ATTENTION_MMA_ROW_TILES]
+    assert {i.name for i in found} == set(KERNELS["attention_mma"].instances)
+    return found
+
+
+@dataclass(frozen=True)
+class StepCount:
+    """What one warp issues for one key step of ``instance``: with the max settled and with it moved."""
+
+    instance: Instance
+    settled: int
+    moved: int
+    hmma: int
+    opcodes: Counter   # the settled step's instructions by opcode
+
+    def bytes_per_instruction(self, moved: bool = False) -> float:
+        return self.instance.step_bytes / (self.moved if moved else self.settled)
+
+
+# ---------------------------------------------------------------------------------------------- SASS
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    opcode: str             # the mnemonic without its modifiers or predicate: "HMMA", "BRA"
+    target: str | None      # the label a branch goes to
+
+
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)([^;]*);")
+_BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int]]:
+    """The instructions of one function's nvdisasm listing, and each label's address."""
+    instructions: list[Instruction] = []
+    pending: list[str] = []
+    labels: dict[str, int] = {}
+    for line in text.splitlines():
+        label = _LABEL.match(line.strip())
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        address = int(match.group(1), 16)
+        for name in pending:
+            labels[name] = address
+        pending = []
+        opcode, operands = match.group(2), match.group(3)
+        target = _BRANCH_TARGET.search(operands) if opcode == "BRA" else None
+        instructions.append(Instruction(address, opcode, target.group(1) if target else None))
+    return instructions, labels
+
+
+def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """(first, last) addresses of each loop: a backward branch to a label, merged per label."""
+    last_by_head: dict[int, int] = {}
+    for ins in instructions:
+        if ins.target is not None and labels[ins.target] <= ins.address:
+            head = labels[ins.target]
+            last_by_head[head] = max(last_by_head.get(head, head), ins.address)
+    return sorted(last_by_head.items())
+
+
+def count_key_loop(instructions: list[Instruction], labels: dict[str, int], instance: Instance,
+                   expected_hmma: int | None = None) -> Counter:
+    """The instructions of one warp step by opcode, inner loops counted as often as they run.
+
+    The step must hold ``expected_hmma`` HMMA, by default what the tiling implies (``step_hmma``).
+    """
+    def body(first: int, last: int) -> Counter:
+        return Counter(i.opcode for i in instructions if first <= i.address <= last and i.opcode != "NOP")
+
+    spans = loops(instructions, labels)
+    with_mma = [(body(*span)["HMMA"], span) for span in spans]
+    with_mma = [(hmma, span) for hmma, span in with_mma if hmma > 0]
+    if not with_mma:
+        raise StepCountError(f"{instance.name}: no loop with HMMA in the SASS")
+    most = max(hmma for hmma, _ in with_mma)
+    first, last = min((span for hmma, span in with_mma if hmma == most), key=lambda s: s[1] - s[0])
+    total = body(first, last)
+    inner = [s for s in spans if first <= s[0] and s[1] <= last and s != (first, last)]
+    if len(inner) > 1:
+        raise StepCountError(f"{instance.name}: {len(inner)} loops inside the key loop; the count models one")
+    for span in inner:
+        once = body(*span)
+        per_k_step = instance.warp_tiles * 2 * instance.q_pieces   # HMMA of one S k-step
+        if once["HMMA"] == 0 or once["HMMA"] % per_k_step:
+            raise StepCountError(f"{instance.name}: an inner loop of {once['HMMA']} HMMA is not the S loop")
+        k_steps = instance.head_dim // 16
+        trips, rest = divmod(k_steps, once["HMMA"] // per_k_step)
+        if rest:
+            raise StepCountError(f"{instance.name}: the S loop's {once['HMMA']} HMMA do not divide {k_steps} k-steps")
+        for _ in range(trips - 1):
+            total.update(once)
+    expected = instance.step_hmma if expected_hmma is None else expected_hmma
+    if total["HMMA"] != expected:
+        raise StepCountError(f"{instance.name}: the key loop issues {total['HMMA']} HMMA a step, the tiling "
+                             f"implies {expected}")
+    return total
+
+
+# --------------------------------------------------------------------------------------- the tools
+def _toolkit_roots() -> tuple[str | None, ...]:
+    return os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"
+
+
+def find_nvdisasm() -> str:
+    """nvdisasm: ``$CUPYKV_NVDISASM``, the nvidia-cuda-nvdisasm wheel, ``PATH``, then a CUDA toolkit."""
+    if os.environ.get("CUPYKV_NVDISASM"):
+        return os.environ["CUPYKV_NVDISASM"]
+    for entry in sys.path:
+        found = sorted(glob.glob(os.path.join(entry, "nvidia", "cu*", "bin", "nvdisasm")))
+        if found:
+            return found[-1]
+    on_path = shutil.which("nvdisasm")
+    if on_path:
+        return on_path
+    for root in _toolkit_roots():
+        if root and os.path.exists(os.path.join(root, "bin", "nvdisasm")):
+            return os.path.join(root, "bin", "nvdisasm")
+    raise StepCountError(f"nvdisasm not found: pip install 'nvidia-cuda-nvdisasm=={PINNED_NVRTC}' (the test "
+                         "extra installs it), or set CUPYKV_NVDISASM")
+
+
+def disassemble(cubin: bytes, nvdisasm: str) -> str:
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        done = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise StepCountError(f"nvdisasm failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def count_instance(nvrtc: Nvrtc, nvdisasm: str, instance: Instance) -> StepCount:
+    """Compile ``instance`` both ways (max settled, max moved) and count its key loop's step."""
+    kernel = KERNELS["attention_mma"]
+    source = kernel.source()
+    counts = []
+    for rescales in (0, 1):
+        program = compile_program(nvrtc, kernel.filename, source, [instance.name], ARCH,
+                                  extra_options=(COUNT_OPTION, f"-DCUPYKV_STEP_RESCALES={rescales}"))
+        instructions, labels = parse_sass(disassemble(program.cubin, nvdisasm))
+        counts.append(count_key_loop(instructions, labels, instance))
+    settled, moved = counts
+    return StepCount(instance, sum(settled.values()), sum(moved.values()), settled["HMMA"], settled)
+
+
+def count_all(selected: list[Instance] | None = None, nvrtc: Nvrtc | None = None) -> list[StepCount]:
+    nvrtc = nvrtc or load_nvrtc()
+    nvdisasm = find_nvdisasm()
+    chosen = instances() if selected is None else selected
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda i: count_instance(nvrtc, nvdisasm, i), chosen))
+
+
+def format_table(counts: list[StepCount]) -> str:
+    """The markdown table of docs/performance.md: instructions and bytes per instruction."""
+    lines = ["| cache, head_dim, row tiles | bytes per warp-step | HMMA (bytes each) | max settled (bytes/instr) "
+             "| max moved (bytes/instr) |",
+             "|---|---|---|---|---|"]
+    for c in counts:
+        i = c.instance
+        lines.append(f"| {i.label} | {i.step_bytes} | {c.hmma} ({i.step_bytes / c.hmma:.1f}) | "
+                     f"{c.settled} ({c.bytes_per_instruction():.1f}) | {c.moved} ({c.bytes_per_instruction(True):.1f}) |")
+    return "\n".join(lines)
+
+
+def main(nvrtc_path: str | None = None) -> int:
+    """``python -m cupykv check --steps``: print the table; 1 when a count fails."""
+    try:
+        nvrtc = load_nvrtc(nvrtc_path)
+        counts = count_all(nvrtc=nvrtc)
+    except (NvrtcError, StepCountError) as exc:
+        print(f"cupykv check --steps: FAILED\n{exc}", file=sys.stderr)
+        return 1
+    print(f"{nvrtc.describe()}, {find_nvdisasm()}; {ARCH}, {COUNT_OPTION}")
+    print(f"Per warp and {STEP_KEYS}-key step on the common path. An H200 needs {H200_BYTES_PER_INSTRUCTION:.1f} "
+          f"bytes per issued instruction, and {H200_BYTES_PER_HMMA:.1f} per HMMA at the tensor core's full rate "
+          f"({HMMA_CYCLES} cycles each).")
+    print(format_table(counts))
+    return 0

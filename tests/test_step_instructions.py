@@ -1,0 +1,175 @@
+"""The instruction count of a key step (``python -m cupykv check --steps``, cupykv.step_instructions).
+
+- docs/performance.md's table is the count, row for row, under the pinned NVRTC and nvdisasm;
+- the count's parsing of SASS (labels, loops, the nested S loop, the HMMA check) on listings
+  written here, so that a counting bug shows apart from any compiler;
+- CUPYKV_COMMON_PATH fixes the tests only in the count: a real build keeps the rescale vote.
+"""
+import importlib.metadata
+import re
+from pathlib import Path
+
+import pytest
+
+from cupykv import step_instructions as steps
+from cupykv.__main__ import main as cli_main
+from cupykv.kernels import KERNELS
+from cupykv.nvrtc_check import PINNED_NVRTC, compile_program, load_nvrtc
+
+DOC = Path(__file__).parents[1] / "docs" / "performance.md"
+_ROW = re.compile(r"^\| ([a-z0-9 ,]+) \| (\d+) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \|$", re.M)
+
+
+def documented_rows() -> dict[str, tuple]:
+    """The rows of the instruction-count table: label -> (bytes, hmma, settled, moved)."""
+    section = DOC.read_text().split("## Instructions per step on the common path", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): tuple(int(m.group(g)) for g in (2, 3, 5, 7)) for m in _ROW.finditer(section)}
+    assert len(rows) >= 16, "the table of docs/performance.md lost rows, or its format changed"
+    return rows
+
+
+def _instance(label: str) -> steps.Instance:
+    (found,) = [i for i in steps.instances() if i.label == label]
+    return found
+
+
+@pytest.fixture(scope="module")
+def tools():
+    return load_nvrtc(), steps.find_nvdisasm()
+
+
+@pytest.mark.parametrize("label", sorted(documented_rows()))
+def test_the_documented_row_is_the_count(tools, label):
+    nvrtc, nvdisasm = tools
+    count = steps.count_instance(nvrtc, nvdisasm, _instance(label))
+    assert (count.instance.step_bytes, count.hmma, count.settled, count.moved) == documented_rows()[label]
+    # the rescale is the only difference of the two compiles: the moved step multiplies accumulators
+    assert count.moved > count.settled
+    line = steps.format_table([count]).splitlines()[-1]
+    assert _ROW.match(line) and line.startswith(f"| {label} |")
+
+
+def test_the_tools_are_the_pinned_ones(tools):
+    nvrtc, nvdisasm = tools
+    assert nvrtc.wheel_version == PINNED_NVRTC
+    assert importlib.metadata.version("nvidia-cuda-nvdisasm") == PINNED_NVRTC
+    assert f'nvidia-cuda-nvdisasm=={PINNED_NVRTC}; extra == "test"' in importlib.metadata.requires("cupykv")
+    assert "/nvidia/" in nvdisasm, f"nvdisasm found outside the wheel: {nvdisasm}"
+
+
+def test_a_real_build_keeps_the_tests_the_count_fixes(tools):
+    # Compiled without -DCUPYKV_COUNT_COMMON_PATH, the key loop still votes on the rescale, holds
+    # both copies of S (one q piece and, for rope, three: 16 + 48 HMMA, then 32 for P.V) and the
+    # masking and softcap code: it is longer than even the moved step.
+    nvrtc, nvdisasm = tools
+    instance = _instance("bf16, 128, 1")
+    kernel = KERNELS["attention_mma"]
+    program = compile_program(nvrtc, kernel.filename, kernel.source(), [instance.name], steps.ARCH)
+    three_piece_s = 8 * 2 * steps.Q_PIECES
+    real = steps.count_key_loop(*steps.parse_sass(steps.disassemble(program.cubin, nvdisasm)), instance,
+                                expected_hmma=instance.step_hmma + three_piece_s)
+    counted = steps.count_instance(nvrtc, nvdisasm, instance)
+    assert real["VOTE"] >= 1 and counted.opcodes["VOTE"] == 0
+    assert sum(real.values()) > counted.moved
+
+
+def test_the_command_line_prints_the_table(monkeypatch, capsys):
+    chosen = _instance("fp8, half io, 64, 1")
+    monkeypatch.setattr(steps, "instances", lambda: [chosen])
+    assert cli_main(["check", "--steps"]) == 0
+    out = capsys.readouterr().out
+    assert f"nvidia-cuda-nvrtc {PINNED_NVRTC}" in out and "-DCUPYKV_COUNT_COMMON_PATH" in out
+    assert "4.6 bytes per issued instruction" in out and "18.4 per HMMA" in out
+    (row,) = [line for line in out.splitlines() if line.startswith("| fp8, half io, 64, 1 |")]
+    assert _ROW.match(row)
+
+
+def test_a_missing_nvdisasm_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.delenv("CUPYKV_NVDISASM", raising=False)
+    monkeypatch.setattr("sys.path", [str(tmp_path)])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(steps, "_toolkit_roots", lambda: (str(tmp_path),))
+    with pytest.raises(steps.StepCountError, match=rf"nvidia-cuda-nvdisasm=={re.escape(PINNED_NVRTC)}"):
+        steps.find_nvdisasm()
+
+
+# ------------------------------------------------------------------------- SASS parsing, by hand
+def listing(*lines: str) -> str:
+    """An nvdisasm-style listing: ("LABEL:" | "OPCODE operands") lines, 16 bytes per instruction."""
+    out, address = [], 0
+    for line in lines:
+        if line.endswith(":"):
+            out.append(line)
+        else:
+            out.append(f"        /*{address:04x}*/                   {line} ;")
+            address += 16
+    return "\n".join(out)
+
+
+ONE_TILE = steps.Instance("bfloat16", "bfloat16", 64, 1)   # 24 HMMA a step
+TWO_TILES = steps.Instance("bfloat16", "bfloat16", 64, 2)  # 48: S 2 x 4 x 2 = 16 (two k-steps an iteration: 8)
+
+
+def test_labels_and_predicated_branches_are_read():
+    text = listing("MOV R1, R2", ".L_x_3:", "@!P0 BRA !P4, `(.L_x_3)", "@P1 HMMA.16816.F32.BF16 R4, R8, R12, R4",
+                   "NOP", "EXIT")
+    instructions, labels = steps.parse_sass(text)
+    assert labels == {".L_x_3": 0x10}
+    assert [i.opcode for i in instructions] == ["MOV", "BRA", "HMMA", "NOP", "EXIT"]
+    assert instructions[1].target == ".L_x_3"
+    assert steps.loops(instructions, labels) == [(0x10, 0x10)]
+
+
+def test_the_key_loop_is_the_shortest_loop_with_the_most_mma():
+    # an outer loop around the step loop (same HMMA) and an earlier loop without any
+    text = listing(".L_x_0:", "IADD3 R0, R0, 1", "@P0 BRA `(.L_x_0)",
+                   ".L_x_1:", "MOV R1, R2",
+                   ".L_x_2:", *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 24, "FADD R1, R1, R2", "NOP",
+                   "@P0 BRA `(.L_x_2)", "@P1 BRA `(.L_x_2)", "LDS R3, [R2]", "@P2 BRA `(.L_x_1)", "EXIT")
+    counted = steps.count_key_loop(*steps.parse_sass(text), ONE_TILE)
+    # both back-edges to .L_x_2 bound one loop; NOP is padding; the outer loop's MOV and LDS are not in it
+    assert counted == {"HMMA": 24, "FADD": 1, "BRA": 2}
+
+
+def test_the_nested_s_loop_counts_as_often_as_it_runs():
+    # two tiles at head_dim 64: 4 S k-steps, two an iteration of the inner loop (8 HMMA), so the inner
+    # body runs twice; the rest of the step is the 32 HMMA of P.V
+    text = listing(".L_x_5:", "LDGSTS [R1], desc[UR4][R2.64]",
+                   ".L_x_6:", "LDSM.16.M88.4 R8, [R3]", *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 8,
+                   "@P0 BRA `(.L_x_6)",
+                   *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 32, "@P1 BRA `(.L_x_5)", "EXIT")
+    counted = steps.count_key_loop(*steps.parse_sass(text), TWO_TILES)
+    assert counted == {"HMMA": 48, "LDSM": 2, "LDGSTS": 1, "BRA": 3}
+
+
+@pytest.mark.parametrize("mma_in_step, message", [(23, "issues 23 HMMA a step, the tiling implies 24"),
+                                                   (25, "issues 25 HMMA")])
+def test_a_step_without_the_tilings_mma_count_fails(mma_in_step, message):
+    text = listing(".L_x_0:", *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * mma_in_step, "@P0 BRA `(.L_x_0)")
+    with pytest.raises(steps.StepCountError, match=message):
+        steps.count_key_loop(*steps.parse_sass(text), ONE_TILE)
+
+
+def test_an_inner_loop_that_is_not_the_s_loop_fails():
+    # 6 HMMA an iteration: not a whole number of two-tile S k-steps (4 HMMA each)
+    text = listing(".L_x_0:", "MOV R1, R2", ".L_x_1:", *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 6, "@P0 BRA `(.L_x_1)",
+                   *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 32, "@P1 BRA `(.L_x_0)")
+    with pytest.raises(steps.StepCountError, match="not the S loop"):
+        steps.count_key_loop(*steps.parse_sass(text), TWO_TILES)
+
+
+def test_no_loop_with_mma_fails():
+    text = listing(".L_x_0:", "FADD R1, R1, R2", "@P0 BRA `(.L_x_0)", "HMMA.16816.F32.BF16 R4, R8, R12, R4")
+    with pytest.raises(steps.StepCountError, match="no loop with HMMA"):
+        steps.count_key_loop(*steps.parse_sass(text), ONE_TILE)
+
+
+def test_the_tiling_implies_each_instances_mma_and_bytes():
+    by_label = {i.label: i for i in steps.instances()}
+    assert len(by_label) == len(KERNELS["attention_mma"].instances) == 30
+    # one tile of bf16 at head_dim 128: S 8 k-steps x 2, P.V 8 x 4; K and V of 16 keys, 2 bytes each
+    assert (by_label["bf16, 128, 1"].step_hmma, by_label["bf16, 128, 1"].step_bytes) == (48, 8192)
+    # four tiles: two row groups of two tiles each, sharing a step's bytes
+    assert (by_label["half, 64, 4"].step_hmma, by_label["half, 64, 4"].step_bytes) == (48, 2048)
+    # float q: three pieces for S
+    assert (by_label["fp8, float io, 128, 2"].step_hmma, by_label["fp8, float io, 128, 2"].step_bytes) == (160, 4096)
