@@ -67,8 +67,9 @@
 // for P V, output column g of n8 block b is dim 32 (b / 4) + 4g + b % 4 (fp8_v_column), so lane g
 // reads one word of each of keys 2t, 2t + 1, 8 + 2t and 9 + 2t per 32 dims and pairs up the two
 // keys' codes with a byte permute; the accumulators stay in column order until the final write
-// reads each dim from its column. Each pair is widened exactly to M = __half (widen_fp8_pair: one
-// instruction on sm_89 and later, where a widen to bf16 takes four). At the stage
+// reads each dim from its column. Each word is widened exactly to two pairs of M = __half
+// (widen_fp8_word: one instruction a pair on sm_89 and later, no shift for the high pair; a widen to
+// bf16 would take four). At the stage
 // row stride every word read is free of bank conflicts (lanes of a warp hit 32 different banks).
 // The scales stay out of the loop: the logits are (scale * k_scale) * (q . codes), and the
 // output (unnormalised, before the partial write or the normalised store) is multiplied by v_scale,
@@ -439,10 +440,8 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                                                  + quad_row * kStageRow + k0 + 4 * quad_col;
                     const unsigned key_lo = cupykv::fp8_code_word(codes);
                     const unsigned key_hi = cupykv::fp8_code_word(codes + 8 * kStageRow);
-                    k_frag[0] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo & 0xffffu));
-                    k_frag[1] = cupykv::widen_fp8_pair<M>((unsigned short)(key_lo >> 16));
-                    k_frag[2] = cupykv::widen_fp8_pair<M>((unsigned short)(key_hi & 0xffffu));
-                    k_frag[3] = cupykv::widen_fp8_pair<M>((unsigned short)(key_hi >> 16));
+                    cupykv::widen_fp8_word<M>(key_lo, k_frag[0], k_frag[1]);
+                    cupykv::widen_fp8_word<M>(key_hi, k_frag[2], k_frag[3]);
                 } else {
                     cupykv::ldmatrix_x4(k_frag, k_stage + ((lane / 16) * 8 + lane % 8) * kRow + k0 + ((lane / 8) % 2) * 8);
                 }
@@ -485,13 +484,16 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 1));
                 step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, 2));
                 const float new_max = fmaxf(row_max[t][half], step_max);
-                const bool any = new_max != cupykv::neg_infinity();
                 // exactly 1 while the row's max stands (no key attended yet included)
                 rescale[half] = new_max == row_max[t][half] ? 1.0f : cupykv::exp_shifted(row_max[t][half], new_max);
                 row_max[t][half] = new_max;
+                // A row with no key attended yet has only -inf logits and a max of -inf: its weights are
+                // taken against 0 instead, 2^-inf = 0 each, never (-inf) - (-inf). One select a row, not
+                // one a weight.
+                const float weight_max = new_max == cupykv::neg_infinity() ? 0.0f : new_max;
                 float p[2][2];
                 for (int nb = 0; nb < 2; ++nb)
-                    for (int e = 0; e < 2; ++e) p[nb][e] = any ? cupykv::exp_shifted(s[t][nb][2 * half + e], new_max, kPLog2Factor) : 0.0f;
+                    for (int e = 0; e < 2; ++e) p[nb][e] = cupykv::exp_shifted(s[t][nb][2 * half + e], weight_max, kPLog2Factor);
                 row_sum[t][half] = row_sum[t][half] * rescale[half] + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
                 // a0a1: (row, keys 2t..2t+1); a2a3: (row + 8, ...); a4a5: (row, keys 8 + 2t..); a6a7: (row + 8, ...)
                 for (int nb = 0; nb < 2; ++nb) {
@@ -527,10 +529,8 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                                                      cupykv::fp8_code_word(codes + kStageRow), selector);
                 const unsigned keys_hi = __byte_perm(cupykv::fp8_code_word(codes + 8 * kStageRow),
                                                      cupykv::fp8_code_word(codes + 9 * kStageRow), selector);
-                v_frag[0] = cupykv::widen_fp8_pair<M>((unsigned short)(keys_lo & 0xffffu));
-                v_frag[1] = cupykv::widen_fp8_pair<M>((unsigned short)(keys_hi & 0xffffu));
-                v_frag[2] = cupykv::widen_fp8_pair<M>((unsigned short)(keys_lo >> 16));
-                v_frag[3] = cupykv::widen_fp8_pair<M>((unsigned short)(keys_hi >> 16));
+                cupykv::widen_fp8_word<M>(keys_lo, v_frag[0], v_frag[2]);
+                cupykv::widen_fp8_word<M>(keys_hi, v_frag[1], v_frag[3]);
             } else {
                 cupykv::ldmatrix_x4_trans(v_frag, v_stage + (lane % 16) * kRow + d0 + (lane / 16) * 8);
             }

@@ -53,12 +53,26 @@ template <typename T> __device__ __forceinline__ unsigned pack_pair(T low, T hig
            ((unsigned)*reinterpret_cast<const unsigned short*>(&high) << 16);
 }
 
-// Two E4M3 codes (`low` code in bits 0-7) widened exactly to two M values packed in one register,
-// the low code in the low half (the mma fragment's element order).
-template <typename M> __device__ __forceinline__ unsigned widen_fp8_pair(unsigned short codes);
-template <> __device__ __forceinline__ unsigned widen_fp8_pair<__half>(unsigned short codes) {
-    const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(codes, __NV_E4M3);
-    return (unsigned)pair.x | ((unsigned)pair.y << 16);
+// Four E4M3 codes of one word (the code at the lowest address in bits 0-7) widened exactly to M, two
+// packed pairs: codes 0, 1 into `low_pair` and codes 2, 3 into `high_pair`, the first code of each in
+// the low half (the mma fragment's element order). From sm_89 on, one cvt.rn.f16x2.e4m3x2 per pair,
+// each reading its half of the word in place: the SASS conversion takes the high half as an operand,
+// where a 16-bit argument (cuda_fp8.h's __nv_cvt_fp8x2_to_halfraw2) costs a shift first. Before sm_89
+// and on the emulator, cuda_fp8.h converts each pair.
+template <typename M> __device__ __forceinline__ void widen_fp8_word(unsigned word, unsigned& low_pair,
+                                                                     unsigned& high_pair);
+template <> __device__ __forceinline__ void widen_fp8_word<__half>(unsigned word, unsigned& low_pair,
+                                                                   unsigned& high_pair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(CUPYKV_EMULATOR)
+    asm("{\n\t.reg .b16 low, high;\n\tmov.b32 {low, high}, %2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %0, low;\n\tcvt.rn.f16x2.e4m3x2 %1, high;\n\t}"
+        : "=r"(low_pair), "=r"(high_pair) : "r"(word));
+#else
+    const __half2_raw low = __nv_cvt_fp8x2_to_halfraw2((unsigned short)(word & 0xffffu), __NV_E4M3);
+    const __half2_raw high = __nv_cvt_fp8x2_to_halfraw2((unsigned short)(word >> 16), __NV_E4M3);
+    low_pair = (unsigned)low.x | ((unsigned)low.y << 16);
+    high_pair = (unsigned)high.x | ((unsigned)high.y << 16);
+#endif
 }
 
 }  // namespace cupykv
