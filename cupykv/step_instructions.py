@@ -1,12 +1,14 @@
-"""Instructions a warp issues per key step of the tensor-core attention kernel, read from sm_90 SASS.
+"""Instructions a warp issues per byte in the inner loops of the roofline kernels, read from sm_90 SASS.
 
 ``python -m cupykv check --steps`` prints, for each ``cupykv_attention_mma``
 instance, what one warp issues for one 16-key step on the common path, and
 the bytes of K/V that step brings: the design's bytes per instruction,
 against the :data:`H200_BYTES_PER_INSTRUCTION` an H200 needs to keep HBM
-busy. No GPU is involved; ``docs/performance.md`` ("Instructions per step on
-the common path") holds the table, and ``tests/test_step_instructions.py``
-holds the table to this count.
+busy. It prints the same for one iteration of the weight loop of each
+``cupykv_linear_mma`` instance. No GPU is involved; ``docs/performance.md``
+holds both tables ("Instructions per step on the common path" and the
+``linear`` design account), and ``tests/test_step_instructions.py`` holds
+them to this count.
 
 How it counts:
 
@@ -31,6 +33,12 @@ How it counts:
    four for P.V (two n8 blocks of dims, P's high and low piece). A count
    that does not is an error, not a row of the table.
 
+The weight loop of ``linear_mma.cu`` is counted the same way, compiled as
+CuPy compiles it (it has no per-step test to fix): the loop with the most
+``HMMA``, which must hold no other loop and two ``HMMA`` per 32-feature step
+of the steps whose loads go out first; each ``HMMA`` takes 8 weight rows x
+16 features, 256 bytes.
+
 A forward branch inside the loop that the common path skips (a step's
 copies past the last step, for instance) still counts: the figure is an
 upper bound of the common path, and ``HMMA``-free.
@@ -48,7 +56,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cupykv.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MMA_ROW_TILES, CACHE_DTYPE_PAIRS, KERNELS, cache_types
+from cupykv.kernels import (ATTENTION_HEAD_DIMS, ATTENTION_MMA_ROW_TILES, CACHE_DTYPE_PAIRS, CUDA_TYPES, KERNELS,
+                             LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, cache_types)
 from cupykv.nvrtc_check import PINNED_NVRTC, Nvrtc, NvrtcError, compile_program, load_nvrtc
 
 #: K/V bytes per issued warp instruction that keep an H200's HBM busy: 4.8 TB/s over 132 SMs x 4
@@ -138,6 +147,56 @@ class StepCount:
         return self.instance.step_bytes / (self.moved if moved else self.settled)
 
 
+# ------------------------------------------------------------------------------------- linear_mma
+#: Weight bytes one HMMA of the tensor-core linear takes: 8 weight rows x 16 in_features x 2 bytes.
+LINEAR_BYTES_PER_HMMA = 8 * 16 * 2
+
+
+@dataclass(frozen=True)
+class LinearInstance:
+    """One ``cupykv_linear_mma`` instance: a 16-bit weight dtype and a row tile (8 or 16 rows)."""
+
+    dtype: str
+    row_tile: int
+
+    @property
+    def name(self) -> str:
+        return f"cupykv_linear_mma<{CUDA_TYPES[self.dtype]}, {self.row_tile}>"
+
+    @property
+    def label(self) -> str:
+        return f"{'bf16' if self.dtype == 'bfloat16' else 'half'}, {self.row_tile}"
+
+    @property
+    def loop_hmma(self) -> int:
+        """HMMA of one loop iteration: the steps whose loads go out first (linear_mma.cu kAhead: 8, or 4
+        at 16 rows), two k16 mma a 32-feature step."""
+        return 2 * (4 if self.row_tile == 16 else 8)
+
+    @property
+    def loop_bytes(self) -> int:
+        return self.loop_hmma * LINEAR_BYTES_PER_HMMA
+
+
+@dataclass(frozen=True)
+class LinearLoopCount:
+    """What one warp of ``instance`` issues for one iteration of its weight loop."""
+
+    instance: LinearInstance
+    instructions: int
+    opcodes: Counter
+
+    def bytes_per_instruction(self) -> float:
+        return self.instance.loop_bytes / self.instructions
+
+
+def linear_instances() -> list[LinearInstance]:
+    """Every ``cupykv_linear_mma`` instance the library compiles."""
+    found = [LinearInstance(dtype, tile) for dtype in LINEAR_MMA_DTYPES for tile in LINEAR_MMA_ROW_TILES]
+    assert {i.name for i in found} == set(KERNELS["linear_mma"].instances)
+    return found
+
+
 # ---------------------------------------------------------------------------------------------- SASS
 @dataclass(frozen=True)
 class Instruction:
@@ -184,6 +243,21 @@ def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[tuple
     return sorted(last_by_head.items())
 
 
+def _body(instructions: list[Instruction], first: int, last: int) -> Counter:
+    """The instructions from ``first`` to ``last`` by opcode, ``NOP`` padding left out."""
+    return Counter(i.opcode for i in instructions if first <= i.address <= last and i.opcode != "NOP")
+
+
+def _mma_loop(instructions: list[Instruction], spans: list[tuple[int, int]], name: str) -> tuple[int, int]:
+    """The shortest of the loops with the most HMMA."""
+    with_mma = [(_body(instructions, *span)["HMMA"], span) for span in spans]
+    with_mma = [(hmma, span) for hmma, span in with_mma if hmma > 0]
+    if not with_mma:
+        raise StepCountError(f"{name}: no loop with HMMA in the SASS")
+    most = max(hmma for hmma, _ in with_mma)
+    return min((span for hmma, span in with_mma if hmma == most), key=lambda s: s[1] - s[0])
+
+
 def count_key_loop(instructions: list[Instruction], labels: dict[str, int], instance: Instance,
                    expected_hmma: int | None = None) -> Counter:
     """The instructions of one warp step by opcode, inner loops counted as often as they run.
@@ -191,15 +265,10 @@ def count_key_loop(instructions: list[Instruction], labels: dict[str, int], inst
     The step must hold ``expected_hmma`` HMMA, by default what the tiling implies (``step_hmma``).
     """
     def body(first: int, last: int) -> Counter:
-        return Counter(i.opcode for i in instructions if first <= i.address <= last and i.opcode != "NOP")
+        return _body(instructions, first, last)
 
     spans = loops(instructions, labels)
-    with_mma = [(body(*span)["HMMA"], span) for span in spans]
-    with_mma = [(hmma, span) for hmma, span in with_mma if hmma > 0]
-    if not with_mma:
-        raise StepCountError(f"{instance.name}: no loop with HMMA in the SASS")
-    most = max(hmma for hmma, _ in with_mma)
-    first, last = min((span for hmma, span in with_mma if hmma == most), key=lambda s: s[1] - s[0])
+    first, last = _mma_loop(instructions, spans, instance.name)
     total = body(first, last)
     inner = [s for s in spans if first <= s[0] and s[1] <= last and s != (first, last)]
     if len(inner) > 1:
@@ -270,12 +339,52 @@ def count_instance(nvrtc: Nvrtc, nvdisasm: str, instance: Instance) -> StepCount
     return StepCount(instance, sum(settled.values()), sum(moved.values()), settled["HMMA"], settled)
 
 
+def count_linear_loop(instructions: list[Instruction], labels: dict[str, int], instance: LinearInstance) -> Counter:
+    """The instructions of one iteration of the weight loop (the loop with the most HMMA) by opcode.
+
+    The loop must hold no other loop, and the HMMA of :attr:`LinearInstance.loop_hmma`.
+    """
+    spans = loops(instructions, labels)
+    first, last = _mma_loop(instructions, spans, instance.name)
+    inner = [s for s in spans if first <= s[0] and s[1] <= last and s != (first, last)]
+    if inner:
+        raise StepCountError(f"{instance.name}: {len(inner)} loops inside the weight loop; the count models none")
+    total = _body(instructions, first, last)
+    if total["HMMA"] != instance.loop_hmma:
+        raise StepCountError(f"{instance.name}: the weight loop issues {total['HMMA']} HMMA an iteration, the "
+                             f"tiling implies {instance.loop_hmma}")
+    return total
+
+
+def count_linear_instance(nvrtc: Nvrtc, nvdisasm: str, instance: LinearInstance) -> LinearLoopCount:
+    """Compile ``instance`` as CuPy would and count one iteration of its weight loop."""
+    kernel = KERNELS["linear_mma"]
+    program = compile_program(nvrtc, kernel.filename, kernel.source(), [instance.name], ARCH)
+    counted = count_linear_loop(*parse_sass(disassemble(program.cubin, nvdisasm)), instance)
+    return LinearLoopCount(instance, sum(counted.values()), counted)
+
+
 def count_all(selected: list[Instance] | None = None, nvrtc: Nvrtc | None = None) -> list[StepCount]:
     nvrtc = nvrtc or load_nvrtc()
     nvdisasm = find_nvdisasm()
     chosen = instances() if selected is None else selected
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         return list(pool.map(lambda i: count_instance(nvrtc, nvdisasm, i), chosen))
+
+
+def count_all_linear(nvrtc: Nvrtc | None = None) -> list[LinearLoopCount]:
+    nvrtc = nvrtc or load_nvrtc()
+    nvdisasm = find_nvdisasm()
+    return [count_linear_instance(nvrtc, nvdisasm, i) for i in linear_instances()]
+
+
+def format_linear_table(counts: list[LinearLoopCount]) -> str:
+    """The markdown table of docs/performance.md's `linear` section."""
+    lines = ["| weight, row tile | weight bytes per iteration | HMMA | instructions (bytes/instr) |", "|---|---|---|---|"]
+    for c in counts:
+        i = c.instance
+        lines.append(f"| {i.label} | {i.loop_bytes} | {i.loop_hmma} | {c.instructions} ({c.bytes_per_instruction():.1f}) |")
+    return "\n".join(lines)
 
 
 def format_table(counts: list[StepCount]) -> str:
@@ -295,6 +404,7 @@ def main(nvrtc_path: str | None = None) -> int:
     try:
         nvrtc = load_nvrtc(nvrtc_path)
         counts = count_all(nvrtc=nvrtc)
+        linear_counts = count_all_linear(nvrtc)
     except (NvrtcError, StepCountError) as exc:
         print(f"cupykv check --steps: FAILED\n{exc}", file=sys.stderr)
         return 1
@@ -303,4 +413,7 @@ def main(nvrtc_path: str | None = None) -> int:
           f"bytes per issued instruction, and {H200_BYTES_PER_HMMA:.1f} per HMMA at the tensor core's full rate "
           f"({HMMA_CYCLES} cycles each).")
     print(format_table(counts))
+    print("\nThe tensor-core linear, per warp and iteration of its weight loop (the steps whose loads go out "
+          "before the first mma):")
+    print(format_linear_table(linear_counts))
     return 0

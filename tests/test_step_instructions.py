@@ -1,6 +1,7 @@
-"""The instruction count of a key step (``python -m cupykv check --steps``, cupykv.step_instructions).
+"""The instruction counts of ``python -m cupykv check --steps`` (cupykv.step_instructions).
 
-- docs/performance.md's table is the count, row for row, under the pinned NVRTC and nvdisasm;
+- docs/performance.md's tables (a key step of the tensor-core attention, an iteration of the
+  tensor-core linear's weight loop) are the count, row for row, under the pinned NVRTC and nvdisasm;
 - the count's parsing of SASS (labels, loops, the nested S loop, the HMMA check) on listings
   written here, so that a counting bug shows apart from any compiler;
 - CUPYKV_COMMON_PATH fixes the tests only in the count: a real build keeps the rescale vote.
@@ -49,6 +50,27 @@ def test_the_documented_row_is_the_count(tools, label):
     assert _ROW.match(line) and line.startswith(f"| {label} |")
 
 
+_LINEAR_ROW = re.compile(r"^  \| (bf16|half), (\d+) \| (\d+) \| (\d+) \| (\d+) \(([\d.]+)\) \|$", re.M)
+
+
+def documented_linear_rows() -> dict[str, tuple]:
+    """The rows of the linear section's table: label -> (bytes, hmma, instructions)."""
+    section = DOC.read_text().split("## `linear`: the design account", 1)[1].split("\n## ", 1)[0]
+    rows = {f"{m.group(1)}, {m.group(2)}": tuple(int(m.group(g)) for g in (3, 4, 5)) for m in _LINEAR_ROW.finditer(section)}
+    assert len(rows) == 4, "the linear table of docs/performance.md lost rows, or its format changed"
+    return rows
+
+
+def test_the_documented_linear_rows_are_the_count(tools):
+    nvrtc, nvdisasm = tools
+    counted = {c.instance.label: (c.instance.loop_bytes, c.opcodes["HMMA"], c.instructions)
+               for c in (steps.count_linear_instance(nvrtc, nvdisasm, i) for i in steps.linear_instances())}
+    assert counted == documented_linear_rows()
+    # 8 steps of 512 bytes ahead at up to 8 rows, 4 at 16: an HMMA per 16 features of 8 weight rows
+    assert {label: row[0] for label, row in counted.items()} == {"half, 8": 4096, "bf16, 8": 4096,
+                                                                  "half, 16": 2048, "bf16, 16": 2048}
+
+
 def test_the_tools_are_the_pinned_ones(tools):
     nvrtc, nvdisasm = tools
     assert nvrtc.wheel_version == PINNED_NVRTC
@@ -82,6 +104,8 @@ def test_the_command_line_prints_the_table(monkeypatch, capsys):
     assert "4.6 bytes per issued instruction" in out and "18.4 per HMMA" in out
     (row,) = [line for line in out.splitlines() if line.startswith("| fp8, half io, 64, 1 |")]
     assert _ROW.match(row)
+    linear = [line for line in out.splitlines() if re.match(r"\| (bf16|half), (8|16) \|", line)]
+    assert len(linear) == 4 and all(_LINEAR_ROW.match("  " + line) for line in linear)
 
 
 def test_a_missing_nvdisasm_says_how_to_install_it(monkeypatch, tmp_path):
@@ -156,6 +180,26 @@ def test_an_inner_loop_that_is_not_the_s_loop_fails():
                    *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 32, "@P1 BRA `(.L_x_0)")
     with pytest.raises(steps.StepCountError, match="not the S loop"):
         steps.count_key_loop(*steps.parse_sass(text), TWO_TILES)
+
+
+LINEAR_8 = steps.LinearInstance("bfloat16", 8)   # 16 HMMA an iteration
+
+
+def test_the_linear_loop_counts_one_iteration():
+    text = listing("MOV R1, R2", ".L_x_0:", *["LDG.E.128 R4, desc[UR4][R2.64]"] * 16,
+                   *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 16, "NOP", "@P0 BRA `(.L_x_0)", "EXIT")
+    assert steps.count_linear_loop(*steps.parse_sass(text), LINEAR_8) == {"LDG": 16, "HMMA": 16, "BRA": 1}
+
+
+@pytest.mark.parametrize("body, message", [
+    ((".L_x_1:", "IADD3 R0, R0, 1", "@P1 BRA `(.L_x_1)", *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 16),
+     "1 loops inside the weight loop"),
+    (["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 8, "issues 8 HMMA an iteration, the tiling implies 16"),
+])
+def test_a_linear_loop_of_another_shape_fails(body, message):
+    text = listing(".L_x_0:", "MOV R1, R2", *body, "@P0 BRA `(.L_x_0)")
+    with pytest.raises(steps.StepCountError, match=message):
+        steps.count_linear_loop(*steps.parse_sass(text), LINEAR_8)
 
 
 def test_no_loop_with_mma_fails():
