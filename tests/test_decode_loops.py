@@ -125,6 +125,22 @@ def test_max_new_tokens_and_capacity_stop_on_the_device():
     assert tokens[0] == plain[0] and len(tokens[1]) == 12
     assert model.cache.lengths_host().tolist() == [MAX_SEQ - 1, 4 + 11]
     model.cache.check()
+    # the longest prompt generate accepts with 2 new tokens still decodes its second one on the device
+    tokens = model.generate([[3] * (MAX_SEQ - 2)], 2)
+    assert len(tokens[0]) == 2 and model.cache.lengths_host().tolist()[0] == MAX_SEQ - 1
+    model.cache.check()
+
+
+def test_the_four_most_recent_loop_shapes_keep_their_graphs():
+    model = Llama.random(LlamaConfig(**TINY), seed=0, max_seq=MAX_SEQ, batch=1, backend="emulator")
+    for n in (1, 2, 3, 4, 5):
+        model.generate([[1, 2]], 3, tokens_per_replay=n)
+    assert list(model._loops) == [("greedy", n) for n in (2, 3, 4, 5)]   # the least recently used went
+    graph = model._loops[("greedy", 2)].graph
+    model.generate([[1, 2]], 3, tokens_per_replay=2)          # replayed, not captured again; now the newest
+    assert model._loops[("greedy", 2)].graph is graph and list(model._loops)[-1] == ("greedy", 2)
+    model.generate([[1, 2]], 3, tokens_per_replay=6)
+    assert list(model._loops) == [("greedy", n) for n in (4, 5, 2, 6)]
 
 
 def test_a_replay_of_n_steps_launches_n_decode_steps():
@@ -164,6 +180,12 @@ def test_more_stop_ids_than_the_device_list_holds_are_refused():
     model = Llama.random(LlamaConfig(**dict(TINY, vocab_size=100)), max_seq=8, backend="emulator")
     with pytest.raises(ValueError, match=r"^stop_ids: expected at most 64 distinct stop ids .*got 65$"):
         model.generate([[1]], 2, stop_ids=list(range(30)), eos_token_id=list(range(30, 65)))
+    # a full list of 64 is taken, and its last id stops a sequence like any other
+    plain = model.generate([[1]], 7)[0]
+    last = plain[1]
+    others = [t for t in range(100) if t not in plain][:63]
+    tokens = model.generate([[1]], 7, stop_ids=others[:30], eos_token_id=others[30:] + [last])[0]
+    assert tokens == plain[:2]
 
 
 # -- the bookkeeping kernels against NumPy statements of their rules ---------------------------

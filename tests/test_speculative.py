@@ -86,6 +86,44 @@ def test_acceptance_rate_and_tokens_per_cycle():
     assert 1.0 <= model.stats.tokens_per_cycle < 4.0 and model.stats.acceptance_rate < 1.0
 
 
+def test_a_stopped_sequence_counts_in_no_cycle_of_the_stats():
+    # Sequence 0's first token (39, from the prefill) is a stop id; sequence 1 never emits it and runs
+    # two fully accepted cycles (the draft has the target's weights). The stopped sequence's accept
+    # kernel writes accepted = -1 in each cycle, which the stats must leave out.
+    model, same = target(2), draft(2, 0, 0.0)
+    plain = model.generate([[1, 2, 3], [4]], 9)
+    stop = plain[0][0]
+    assert stop not in plain[1]
+    tokens = model.generate([[1, 2, 3], [4]], 9, draft=same, num_speculative=3, stop_ids=[stop])
+    assert tokens == [[stop], plain[1]]
+    stats = model.stats
+    assert (stats.replays, stats.cycles, stats.proposed, stats.accepted) == (2, 2, 6, 6)
+    assert stats.acceptance_rate == 1.0 and stats.tokens_per_cycle == 4.0
+
+
+def test_capacity_stops_a_speculative_sequence_where_the_drafts_rows_still_fit():
+    # The draft holds 18 rows, the target 24: with k = 3 the draft binds (max_length = min(24 - 3 - 1,
+    # 18 - 3) = 15). With budgets past what generate accepts, sequence 0 (10 prompt tokens) stops at a
+    # committed length of 15 on the device; sequence 1 keeps cycling, and each later cycle rewrites
+    # sequence 0's pending rows up to row 15 + 3 - 1 = 17 of the draft: its last row, no overflow.
+    config = LlamaConfig(**TARGET)
+    model = Llama(config, config.random_weights(0), max_seq=24, batch=2, backend="emulator")
+    helper = Llama(config, config.random_weights(0), max_seq=18, batch=2, backend="emulator")
+    prompts = [list(range(1, 11)), [4]]
+    plain = [model.generate([prompt], 24 - len(prompt))[0] for prompt in prompts]
+    padded = [list(p) for p in prompts]
+    model._prefill(padded)
+    helper._prefill(padded)
+    loop = decoding.SpeculativeLoop(model, helper, 3)
+    assert loop.max_length == 15
+    tokens, _, _ = decoding.decode(model, loop, padded, 2, 30, [], use_graph=True, return_logits=False)
+    assert [len(t) for t in tokens] == [15 - 10 + 1, 15 - 1 + 1]      # committed = prompt + tokens - 1 = 15
+    assert tokens == [plain[0][: len(tokens[0])], plain[1][: len(tokens[1])]]
+    assert model.cache.lengths_host().tolist() == [15, 15] and helper.cache.lengths_host().tolist() == [14, 14]
+    model.cache.check()
+    helper.cache.check()
+
+
 def test_logits_and_streaming_match_plain_decoding():
     model, helper = target(2), draft(2, 0, 0.03)
     prompts = [[5, 6, 7, 8], [9]]
@@ -270,6 +308,35 @@ def test_speculative_gather_reads_only_inside_src():
         decoding.speculative_gather(out, src, offset=2, row_stride=2)
     with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap src"):
         decoding.speculative_gather(src[:2], src, offset=3, row_stride=1)
+
+
+def test_fixed_split_positions_make_no_more_splits_than_a_decode_plan(monkeypatch):
+    # A stated device of 4 SMs splits a decode step of a 1025-row cache 4 ways (257 keys a split). The
+    # fixed split size is that rounded up to the key chunk: 384, 3 splits. Rounding 1025 / 4 down first
+    # would give 256, and a fifth split: more blocks than the plan found room for.
+    from cupykv.attention_plan import CHUNK, AttentionPlan
+    monkeypatch.setenv("CUPYKV_EMULATOR_SMS", "4")
+    model = Llama.random(LlamaConfig(**TARGET), seed=0, max_seq=1025, batch=1, backend="emulator")
+    splits = AttentionPlan(model.cache, 1, TARGET["num_attention_heads"]).num_splits
+    assert splits == 4 and 1025 // splits % CHUNK == 0 and 1025 % splits   # the case where rounding matters
+    split_keys = model._decode_split_keys()
+    assert split_keys % CHUNK == 0 and -(-1025 // split_keys) <= splits
+    assert split_keys - CHUNK < 1025 / splits <= split_keys               # the smallest such multiple
+
+
+def test_passes_of_up_to_exact_q_len_queries_split_at_fixed_positions(monkeypatch):
+    # A verification pass of num_speculative = 64 has EXACT_Q_LEN = 65 queries: it still takes the fixed
+    # split positions; a longer pass (a prefill) plans its own.
+    import importlib
+    from cupykv.models.llama import EXACT_Q_LEN
+    attention_module = importlib.import_module("cupykv.attention")
+    monkeypatch.setattr(Llama, "_decode_split_keys", lambda self: 128)
+    model = Llama.random(LlamaConfig(**TARGET), seed=0, max_seq=256, batch=1, backend="emulator")
+    for q_len in (EXACT_Q_LEN, EXACT_Q_LEN + 1):
+        model.cache.reset()
+        model._forward(model._activations(q_len))
+    used = {plan.q_len: plan.split_keys for plan in attention_module._plans[model.cache].values()}
+    assert used[EXACT_Q_LEN] == 128 and used[EXACT_Q_LEN + 1] is None
 
 
 def test_speculative_tokens_equal_greedy_with_keys_split_at_fixed_positions(monkeypatch):
