@@ -50,6 +50,25 @@ def test_quantize_saturates_divides_in_float32_and_keeps_nan():
     # the quotient is rounded to float32 before E4M3: 3 / 0.1f in float32, not in float64
     assert fp8.quantize_e4m3(np.float32(3.0), np.float32(0.1)) == (np.float32(3.0) / np.float32(0.1)).astype(E4M3)
     assert fp8.dequantize_e4m3(fp8.quantize_e4m3(np.float32(3.0), 0.5), 0.5) == 3.0
+    # a scale is a float32, as the cache holds it: code 1.0 at scale 0.1 reads back as float32(0.1)
+    assert fp8.dequantize_e4m3(fp8.quantize_e4m3(np.float32(1.0), 1.0), 0.1) == float(np.float32(0.1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_subnormal_rows_are_flushed_before_the_division_on_host_and_device(backend):
+    # With k_scale = the smallest normal float32, x / scale is 1/4 for x = tiny / 4, a subnormal: the
+    # device (-ftz=true) flushes x to a zero of its sign first, so the code is +-0, not E4M3(0.25). x =
+    # tiny itself is normal and stores 1.0.
+    tiny = np.finfo(np.float32).tiny
+    row = np.zeros(8, np.float32)
+    row[:4] = [tiny / 4, -tiny / 4, tiny, -tiny]
+    want = [0x00, 0x80, 0x38, 0xB8]
+    assert fp8.quantize_e4m3(row[:4], tiny).view(np.uint8).tolist() == want
+    spec = _spec("float32", n_layers=1, n_kv_heads=1, max_seq=1, batch=1)
+    cache = cupykv.KVCache(spec, backend=backend, k_scale=tiny, v_scale=1.0)
+    rows = row.reshape(1, 1, 1, 8)
+    cache.append(0, cache.to_device(rows), cache.to_device(rows))
+    assert _codes(cache.k, spec)[0, 0, 0, 0, :4].tolist() == want
 
 
 def test_calibrate_scales_maps_each_heads_largest_value_to_448_without_saturating():
@@ -63,6 +82,10 @@ def test_calibrate_scales_maps_each_heads_largest_value_to_448_without_saturatin
             largest = np.abs(samples[layer, ..., head, :]).max()
             assert largest / scales[layer, head] <= 448.0
             assert largest / scales[layer, head] > 448.0 * (1 - 1e-6)
+    # a head too small for a normal float32 scale (1e-42 / 448) gets the smallest normal one, never a
+    # subnormal that the device's flush-to-zero would turn into a division by 0
+    tiny = np.finfo(np.float32).tiny
+    assert fp8.calibrate_scales(np.full((1, 1, 1, 2), 1e-42)).tolist() == [[tiny]]
     with pytest.raises(ValueError, match="samples: expected finite"):
         fp8.calibrate_scales(np.full((1, 2, 3), np.nan))
     with pytest.raises(ValueError, match=r"samples: expected a non-empty array .* got shape \(2, 3\)"):

@@ -92,6 +92,8 @@ def test_replay_n_runs_n_steps(backend):
         step.on_reference(oracle)
     testing.assert_matches_reference(cache, oracle)
     assert graph.num_launches == 2 * cache.spec.n_layers + 1
+    graph.replay(0)                                    # zero replays: nothing runs
+    testing.assert_matches_reference(cache, oracle)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -181,6 +183,17 @@ def test_views_of_emulator_device_arrays_are_allowed_in_capture_but_host_reads_a
 def test_a_step_without_cupykv_launches_cannot_be_captured():
     with pytest.raises(cupykv.CaptureError, match="no cupykv kernel"):
         cupykv.capture(lambda: None)
+
+
+def test_a_step_on_two_backends_cannot_be_captured():
+    # a second emulator backend object has its own memory and launches: a graph cannot hold both
+    from cupykv.backends.emulator_backend import EmulatorBackend
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=8, max_seq=4, batch=1, dtype="float32")
+    first = cupykv.KVCache(spec, backend="emulator")
+    second = cupykv.KVCache(spec, backend=EmulatorBackend())
+    with pytest.raises(cupykv.CaptureError, match=r"several backends \['emulator', 'emulator'\]: a graph belongs "
+                                                  r"to one backend"):
+        cupykv.capture(lambda: (first.advance(1), second.advance(1)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
