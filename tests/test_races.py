@@ -23,7 +23,8 @@ from cupykv.kernels import KERNEL_DIR, KERNELS
 RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
 RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
-              "half_warp_exchange", "sync_chain", "last_block_sums"]
+              "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
+              "clear_while_counting"]
 
 
 def line_of(path, needle):
@@ -87,6 +88,44 @@ def test_missing_syncwarp_in_a_warp_exchange_is_reported(races):
     out = E.zeros(64, np.int32)
     fn(1, 64, (out, np.int32(1)))  # with __syncwarp(): no report, the exchanged values
     np.testing.assert_array_equal(out, 10 * (np.arange(64) ^ 1))
+
+
+@pytest.mark.parametrize("sync, threads, writer, reader", [(0, 2, 0, 1), (1, 64, 63, 0)])
+def test_a_write_after_reads_races_with_whichever_read_record_holds_an_unordered_reader(
+        races, monkeypatch, sync, threads, writer, reader):
+    # The checker keeps two read records a word. In index order the thread that ends the barrier
+    # runs on first, then the others in turn. Two threads, no barrier (sync 0): thread 1 reads,
+    # then thread 0 reads and writes; its own read is the newer record and thread 1's the older,
+    # the race. 64 threads and only a __syncwarp (sync 1): thread 63 reads first, then warp 0, then
+    # the rest of warp 1; the records keep a reader of each warp, and thread 0's read races with
+    # thread 63's write, although the last readers before it are its own warp's.
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    fn = races.get_function("overwrite_after_reads")
+    with pytest.raises(E.RaceError) as caught:
+        fn(1, threads, (E.zeros(threads, np.int32), np.int32(sync), np.int32(writer)))
+    (hazard,) = hazards_between(caught.value, line_of(RACES, "out[threadIdx.x] = word;"),
+                                line_of(RACES, "if ((int)threadIdx.x == writer) word = 8;"))
+    assert hazard.kind == "write-after-read" and hazard.memory == "shared" and hazard.count == 1
+    assert (hazard.first.thread[0], hazard.second.thread[0]) == (reader, writer)
+    out = E.zeros(64, np.int32)
+    fn(1, 64, (out, np.int32(2), np.int32(63)))   # with __syncthreads(): no report
+    np.testing.assert_array_equal(out, 7)
+
+
+@pytest.mark.parametrize("increment", [1, 0])
+@pytest.mark.parametrize("seed", ["0", "1", "2"])
+def test_a_plain_store_racing_with_atomics_is_reported_in_either_order(races, monkeypatch, seed, increment):
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", seed)
+    fn = races.get_function("clear_while_counting")
+    with pytest.raises(E.RaceError) as caught:
+        fn(1, 64, (E.zeros(1, np.int32), np.int32(0), np.int32(increment)))
+    found = hazards_between(caught.value, line_of(RACES, "if (threadIdx.x == 0) tally = 0;"),
+                            line_of(RACES, "if (threadIdx.x != 0) atomicAdd(&tally, increment);"))
+    assert all(h.kind == "write-after-write" and h.memory == "shared" for h in found)
+    assert all({h.first.kind, h.second.kind} == {"write", "atomic"} for h in found)   # a plain store, an atomic
+    out = E.zeros(1, np.int32)
+    fn(1, 64, (out, np.int32(1), np.int32(increment)))
+    np.testing.assert_array_equal(out, 63 * increment)
 
 
 def test_a_half_warp_syncwarp_orders_its_lanes_only(races):

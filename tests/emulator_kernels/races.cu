@@ -125,3 +125,30 @@ __global__ void last_block_sums(const float* x, float* partial, float* out, int*
     if (column == 0) atomicExch(counter, 0);
   }
 }
+
+// Every thread reads a shared word, then thread `writer` overwrites it. `sync` 0: no barrier;
+// 1: only a __syncwarp, which orders the writer's own warp and no other; 2: a __syncthreads,
+// correct. The race is found through one of the two read records the checker keeps per word,
+// whichever holds an unordered reader. out: [blockDim.x] int.
+__global__ void overwrite_after_reads(int* out, int sync, int writer) {
+  __shared__ int word;
+  if (threadIdx.x == 0) word = 7;
+  __syncthreads();
+  out[threadIdx.x] = word;
+  if (sync == 1) __syncwarp();
+  if (sync == 2) __syncthreads();
+  if ((int)threadIdx.x == writer) word = 8;
+}
+
+// Thread 0 clears a shared tally with a plain store while the other threads add `increment`
+// to it with atomics: without the barrier between, the plain store races with the atomics. A
+// plain write and an atomic are never a benign pair, even where both leave the same value
+// (increment 0). out: [1] int.
+__global__ void clear_while_counting(int* out, int synced, int increment) {
+  __shared__ int tally;
+  if (threadIdx.x == 0) tally = 0;
+  if (synced) __syncthreads();
+  if (threadIdx.x != 0) atomicAdd(&tally, increment);
+  __syncthreads();
+  if (threadIdx.x == 0) out[0] = tally;
+}
