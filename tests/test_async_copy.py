@@ -32,7 +32,7 @@ def line(needle, path=SOURCE):
     return f"{path.name}:{hits[0]}"
 
 
-ISSUE = line("cp_async<BYTES>(dst, src + first, src_bytes);")   # the kernel line of the copy
+ISSUE = line("cp_async<BYTES>(dst, from_src, src_bytes);")   # the kernel line of the copy
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,21 @@ def test_another_threads_data_needs_a_barrier_after_the_wait(module):
     assert_still_works(module)
 
 
+def test_a_barrier_before_the_wait_does_not_publish_the_copy(module, monkeypatch):
+    # Index order: the thread that ends the barrier (the last) runs on first and waits, so its
+    # copy lands before the others read it: not pending, but landed at its wait, after the
+    # barrier, so each read is unordered with it. The barrier has to follow the wait.
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    with pytest.raises(E.RaceError) as caught:
+        roundtrip(module, 16, 32, 8, 11)
+    message = str(caught.value)
+    # the landing is a store of the last thread at its wait; each other thread's read races with it
+    assert line("cp_async_wait<0>();   // mode 11: the copy lands here, after the barrier") in message
+    assert line("if (t != (int)blockDim.x - 1) out[first] = tile[(blockDim.x - 1) * kFloats];") in message
+    assert "read-after-write" in message
+    assert_still_works(module)
+
+
 @pytest.mark.parametrize("mode, match", [
     (5, r"the destination \(static __shared__ tile \(in async_roundtrip<16>\) byte offset \d+\) is not aligned "
         r"to the copy size 16 bytes"),
@@ -169,7 +184,9 @@ def test_another_threads_data_needs_a_barrier_after_the_wait(module):
         r"in shared memory"),
     (3, r"reads 16 bytes at argument 0 \(float32 array of shape \(30,\)\) element 28 \(byte offset 112\), 8 past "
         r"the end of the array"),
-], ids=["misaligned", "src-bytes-too-large", "global-destination", "source-past-the-end"])
+    (10, r"the source \(argument 0 \(float32 array of shape \(30,\)\) element \d+ \(byte offset \d+\)\) is not "
+         r"aligned to the copy size 16 bytes"),
+], ids=["misaligned", "src-bytes-too-large", "global-destination", "source-past-the-end", "misaligned-source"])
 def test_operands_the_instruction_does_not_allow_fail(module, mode, match):
     with pytest.raises(E.AsyncCopyError, match=rf"cp\.async at {HEADER.name}:\d+ \(inlined into {ISSUE}\) by "
                                                rf"thread \(\d,0,0\): {match}"):

@@ -13,7 +13,9 @@ using namespace cupykv;
 //       3 asks for all BYTES bytes even past n (reads past the end of src when n is not a
 //       multiple); 4 writes its own piece before the wait; 5 misaligned destination;
 //       6 src_bytes above BYTES; 7 destination in global memory; 8 a second copy into the
-//       same bytes while the first is pending; 9 exits without waiting.
+//       same bytes while the first is pending; 9 exits without waiting; 10 misaligned source;
+//       11 the barrier before the wait instead of after it (every thread but the last then
+//       reads the last thread's piece: landed, but unordered with the read).
 template <int BYTES>
 __global__ void async_roundtrip(const float* __restrict__ src, float* __restrict__ out, int n, int mode) {
     __shared__ __align__(16) float tile[64 * 4];
@@ -22,12 +24,19 @@ __global__ void async_roundtrip(const float* __restrict__ src, float* __restrict
     const int live = n - first < 0 ? 0 : (n - first > kFloats ? kFloats : n - first);
     const int src_bytes = mode == 3 ? BYTES : mode == 6 ? BYTES + 4 : live * 4;
     float* dst = mode == 5 ? tile + first + 1 : mode == 7 ? out + first : tile + first;
-    cp_async<BYTES>(dst, src + first, src_bytes);
+    const float* from_src = mode == 10 ? src + first + 1 : src + first;
+    cp_async<BYTES>(dst, from_src, src_bytes);
     if (mode == 8) cp_async<BYTES>(tile + first, src + first, src_bytes);
     cp_async_commit();
     if (mode == 1) out[first] = tile[first];
     if (mode == 4) tile[first] = 1.0f;
     if (mode == 9) return;
+    if (mode == 11) {
+        __syncthreads();
+        cp_async_wait<0>();   // mode 11: the copy lands here, after the barrier
+        if (t != (int)blockDim.x - 1) out[first] = tile[(blockDim.x - 1) * kFloats];
+        return;
+    }
     cp_async_wait<0>();
     if (mode != 2) __syncthreads();
     const int from = (first + kFloats) % (blockDim.x * kFloats);
