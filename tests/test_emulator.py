@@ -24,7 +24,7 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
               "reverse_float4", "indices3d", "axpy<float>", "axpy<__half>",
               "axpy<__nv_bfloat16>", "convert", "barrier_preds", "scalars", "maybe_null",
               "math", "hello", "busy", "intrinsics", "fp16_ops<__half>",
-              "fp16_ops<__nv_bfloat16>"]
+              "fp16_ops<__nv_bfloat16>", "match_in_halves"]
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
@@ -33,7 +33,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter",
              "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
-             "local_array_past_end", "row_index_past_row", "local_array_before_start"]
+             "local_array_past_end", "row_index_past_row", "local_array_before_start",
+             "barrier_kinds_differ", "shuffle_after_lanes_exited"]
 
 
 def line_of(path, needle, nth=0):
@@ -216,9 +217,17 @@ def test_half_bf16_conversions_bit_exact(good):
 
 
 def test_barrier_predicates_and_activemask(good):
-    out = E.zeros(4, np.int32)
+    out = E.zeros(6, np.int32)
     good.get_function("barrier_preds")(2, 64, (out,))
-    np.testing.assert_array_equal(out, [32, 1, 1, 0xFF])
+    np.testing.assert_array_equal(out, [32, 1, 1, 0xFF, 0, 0])
+
+
+def test_match_any_matches_only_lanes_of_its_mask(good):
+    out = E.zeros(32, np.uint32)
+    good.get_function("match_in_halves")(1, 32, (out,))
+    sevens, nines = 0x1111, 0xEEEE   # lanes 0, 4, 8, 12 of a half hold 7, the others 9
+    want = [(sevens if lane % 4 == 0 else nines) << (16 * (lane >= 16)) for lane in range(32)]
+    np.testing.assert_array_equal(out, want)
 
 
 def test_scalar_packing_rules(good):
@@ -302,6 +311,16 @@ def test_b_early_return_before_barrier(good, bugs):
 def test_barriers_at_different_call_sites(good, bugs):
     with pytest.raises(E.BarrierError, match="different __syncthreads"):
         bugs.get_function("split_barriers")(1, 64, (E.zeros(64),))
+    assert_still_works(good)
+
+
+def test_barriers_of_different_kinds_at_one_call_site_never_meet(good, bugs):
+    with pytest.raises(E.BarrierError, match=r"divergent barriers: threads wait at different __syncthreads\(\) "
+                                             r"call sites or kinds of barrier") as e:
+        bugs.get_function("barrier_kinds_differ")(1, 64, (E.zeros(1, np.int32),))
+    site = f"{BUGS}:{line_of(BUGS, '__syncthreads_and(1) : __syncthreads_or(1)')}"
+    message = str(e.value)
+    assert f"waiting at __syncthreads_and() {site}" in message and f"waiting at __syncthreads_or() {site}" in message
     assert_still_works(good)
 
 
@@ -703,6 +722,16 @@ def test_k_shuffle_with_exited_lane(good, bugs):
                                              r"0xffffffff\).*(lane (1[6-9]|2\d|3[01]) \(thread \d+\), "
                                              r"which exited|the mask names lanes .* that have exited)"):
         bugs.get_function("shuffle_exited_lane")(1, 32, (E.zeros(32),))
+    assert_still_works(good)
+
+
+def test_a_shuffle_naming_lanes_that_already_exited_fails_naming_them(good, bugs, monkeypatch):
+    # Index order: lanes 0-15 run first and exit; then lane 16 reaches the shuffle, whose mask names
+    # them. (test_k_shuffle_with_exited_lane covers the other order: a lane exits while others wait.)
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    with pytest.raises(E.BarrierError, match=r"__shfl_xor_sync at .*bugs\.cu:\d+ \(mask 0xffffffff\) in warp 0: "
+                                             r"the mask names lanes 0-15 \(threads 0-15\) that have exited"):
+        bugs.get_function("shuffle_after_lanes_exited")(1, 32, (E.zeros(32),))
     assert_still_works(good)
 
 

@@ -235,3 +235,18 @@ __global__ void local_array_before_start(float* y, int first) {
   float window[4] = {1.f, 2.f, 3.f, 4.f};
   y[threadIdx.x] = window[first + (int)threadIdx.x - 1];
 }
+
+// Even threads reach __syncthreads_or and odd ones __syncthreads_and, on one line: one call
+// site, two kinds of barrier, which never meet. out: [1] int.
+__global__ void barrier_kinds_differ(int* out) {
+  const int r = threadIdx.x % 2 ? __syncthreads_and(1) : __syncthreads_or(1);
+  if (threadIdx.x == 0) out[0] = r;
+}
+
+// Lanes 0-15 return at once; lanes 16-31 shuffle with the full mask, which names the lanes
+// that have exited. y: [32] float.
+__global__ void shuffle_after_lanes_exited(float* y) {
+  const int lane = threadIdx.x;
+  if (lane < 16) return;
+  y[lane] = __shfl_xor_sync(0xffffffffu, (float)lane, 1);
+}

@@ -129,12 +129,14 @@ __global__ void convert(const float* x, unsigned short* h, unsigned short* b, fl
   bf[i] = __bfloat162float(__ushort_as_bfloat16(b[i]));
 }
 
-// Barrier predicates and a warp-level activemask inside a branch.
-// out: [4] int (block 0 writes).
+// Barrier predicates (each of and / or with a true and a false outcome) and a warp-level
+// activemask inside a branch. out: [6] int (block 0 writes).
 __global__ void barrier_preds(int* out) {
   const int c = __syncthreads_count(threadIdx.x % 2 == 0);
   const int a = __syncthreads_and(threadIdx.x < blockDim.x);
   const int o = __syncthreads_or(threadIdx.x == 5);
+  const int a_false = __syncthreads_and(threadIdx.x != 3);
+  const int o_false = __syncthreads_or(threadIdx.x > blockDim.x);
   unsigned m = 0;
   if (threadIdx.x < 8) m = __activemask();
   if (threadIdx.x == 0) {
@@ -142,7 +144,16 @@ __global__ void barrier_preds(int* out) {
     out[1] = a;
     out[2] = o;
     out[3] = (int)m;
+    out[4] = a_false;
+    out[5] = o_false;
   }
+}
+
+// __match_any_sync over each half-warp's own mask: values repeat across the halves, and a
+// lane matches only lanes of its mask. out: [32] unsigned.
+__global__ void match_in_halves(unsigned* out) {
+  const int lane = threadIdx.x;
+  out[lane] = __match_any_sync(lane < 16 ? 0x0000ffffu : 0xffff0000u, lane % 4 == 0 ? 7 : 9);
 }
 
 // Scalars of every packing rule: CuPy passes a Python int as long long, a Python

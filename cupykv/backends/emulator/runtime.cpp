@@ -833,8 +833,8 @@ static void report_stuck() {
     msgf(g_msg, "divergent %s(): %u threads wait at a barrier that %u exited threads never reach "
          "(every thread of the block must reach the same barrier)", bar_name(S.bar_kind), at_bar, S.exited);
   else if (at_bar && S.bar_mismatch)
-    msgf(g_msg, "divergent barriers: threads wait at different __syncthreads() call sites "
-         "(every thread of the block must reach the same barrier)");
+    msgf(g_msg, "divergent barriers: threads wait at different __syncthreads() call sites or kinds of "
+         "barrier (every thread of the block must reach the same barrier)");
   else if (at_warp) {
     if (!explain_mask_mismatch(g_msg))
       msgf(g_msg, "deadlock: warp-synchronous operations cannot complete (lanes of a mask must "
