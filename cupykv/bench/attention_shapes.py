@@ -18,7 +18,7 @@ import numpy as np
 
 import cupykv
 from cupykv.bench.arrays import fill_random, random_array, relative_error, to_f32
-from cupykv.bench.sections import _attention_f32, _check, _rate
+from cupykv.bench.sections import _attention_f32, _check, _kv_bytes, _rate
 
 if TYPE_CHECKING:
     from cupykv.bench.sections import Context
@@ -36,10 +36,6 @@ class ShapesPlan:
     head_dim: int = 128
     check_live: int = 512      # the correctness check's live length (a float32 whole-axis reference)
     max_tokens: int = 1 << 20  # a batch runs the lives with batch * live at most this (cache memory)
-
-
-def _kv_bytes(plan: ShapesPlan, batch: int, keys: int) -> int:
-    return batch * keys * plan.n_kv_heads * plan.head_dim * 2 * 2   # K and V, bf16
 
 
 def _flops(plan: ShapesPlan, batch: int, q_len: int, group: int, live: int) -> int:

@@ -134,8 +134,9 @@ def _set_live(cache, live: int) -> None:
     cache.advance(live - 1)
 
 
-def _kv_bytes(plan, batch: int, live: int) -> int:
-    return batch * live * plan.n_kv_heads * plan.head_dim * 2 * 2   # K and V, 2 bytes each
+def _kv_bytes(plan, batch: int, keys: int) -> int:
+    """Bytes of K and V (2 bytes each) that attending ``keys`` rows of every sequence reads."""
+    return batch * keys * plan.n_kv_heads * plan.head_dim * 2 * 2
 
 
 def _decode_points(ctx: Context, batch: int, results: list, checks: list) -> None:
