@@ -40,8 +40,8 @@ of the steps whose loads go out first; each ``HMMA`` takes 8 weight rows x
 16 features, 256 bytes.
 
 A forward branch inside the loop that the common path skips (a step's
-copies past the last step, for instance) still counts: the figure is an
-upper bound of the common path, and ``HMMA``-free.
+copies past the last step, for instance) still counts, so each figure bounds
+the common path from above; no such branch holds an ``HMMA``.
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ H200_BYTES_PER_INSTRUCTION = 4.8e12 / (132 * 4 * 1.98e9)
 #: full rate: 989 TFLOPS = 132 SMs x 4 x 1024 flops a cycle at 1.83 GHz. Whether legacy mma.sync reaches
 #: that rate on sm_90 is for a GPU to measure; if it does not, every HMMA takes longer.
 HMMA_CYCLES = 4
-#: K/V bytes per HMMA that keep HBM busy at that rate (4.6 bytes a cycle and scheduler).
+#: K/V bytes per HMMA that keep HBM busy at that rate (4.6 bytes a cycle and scheduler at 1.98 GHz; about
+#: 19.9 at the 1.83 GHz of the quoted rate).
 H200_BYTES_PER_HMMA = H200_BYTES_PER_INSTRUCTION * HMMA_CYCLES
 STEP_KEYS = 16            # keys of one warp step (attention_mma.cu kStepKeys)
 Q_PIECES = 3              # 16-bit pieces of a float q (attention_mma.cu kQPieces)
