@@ -34,7 +34,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
              "local_array_past_end", "row_index_past_row", "local_array_before_start",
-             "barrier_kinds_differ", "shuffle_after_lanes_exited"]
+             "barrier_kinds_differ", "shuffle_after_lanes_exited", "packed_head_before_start",
+             "atomic_past_end", "atomic_past_end_last"]
 
 
 def line_of(path, needle, nth=0):
@@ -399,6 +400,36 @@ def test_x_y_a_load_that_starts_inside_and_ends_in_the_padding_fails(good, bugs,
     y = E.zeros(1)
     bugs.get_function(kernel)(1, 1, (y, E.asarray(np.arange(64, dtype=np.float32)), np.int32(64)))
     assert y[0] == np.arange(64).sum()
+    assert_still_works(good)
+
+
+def test_a_range_that_starts_before_the_array_and_ends_inside_fails(good, bugs):
+    # a 32-byte packed struct (a range g++ instruments whole) from 2 floats before the array
+    line = line_of(BUGS, "const PackedEight eight = *reinterpret_cast<const PackedEight*>(x - shift);")
+    with pytest.raises(E.EmulatorFault, match=rf"out-of-bounds read 8 bytes before the start of argument 1 .* at "
+                                              rf"bugs\.cu:{line}(?!\d)"):
+        bugs.get_function("packed_head_before_start")(1, 1, (E.zeros(1), E.asarray(np.arange(8, dtype=np.float32)),
+                                                             np.int32(2)))
+    y = E.zeros(1)
+    bugs.get_function("packed_head_before_start")(1, 1, (y, E.asarray(np.arange(8, dtype=np.float32)), np.int32(0)))
+    assert y[0] == 28.0
+    assert_still_works(good)
+
+
+@pytest.mark.parametrize("kernel, needle", [("atomic_past_end", "const int old = atomicAdd(&counter[n], 1);"),
+                                            ("atomic_past_end_last", "atomicMax(&counter[n], 1);")])
+@pytest.mark.parametrize("n", [4, 62, 64])
+def test_an_atomic_past_the_end_fails_as_a_write_at_the_kernels_line(good, bugs, kernel, needle, n):
+    # The atomic's own read and write run in the emulator's helper: the report still names the
+    # kernel's line, and calls the access a write (a read-modify-write). Past 62 ints the next
+    # byte is padding (a guard span the access hook checks); past 4 and 64 it is a guard page.
+    with pytest.raises(E.EmulatorFault, match=rf"out-of-bounds write of argument 0 at element {n} \(byte offset "
+                                              rf"{4 * n}, the first byte past the end.* at "
+                                              rf"bugs\.cu:{line_of(BUGS, needle)}(?!\d)"):
+        bugs.get_function(kernel)(1, 1, (E.zeros(n, np.int32), np.int32(n)))
+    counter = E.zeros(n, np.int32)
+    bugs.get_function(kernel)(1, 1, (counter, np.int32(n - 1)))
+    assert counter[n - 1] == 1
     assert_still_works(good)
 
 

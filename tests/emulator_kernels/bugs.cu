@@ -250,3 +250,23 @@ __global__ void shuffle_after_lanes_exited(float* y) {
   if (lane < 16) return;
   y[lane] = __shfl_xor_sync(0xffffffffu, (float)lane, 1);
 }
+
+// A 32-byte packed struct (a range g++ instruments whole) read from `shift` floats before x: with
+// shift 2 it starts in the guard before the array and ends inside it. y: [1] float.
+__global__ void packed_head_before_start(float* y, const float* x, int shift) {
+  const PackedEight eight = *reinterpret_cast<const PackedEight*>(x - shift);
+  float sum = 0.f;
+  for (int e = 0; e < 8; ++e) sum += eight.v[e];
+  y[threadIdx.x] = sum;
+}
+
+// An atomic one element past the end of its array, landing on the guard page after it (the
+// emulator's atomic helper faults, not the kernel's code): the report names the kernel's line.
+// The second ends the kernel with the atomic. counter: [n] int.
+__global__ void atomic_past_end(int* counter, int n) {
+  const int old = atomicAdd(&counter[n], 1);
+  counter[0] = old;
+}
+__global__ void atomic_past_end_last(int* counter, int n) {
+  atomicMax(&counter[n], 1);
+}

@@ -77,6 +77,7 @@ std::vector<Region> g_guards;  // the launch's guard spans (cuemu_launch_params.
 }  // namespace
 
 uint32_t copy_site = 0;
+uint32_t atomic_site = 0;
 
 namespace {
 
@@ -314,6 +315,7 @@ void static_shared_range(const cuemu_launch_params* p, uintptr_t base, uintptr_t
 bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr_t stacks_lo,
                         size_t stacks_len) {
   T = TraceState();
+  atomic_site = 0;   // a launch that ended in an atomic's fault left it set
   if (p->checks & CUEMU_CHECK_RACES) T.observers[T.nobservers++] = racecheck_observer();
   if (p->checks & CUEMU_CHECK_TRAFFIC) T.observers[T.nobservers++] = traffic_observer();
   T.module_base = module_base_of((const void*)p->invoke);
@@ -665,7 +667,10 @@ CUEMU_EXPORT void __ubsan_handle_out_of_bounds(void* data, uintptr_t index) {   
 CUEMU_EXPORT void cuemu_atomic_access(void* addr, unsigned size, void* site) {
   cuemu::check_aligned(addr, size, ACCESS_ATOMIC, site);
   cuemu::record((uintptr_t)addr, size, ACCESS_ATOMIC, site);
+  cuemu::atomic_site = cuemu::trace_site(site);   // the helper's own access comes next
 }
+
+CUEMU_EXPORT void cuemu_atomic_done(void) { cuemu::atomic_site = 0; }
 
 CUEMU_EXPORT void cuemu_threadfence(void) { cuemu::trace_fence(); }
 

@@ -1044,13 +1044,19 @@ static void on_fault(int sig, siginfo_t* si, void* uc_) {
     if (leavable) {
       g_fault_sig = sig;
       g_fault_addr = addr;
-      g_fault_write = sig == SIGSEGV ? ((uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0) : -1;
+      // An atomic helper's own read or write (cuemu.h, not the kernel's code): the kernel's
+      // atomic at its call site, a read-modify-write, so a write.
+      const bool in_atomic = g_module_code.has(pc) && cuemu::atomic_site != 0;
+      g_fault_write = in_atomic ? 1
+                      : sig == SIGSEGV ? ((uc->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0) : -1;
       g_fault_fiber = g_cur;
       // The faulting instruction itself, written as the return address that would follow it, or
-      // the kernel's call of the copy it faulted in.
+      // the kernel's call of the copy or the atomic it faulted in.
       g_has_fault_site = g_module_code.has(pc) || g_copy_code.has(pc);
-      g_fault_site = g_module_code.has(pc) ? cuemu::trace_site((const void*)(pc + 1))
+      g_fault_site = in_atomic ? cuemu::atomic_site
+                     : g_module_code.has(pc) ? cuemu::trace_site((const void*)(pc + 1))
                      : g_copy_code.has(pc) ? cuemu::copy_site : 0;
+      cuemu::atomic_site = 0;
       siglongjmp(g_jb, 1);
     }
     report_unrecoverable(sig, addr, pc);

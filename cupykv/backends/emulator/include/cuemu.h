@@ -257,6 +257,7 @@ static inline void __nanosleep(unsigned) {}
     cuemu_atomic_access(address, sizeof(T), __builtin_return_address(0));   \
     T old = *address;                                                       \
     *address = (EXPR);                                                      \
+    cuemu_atomic_done();                                                    \
     return old;                                                             \
   }
 CUEMU_ATOMIC(atomicAdd, int, old + val)
@@ -295,6 +296,7 @@ CUEMU_ATOMIC(atomicDec, unsigned int, (old == 0u || old > val) ? val : old - 1u)
     cuemu_atomic_access(address, sizeof(T), __builtin_return_address(0));   \
     T old = *address;                                                       \
     if (old == compare) *address = val;                                     \
+    cuemu_atomic_done();                                                    \
     return old;                                                             \
   }
 CUEMU_ATOMIC_CAS(int)

@@ -170,8 +170,10 @@ unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value
                                       const char* func);
 [[noreturn]] void cuemu_trap(const char* what, const char* file, int line);
 long long cuemu_clock64(void);
-// Atomics report their read-modify-write here (they are not instrumented themselves).
+// Atomics report their read-modify-write here (they are not instrumented themselves), and say when
+// it is done: a fault in between is the atomic's, reported at the kernel's line `site`.
 void cuemu_atomic_access(void* addr, unsigned size, void* site);
+void cuemu_atomic_done(void);
 // __threadfence() and __threadfence_system(): a fence of the calling thread, which the race
 // checker pairs with the thread's atomics into a release (fence, then atomic) or an acquire
 // (atomic, then fence) between blocks.

@@ -145,6 +145,11 @@ std::string address_text(uintptr_t addr);
 // access.cpp): a fault inside the copy is reported at that line.
 extern uint32_t copy_site;
 
+// The kernel's call site of the atomic whose own read and write run now (set by
+// cuemu_atomic_access, cleared by cuemu_atomic_done; 0 otherwise): a fault in the atomic helper,
+// which is the emulator's code, is reported at that line, as a write.
+extern uint32_t atomic_site;
+
 // Ends the launch from the running fiber as a fault at `addr` (is_write 1, 0, or -1: unknown) by the
 // access at call site `site`, as if a guard page had been touched there (runtime.cpp).
 [[noreturn]] void fail_with_fault(uint64_t addr, int is_write, uint32_t site);
