@@ -16,7 +16,11 @@ TINY = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, n
                    intermediate_size=128, vocab_size=288, rope_theta=10000.0, rms_norm_eps=1e-5,
                    tie_word_embeddings=True)
 CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ c"]
+# "2 0" merges two digits: only a pre-tokenizer that splits digits one by one keeps "2024" in four tokens
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ c", "2 0"]
+#: The last two ids: an end-of-turn control token (a stop id only through tokenizer.ggml.eot_token_id: it
+#: is not an END_MARKERS name) and a user-defined token (GGUF type 4), which encodes to its single id.
+END_TURN_ID, USER_TOKEN_ID = TINY.vocab_size - 2, TINY.vocab_size - 1
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
                  "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
                  "{% endif %}")
@@ -42,10 +46,11 @@ def byte_symbols() -> list[str]:
 
 
 def tiny_vocabulary() -> tuple[list[str], list[int]]:
-    """Tokens in id order and their GGUF types (3 = control, 1 = normal); 288 in all."""
+    """Tokens in id order and their GGUF types (3 = control, 4 = user-defined, 1 = normal); 288 in all."""
     tokens = CONTROL_TOKENS + byte_symbols() + ["".join(m.split(" ")) for m in MERGES]
-    tokens += [f"<unused{i}>" for i in range(TINY.vocab_size - len(tokens))]
+    tokens += [f"<unused{i}>" for i in range(TINY.vocab_size - 2 - len(tokens))] + ["<|end_turn|>", "<|tool|>"]
     types = [3] * len(CONTROL_TOKENS) + [1] * (len(tokens) - len(CONTROL_TOKENS))
+    types[END_TURN_ID], types[USER_TOKEN_ID] = 3, 4
     return tokens, types
 
 
@@ -93,6 +98,7 @@ def write_tiny_llama(path, *, seed=0, arch="llama", drop=(), type_of=None, confi
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_eot_token_id(END_TURN_ID)
     writer.add_chat_template(CHAT_TEMPLATE)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

@@ -6,9 +6,10 @@ import pytest
 
 from cupykv.reference import _rotate
 from cupykv.models import Llama
-from cupykv.models.gguf import GGUFError, SUPPORTED_TYPES, read_gguf, unpermute_rotary_rows
+from cupykv.models.gguf import (GGUFError, SUPPORTED_TYPES, _hf_name, config_from_metadata, read_gguf,
+                                unpermute_rotary_rows)
 from cupykv.models.tokenizer import Tokenizer
-from gguf_fixtures import TINY, TYPE_OF, gguf_order_rows, write_tiny_llama
+from gguf_fixtures import END_TURN_ID, TINY, TYPE_OF, USER_TOKEN_ID, gguf_order_rows, write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,24 @@ def test_config_comes_from_the_files_keys(tiny):
     config = read_gguf(path).config
     assert config.rms_norm_eps == float(np.float32(TINY.rms_norm_eps))     # GGUF stores it as float32
     assert dataclasses.replace(config, rms_norm_eps=TINY.rms_norm_eps) == TINY
+
+
+def test_keys_that_differ_from_their_defaults_are_read():
+    # head_dim from key_length (not hidden / heads), kv heads, and the rope base, each unlike its default
+    metadata = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
+                "llama.attention.key_length": 32, "llama.rope.dimension_count": 32, "llama.attention.head_count_kv": 2,
+                "llama.rope.freq_base": 100000.0, "llama.block_count": 3, "llama.feed_forward_length": 96,
+                "llama.vocab_size": 50, "llama.attention.layer_norm_rms_epsilon": 1e-6}
+    config = config_from_metadata(metadata)
+    assert (config.head_dim, config.num_key_value_heads, config.rope_theta) == (32, 2, 100000.0)
+    assert (config.num_hidden_layers, config.intermediate_size, config.vocab_size) == (3, 96, 50)
+
+
+def test_tensors_of_layers_past_the_block_count_are_not_the_models():
+    # a file may carry tensors LLaMA does not use; a block numbered block_count is one
+    assert _hf_name("blk.1.attn_q.weight", 2) == "model.layers.1.self_attn.q_proj.weight"
+    assert _hf_name("blk.2.attn_q.weight", 2) is None
+    assert _hf_name("rope_freqs.weight", 2) is None
 
 
 def test_every_supported_type_is_dequantized_and_mapped_to_its_hf_name(tiny):
@@ -156,13 +175,15 @@ def test_merges_apply_and_digits_split_one_by_one(tokenizer):
     tokens = tokenizer.backend.get_vocab()
     assert tokenizer.encode(" the") == [tokens["Ġthe"]]
     assert tokenizer.encode("in") == [tokens["in"]]
-    assert [tokenizer.decode([i]) for i in tokenizer.encode("2024")] == ["2", "0", "2", "4"]
+    assert [tokenizer.decode([i]) for i in tokenizer.encode("2024")] == ["2", "0", "2", "4"]   # not "20" (a merge)
 
 
 def test_control_tokens_encode_to_their_single_ids(tokenizer):
     assert tokenizer.encode("<|im_start|>user")[0] == 1
     assert tokenizer.encode("a<|im_end|>")[-1] == 2
-    assert tokenizer.stop_ids == (0, 2)    # eos <|im_end|> and <|endoftext|>
+    assert tokenizer.encode("x<|tool|>y")[1] == USER_TOKEN_ID   # user-defined: one id too
+    # eos <|im_end|>, <|endoftext|> (an end marker) and the file's end-of-turn id
+    assert tokenizer.stop_ids == (0, 2, END_TURN_ID)
     assert tokenizer.encode("x", add_special_tokens=True) == tokenizer.encode("x")   # the file asks for no BOS
 
 
