@@ -187,6 +187,8 @@ def test_the_timed_path_and_its_report_run_on_the_emulator():
         assert row["speedup_over_fastest_torch"] == pytest.approx(min(torch_times.values()) / row["cupykv_time_ms"])
         assert row["cupykv_pct_of_copy"] == pytest.approx(
             100 * row["kv_bytes"] / (row["cupykv_time_ms"] * 1e-3) / 1e9 / context.copy_GBps)
+        peers_plan = context.plan.peers   # the bytes are K and V of every live row, 2 bytes each (bf16)
+        assert row["kv_bytes"] == row["batch"] * row["live_len"] * peers_plan.n_kv_heads * peers_plan.head_dim * 2 * 2
     (row,) = section["end_to_end"]["results"]
     assert row["cupykv_over_hf_eager"] == pytest.approx(row["cupykv_tokens_per_s"] / row["hf_eager_tokens_per_s"])
     assert row["hf_compiled_not_run"].startswith("not run:") and "budget" in row["hf_compiled_not_run"]
@@ -195,3 +197,50 @@ def test_the_timed_path_and_its_report_run_on_the_emulator():
     table = report.table(data)
     assert "end to end, batch 1: tokens/s cupykv" in table and "speedup" in table
     report.figure(data)
+
+
+def test_a_torch_backend_just_past_the_tolerance_fails_and_is_not_timed(monkeypatch):
+    """An error of 1.5 tolerances (a near miss: the shifted mask's errors are far larger) fails the
+    agreement check, and the backend that disagrees is neither timed nor a candidate for "fastest"."""
+    _needs("torch")
+    from cupykv.bench import peers as peers_module
+    last_called = []
+    real_calls, real_error = peers_torch.torch_calls, peers_module.attention_error
+
+    def marked_calls(*args, **kwargs):   # each torch call notes its backend's name when it runs
+        def marked(impl, call):
+            def run(*call_args, **call_kwargs):
+                last_called.append(impl)
+                return call(*call_args, **call_kwargs)
+            return run
+        return {impl: (marked(impl, call), how) for impl, (call, how) in real_calls(*args, **kwargs).items()}
+
+    def near_miss_for_math(*args, **kwargs):
+        error = real_error(*args, **kwargs)
+        impl = last_called[-1] if last_called else "cupykv"
+        last_called.clear()
+        return 1.5 if impl == "math" else error
+
+    monkeypatch.setattr(peers_torch, "torch_calls", marked_calls)
+    monkeypatch.setattr(peers_module, "attention_error", near_miss_for_math)
+    context = _context(timed=True, dtypes=("bfloat16",), layouts=("NHD",), groups=(4,), e2e_batches=())
+    context.copy_GBps = 10.0
+    section = peers(context)
+    failed = _failed(section)
+    assert failed and all(what.endswith("math agrees with the reference") for what in failed), failed
+    for row in section["results"]:
+        assert row["error_over_tolerance"]["math"] == 1.5
+        assert "math_time_ms" not in row and row["fastest_torch"] != "math"
+        assert "flash_time_ms" in row and "cupykv_time_ms" in row
+
+
+def test_a_case_where_every_torch_backend_refuses_fails(monkeypatch):
+    _needs("torch")
+    monkeypatch.setattr(peers_torch, "first_call", lambda torch, call: (None, "a planted refusal"))
+    section = peers(_context(dtypes=("float32",), layouts=("NHD",), q_lens=(1,), e2e_batches=()))
+    failed = _failed(section)
+    assert failed and all(what.endswith("at least one torch backend ran") for what in failed), failed
+    for row in section["results"]:
+        assert set(row["error_over_tolerance"]) == {"cupykv"}
+        assert "refused: a planted refusal" in row["torch_not_run"].values()
+
