@@ -249,14 +249,17 @@ def _body(instructions: list[Instruction], first: int, last: int) -> Counter:
     return Counter(i.opcode for i in instructions if first <= i.address <= last and i.opcode != "NOP")
 
 
-def _mma_loop(instructions: list[Instruction], spans: list[tuple[int, int]], name: str) -> tuple[int, int]:
-    """The shortest of the loops with the most HMMA."""
+def _mma_loop(instructions: list[Instruction], labels: dict[str, int],
+              name: str) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    """The shortest of the loops with the most HMMA, and the loops nested in it."""
+    spans = loops(instructions, labels)
     with_mma = [(_body(instructions, *span)["HMMA"], span) for span in spans]
     with_mma = [(hmma, span) for hmma, span in with_mma if hmma > 0]
     if not with_mma:
         raise StepCountError(f"{name}: no loop with HMMA in the SASS")
     most = max(hmma for hmma, _ in with_mma)
-    return min((span for hmma, span in with_mma if hmma == most), key=lambda s: s[1] - s[0])
+    first, last = min((span for hmma, span in with_mma if hmma == most), key=lambda s: s[1] - s[0])
+    return (first, last), [s for s in spans if first <= s[0] and s[1] <= last and s != (first, last)]
 
 
 def count_key_loop(instructions: list[Instruction], labels: dict[str, int], instance: Instance,
@@ -265,17 +268,12 @@ def count_key_loop(instructions: list[Instruction], labels: dict[str, int], inst
 
     The step must hold ``expected_hmma`` HMMA, by default what the tiling implies (``step_hmma``).
     """
-    def body(first: int, last: int) -> Counter:
-        return _body(instructions, first, last)
-
-    spans = loops(instructions, labels)
-    first, last = _mma_loop(instructions, spans, instance.name)
-    total = body(first, last)
-    inner = [s for s in spans if first <= s[0] and s[1] <= last and s != (first, last)]
+    (first, last), inner = _mma_loop(instructions, labels, instance.name)
+    total = _body(instructions, first, last)
     if len(inner) > 1:
         raise StepCountError(f"{instance.name}: {len(inner)} loops inside the key loop; the count models one")
     for span in inner:
-        once = body(*span)
+        once = _body(instructions, *span)
         per_k_step = instance.warp_tiles * 2 * instance.q_pieces   # HMMA of one S k-step
         if once["HMMA"] == 0 or once["HMMA"] % per_k_step:
             raise StepCountError(f"{instance.name}: an inner loop of {once['HMMA']} HMMA is not the S loop")
@@ -345,9 +343,7 @@ def count_linear_loop(instructions: list[Instruction], labels: dict[str, int], i
 
     The loop must hold no other loop, and the HMMA of :attr:`LinearInstance.loop_hmma`.
     """
-    spans = loops(instructions, labels)
-    first, last = _mma_loop(instructions, spans, instance.name)
-    inner = [s for s in spans if first <= s[0] and s[1] <= last and s != (first, last)]
+    (first, last), inner = _mma_loop(instructions, labels, instance.name)
     if inner:
         raise StepCountError(f"{instance.name}: {len(inner)} loops inside the weight loop; the count models none")
     total = _body(instructions, first, last)
@@ -365,18 +361,21 @@ def count_linear_instance(nvrtc: Nvrtc, nvdisasm: str, instance: LinearInstance)
     return LinearLoopCount(instance, sum(counted.values()), counted)
 
 
-def count_all(selected: list[Instance] | None = None, nvrtc: Nvrtc | None = None) -> list[StepCount]:
+def _count_each(count, chosen, nvrtc: Nvrtc | None, nvdisasm: str | None) -> list:
+    """``count(nvrtc, nvdisasm, instance)`` for each instance, the compiles on every core."""
     nvrtc = nvrtc or load_nvrtc()
-    nvdisasm = find_nvdisasm()
-    chosen = instances() if selected is None else selected
+    nvdisasm = nvdisasm or find_nvdisasm()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda i: count_instance(nvrtc, nvdisasm, i), chosen))
+        return list(pool.map(lambda instance: count(nvrtc, nvdisasm, instance), chosen))
 
 
-def count_all_linear(nvrtc: Nvrtc | None = None) -> list[LinearLoopCount]:
-    nvrtc = nvrtc or load_nvrtc()
-    nvdisasm = find_nvdisasm()
-    return [count_linear_instance(nvrtc, nvdisasm, i) for i in linear_instances()]
+def count_all(selected: list[Instance] | None = None, nvrtc: Nvrtc | None = None,
+              nvdisasm: str | None = None) -> list[StepCount]:
+    return _count_each(count_instance, instances() if selected is None else selected, nvrtc, nvdisasm)
+
+
+def count_all_linear(nvrtc: Nvrtc | None = None, nvdisasm: str | None = None) -> list[LinearLoopCount]:
+    return _count_each(count_linear_instance, linear_instances(), nvrtc, nvdisasm)
 
 
 def format_linear_table(counts: list[LinearLoopCount]) -> str:
@@ -403,13 +402,13 @@ def format_table(counts: list[StepCount]) -> str:
 def main(nvrtc_path: str | None = None) -> int:
     """``python -m cupykv check --steps``: print the table; 1 when a count fails."""
     try:
-        nvrtc = load_nvrtc(nvrtc_path)
-        counts = count_all(nvrtc=nvrtc)
-        linear_counts = count_all_linear(nvrtc)
+        nvrtc, nvdisasm = load_nvrtc(nvrtc_path), find_nvdisasm()
+        counts = count_all(nvrtc=nvrtc, nvdisasm=nvdisasm)
+        linear_counts = count_all_linear(nvrtc, nvdisasm)
     except (NvrtcError, StepCountError) as exc:
         print(f"cupykv check --steps: FAILED\n{exc}", file=sys.stderr)
         return 1
-    print(f"{nvrtc.describe()}, {find_nvdisasm()}; {ARCH}, {COUNT_OPTION}")
+    print(f"{nvrtc.describe()}, {nvdisasm}; {ARCH}, {COUNT_OPTION}")
     print(f"Per warp and {STEP_KEYS}-key step on the common path. An H200 needs {H200_BYTES_PER_INSTRUCTION:.1f} "
           f"bytes per issued instruction, and {H200_BYTES_PER_HMMA:.1f} per HMMA at the tensor core's full rate "
           f"({HMMA_CYCLES} cycles each).")
