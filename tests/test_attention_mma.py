@@ -104,6 +104,36 @@ def test_split_results_equal_the_cuda_core_kernel_to_fp32_accuracy(backend, dtyp
     assert error <= 64 * 2.0 ** -24, f"split results differ by {error:.3g} of the value scale"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("largest", [2.0 ** -9, 6e4], ids=["small", "large"])
+def test_rotated_half_q_rows_keep_fp32_accuracy_at_either_end_of_the_half_range(backend, head_dim, largest):
+    """A half cache with rope cuts q rotated in fp32 into three half pieces. Rows whose largest |q| is
+    2^-9 would leave their third piece (2^-33 of it) far below the half's subnormal step 2^-24, and rows
+    near 6e4 rotate past the half's 65504 (a pair (x, y) rotates to up to sqrt(x^2 + y^2)). Each row is
+    first brought into [2^14, 2^15) by a power of two, and its logits take the inverse, so the split
+    results equal the CUDA-core kernel's on the same values to fp32 accuracy. The rows differ in size by
+    up to a factor 16, so their factors differ."""
+    lengths = [301, 37]
+    (cache16, cache32), rng = _twins(backend, "float16", head_dim, lengths)
+    q = rng.uniform(-1.0, 1.0, (2, 2, 8, head_dim)) * largest
+    q *= 2.0 ** -rng.integers(0, 5, (2, 2, 8, 1))   # row sizes a factor 16 apart
+    q[..., 0] = np.where(rng.random((2, 2, 8)) < 0.5, -1.0, 1.0) * np.abs(q).max(axis=-1) * 1.001   # a pair's large x
+    q = q.astype(np.float16)
+    assert np.isfinite(q).all()
+    rope = cupykv.Rope(theta=500.0)
+    scale = 2.0 / (largest * np.sqrt(head_dim))   # logits of about +-2 (k of about 1)
+    plans = [cupykv.AttentionPlan(c, 2, 8, num_splits=3, scale=scale, rope=rope) for c in (cache16, cache32)]
+    assert plans[0].kernel.tensor_cores and not plans[1].kernel.tensor_cores
+    (got, got_sum), (want, want_sum) = (_split_results(p, c.to_device(q.astype(c.spec.np_dtype)))
+                                        for p, c in zip(plans, (cache16, cache32)))
+    assert np.isfinite(got).all() and np.isfinite(got_sum).all()
+    sum_error = float(np.abs(got_sum - want_sum).max() / np.abs(want_sum).max())
+    assert sum_error <= 256 * 2.0 ** -24, f"split row sums differ by {sum_error:.3g}"
+    error = np.abs(got - want).max() / float(np.abs(want).max())
+    assert error <= 64 * 2.0 ** -24, f"split results differ by {error:.3g} of the value scale"
+
+
 # the operand types of P V: half for a half cache and an fp8 cache with half io; bf16 (no subnormals in
 # this range) for a bf16 cache
 P_OPERANDS = [("float16", None), ("float8_e4m3", "float16"), ("bfloat16", None)]

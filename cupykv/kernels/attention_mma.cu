@@ -43,8 +43,9 @@
 //   float: three pieces, 24 bits of mantissa for bf16, 22 and more for fp16), and P = hi + lo (16
 //   bits in bf16, 22 in half), so the products carry close to fp32 precision, as on the CUDA-core
 //   kernel, and the stated tolerances hold unchanged. Half operands have a narrow range: P's pieces
-//   are taken of p * 2^15 (kPLog2Factor, unscaled when published), and q rows of bf16 or float io
-//   are brought into [2^14, 2^15) by a power of two per row (kScaledQ; step 1).
+//   are taken of p * 2^15 (kPLog2Factor, unscaled when published), and q rows that are not exact
+//   halves (bf16 or float io of fp8 caches, or rotated by rope) are brought into [2^14, 2^15) by a
+//   power of two per row (scaled_q; step 1): neither past the half's 65504 nor into its subnormals.
 // - Masks only where a step can hold a masked key (the split's last step, the diagonal of a
 //   verification tile, a window's first keys): a block-uniform test per step, no integer division
 //   in the loop. Rows past the tile (q_len * group < 16) are zero queries, computed, never stored.
@@ -168,11 +169,11 @@ __device__ __forceinline__ int fp8_v_column(int d) {
     return 8 * (4 * (d / 32) + within % 4) + within / 4;
 }
 
-// fp8 caches with bf16 or float io: the k of a q row's factor 2^k, which brings its largest |q|
+// Half operands, q not exact in one half: the k of a q row's factor 2^k, which brings its largest |q|
 // (`largest`, finite and positive, else k = 0) into [2^14, 2^15): the half's range keeps 11 bits down
 // to 2^-28 of it, and the largest piece stays below the half's 65504. k is kept within +-112, so
 // that 2^k and 2^-k are normal floats.
-__device__ __forceinline__ int fp8_q_exponent(float largest) {
+__device__ __forceinline__ int half_q_exponent(float largest) {
     if (!(largest > 0.0f) || isinf(largest)) return 0;
     const int floor_log2 = ((__float_as_int(largest) >> 23) & 0xff) - 127;   // a normal float (ftz)
     return min(max(14 - floor_log2, -112), 112);
@@ -212,7 +213,10 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     using namespace attention_mma_tiling;
     using M = typename cupykv::mma_type<T, TI>::type;   // the mma operand type
     constexpr bool kFp8 = cupykv::is_fp8<T>::value;
-    constexpr bool kScaledQ = kFp8 && !cupykv::same_type<TI, __half>::value;   // q rows scaled into the half's range
+    // q rows scaled into the half's range: half operands of q that are not exact halves (bf16 or float
+    // io, or rotated)
+    constexpr bool kHalfM = cupykv::same_type<M, __half>::value;
+    const bool scaled_q = kHalfM && (!cupykv::same_type<TI, __half>::value || use_rope);
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "cupykv_attention_mma: head_dim 64 or 128");
     static_assert(ROW_TILES == 1 || ROW_TILES == 2 || ROW_TILES == kMaxRowTiles,
                   "cupykv_attention_mma: 1, 2 or 4 row tiles");
@@ -264,8 +268,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     // (one key 17.4 above the rest lost all their weights); scaled, a weight keeps 11 bits down to
     // 2^-29 and its pieces are off by at most 2^-40. The row sums carry the same factor, and both are
     // unscaled when published. The largest weight, 2^15, is far below the half's 65504.
-    constexpr bool kHalfP = cupykv::same_type<M, __half>::value;
-    constexpr float kPLog2Factor = kHalfP ? 15.0f : 0.0f, kPUnscale = kHalfP ? 1.0f / 32768.0f : 1.0f;
+    constexpr float kPLog2Factor = kHalfM ? 15.0f : 0.0f, kPUnscale = kHalfM ? 1.0f / 32768.0f : 1.0f;
     // The logit factor and, for fp8 caches, the head's V scale (16-bit caches: scale alone, no scales read).
     float logit_scale = scale, v_scale = 1.0f;
     if constexpr (kFp8) {
@@ -280,9 +283,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     T* stages = reinterpret_cast<T*>(smem_bytes + kQBytes);           // [key warps][kStageCount][K, V][kTile]
 
     // 1. The block's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 (or a
-    //    float q) cut into hi + mid + lo. Rows past the block are zeros. fp8 caches with bf16 or float
-    //    io take half operands (kScaledQ): a row is first multiplied by 2^k so that its largest |q|
-    //    lies in [2^14, 2^15) (fp8_q_exponent), which a half holds with 11 bits down to 2^-28 of it,
+    //    float q) cut into hi + mid + lo. Rows past the block are zeros. Half operands of a q that is
+    //    not exact in one half (scaled_q): a row is first multiplied by 2^k so that its largest |q|
+    //    lies in [2^14, 2^15) (half_q_exponent), which a half holds with 11 bits down to 2^-28 of it,
     //    and its logits by 2^-k (row_logit_scale below, from the factor kept in the row's padding).
     const int half_dim = HEAD_DIM / 2;
     // The pair (d, d + half_dim) of block row r as fp32, rotated when use_rope; zeros past the block.
@@ -310,7 +313,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     };
     // The row's 2^-k, in the padding after its first piece (16 bytes no ldmatrix reads; 16-byte aligned).
     auto q_unscale = [&](int r) -> float& { return *reinterpret_cast<float*>(q_tile + r * kRow + HEAD_DIM); };
-    if constexpr (kScaledQ) {
+    if constexpr (kHalfM) {   // a factor per row: 2^0 where q is exact in one half (half io, no rope)
         constexpr int kPairsPerLane = HEAD_DIM / 2 / 32;
         for (int r = warp; r < kBlockRows; r += kThreads / 32) {   // a warp per row: lanes over its pairs
             float lo[kPairsPerLane], hi[kPairsPerLane], largest = 0.0f;
@@ -318,7 +321,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 load_pair(r, lane + 32 * j, &lo[j], &hi[j]);
                 largest = fmaxf(largest, fmaxf(fabsf(lo[j]), fabsf(hi[j])));
             }
-            const int exponent = cupykv::fp8_q_exponent(cupykv::warp_max(largest));
+            const int exponent = scaled_q ? cupykv::half_q_exponent(cupykv::warp_max(largest)) : 0;
             if (lane == 0) q_unscale(r) = cupykv::power_of_two(-exponent);
             const float factor = cupykv::power_of_two(exponent);   // exact products
             for (int j = 0; j < kPairsPerLane; ++j) store_pieces(r, lane + 32 * j, lo[j] * factor, hi[j] * factor);
@@ -398,12 +401,12 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     }
     __syncthreads();   // the q pieces, written by every thread
     // The logit factor of this lane's rows (quad_row and quad_row + 8 of each tile): scale, times the
-    // k_scale of fp8 caches, times 2^-k for a scaled q row (exact: a power of two).
+    // k_scale of fp8 caches, times 2^-k for a scaled q row (exact: a power of two; 1 when not scaled).
     float row_logit_scale[kWarpTiles][2];
     for (int t = 0; t < kWarpTiles; ++t)
         for (int half = 0; half < 2; ++half)
             row_logit_scale[t][half] =
-                kScaledQ ? logit_scale * q_unscale(warp_first_row + t * kTileRows + quad_row + 8 * half) : logit_scale;
+                kHalfM ? logit_scale * q_unscale(warp_first_row + t * kTileRows + quad_row + 8 * half) : logit_scale;
 
     for (int n = 0; n < rounds; ++n) {
         const int step = n * kWarps + key_warp;

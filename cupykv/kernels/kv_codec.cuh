@@ -43,7 +43,7 @@ template <> __device__ __forceinline__ __nv_fp8_e4m3 store_kv<__nv_fp8_e4m3>(flo
 // The operand type of the tensor-core path: T itself for 16-bit caches; __half for fp8 caches, whatever
 // the io type: it holds every E4M3 value exactly, a code widens to it in one instruction on sm_89 and
 // later (four for __nv_bfloat16), and P's pieces keep 22 bits (16 in bf16). attention_mma.cu brings q
-// rows of bf16 or float io into its range by a power of two.
+// rows that are not exact halves (bf16 or float io, or rotated) into its range by a power of two.
 template <typename T, typename TI> struct mma_type { using type = T; };
 template <typename TI> struct mma_type<__nv_fp8_e4m3, TI> { using type = __half; };
 
