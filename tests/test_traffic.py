@@ -21,13 +21,13 @@ import cupykv
 from cupykv import ops, testing
 from cupykv.attention_plan import attention_kernel, max_splits
 from cupykv.backends import emulator as E
-from cupykv.backends.emulator import memory
+from cupykv.backends.emulator import accounting, memory
 from cupykv.backends.emulator_backend import EmulatorBackend
 from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
 
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 TRAFFIC_NAMES = ["strided_copy", "vector_copy", "sum_rows", "uneven_trips", "realigned_trips",
-                 "count_and_copy"]
+                 "count_and_copy", "realigned_by_barrier", "half_warp_collective", "add_pair"]
 EXAMPLES = max(8, settings.default.max_examples // 4)   # each example runs kernels on the emulator
 
 
@@ -79,6 +79,52 @@ def test_lanes_pair_by_visits_of_a_call_site(kernels):
         kernels.get_function("realigned_trips")(1, 32, (x, out, np.int32(1)))
     load = only_launch(t).of(x).counts("load")
     assert (load.accesses, load.requests, load.request_sectors) == (65, 3, 9)
+
+
+def test_a_block_barrier_realigns_the_lanes_visits(kernels):
+    x, out = E.zeros(192, np.float32), E.zeros(64, np.float32)
+    with E.traffic() as t:
+        kernels.get_function("realigned_by_barrier")(1, 64, (x, out, np.int32(1)))
+    load = only_launch(t).of(x).counts("load")
+    assert (load.accesses, load.requests, load.request_sectors) == (129, 5, 17)
+
+
+def test_requests_do_not_depend_on_the_order_threads_run_in(kernels, monkeypatch):
+    """A collective of half a warp moves only its own lanes on: the requests after it are the same
+    under every schedule (a lane outside it may run before or after it completes)."""
+    x, out = E.zeros(32, np.float32), E.zeros(32, np.float32)
+    counts = set()
+    for seed in range(12):
+        monkeypatch.setenv("CUPYKV_EMULATOR_SEED", str(seed))
+        with E.traffic() as t:
+            kernels.get_function("half_warp_collective")(1, 32, (x, out))
+        load = only_launch(t).of(x).counts("load")
+        counts.add((load.accesses, load.requests, load.request_sectors))
+    assert counts == {(32, 2, 4)}
+
+
+def test_coalescing_counts_the_ideal_in_whole_sectors(kernels):
+    x, out = E.zeros(64, np.float32), E.zeros(64, np.float32)
+    with E.traffic() as t:
+        kernels.get_function("strided_copy")(1, 64, (x, out, np.int32(1), np.int32(36)))   # 144 bytes: 4.5 sectors
+    launch = only_launch(t)
+    assert launch.coalescing("load", [x]) == accounting.Coalescing(2.5, 5, 5, 1.0, 1.0)
+    assert launch.coalescing("load", [x], needed_bytes=100) == accounting.Coalescing(2.5, 5, 4, 1.25, 1.25)
+
+
+def test_arguments_over_the_same_bytes_share_one_region_counted_once(kernels):
+    """One array and its prefix passed as two arguments: each is found by its own bytes, both
+    name the other as sharing their region, and totals count the region once."""
+    base, out = E.zeros(64, np.float32), E.zeros(32, np.float32)
+    prefix = base[:32]
+    with E.traffic() as t:
+        kernels.get_function("add_pair")(1, 32, (base, prefix, out, np.int32(32)))
+    launch = only_launch(t)
+    whole, part = launch.of(base), launch.of(prefix)
+    assert (whole.index, whole.nbytes, whole.shares_region) == (0, 256, (1,))
+    assert (part.index, part.nbytes, part.shares_region) == (1, 128, (0,))
+    assert launch.total("load", [base, prefix]).bytes == launch.total("load").bytes == 256   # 2 x 32 floats
+    assert launch.total("load", [base, prefix]).sectors == 4
 
 
 def test_atomics_and_memcpy_are_counted(kernels):

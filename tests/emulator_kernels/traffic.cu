@@ -61,3 +61,35 @@ extern "C" __global__ void count_and_copy(int* __restrict__ count, const float* 
   atomicAdd(count, 1);
   memcpy(out + 4 * i, x + 4 * i, 16);
 }
+
+// Two warps, two rounds separated by __syncthreads(). Round 0: thread t reads x[t], and thread 0
+// alone x[64] in a second trip (extra = 1); round 1: thread t reads x[128 + t]. The barrier
+// realigns the lanes' visits as a warp collective does: requests of 4 and 1 sectors (warp 0)
+// and 4 (warp 1) in round 0, 4 and 4 in round 1. Without the realignment, lane 0's round-1
+// read would pair with the other lanes' read of round 0's second trip.
+extern "C" __global__ void realigned_by_barrier(const float* __restrict__ x, float* __restrict__ out, int extra) {
+  const int t = threadIdx.x;
+  float acc = 0.f;
+  for (int round = 0; round < 2; ++round) {
+    const int trips = round == 0 && t == 0 ? 1 + extra : 1;
+    for (int k = 0; k < trips; ++k) acc += x[round * 128 + k * 64 + t];
+    __syncthreads();
+  }
+  out[t] = acc;
+}
+
+// One warp. Lanes 0-15 meet at __syncwarp(0xffff) (a collective of half the warp), then every
+// lane reads x[lane] at one call site. Lanes 0-15 have passed a collective that lanes 16-31
+// have not, so the counter makes two requests (2 sectors each) whatever order the threads
+// run in (a GPU, reconverged, would issue one of 4 sectors).
+extern "C" __global__ void half_warp_collective(const float* __restrict__ x, float* __restrict__ out) {
+  const int lane = threadIdx.x;
+  if (lane < 16) __syncwarp(0xffffu);
+  out[lane] = x[lane];
+}
+
+// out[i] = a[i] + b[i] for i < n: a and b may overlap (tests pass one array and its prefix).
+extern "C" __global__ void add_pair(const float* a, const float* b, float* __restrict__ out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = a[i] + b[i];
+}
