@@ -290,6 +290,54 @@ def test_device_arrays():
     E.synchronize()
 
 
+def test_device_array_extents():
+    """Views are device arrays by the bytes they can reach: a reversed view covers the same bytes as
+    its base, a view stretched one element past the buffer (into the padding) is not one, and asarray
+    with another dtype copies."""
+    a = E.zeros(62, np.float32)   # 248 bytes: 8 bytes of padding up to the 16-byte span
+    lo, hi = E.memory.byte_extent(a)
+    assert hi - lo == 248 and E.memory.byte_extent(a[::-1]) == (lo, hi)
+    assert E.memory.byte_extent(a[::-2]) == (lo + 4, hi)
+    assert E.is_device_array(a[::-1]) and E.memory.guarded_allocation(a[::-1]) is E.memory.guarded_allocation(a)
+    stretched = np.lib.stride_tricks.as_strided(a, shape=(63,))
+    assert not E.is_device_array(stretched)
+    half = E.asarray(a, dtype=np.float16)
+    assert half.dtype == np.float16 and half is not a and E.is_device_array(half)
+    alloc = E.memory.guarded_allocation(a)
+    assert E.memory.find(alloc.map_addr + alloc.map_len - 1) is alloc   # its trailing guard page
+    assert E.memory.find(alloc.map_addr + alloc.map_len) is not alloc   # the first byte past the mapping
+
+
+def test_a_numpy_scalar_of_another_size_is_refused(good):
+    out = E.zeros(4, np.float64)
+    with pytest.raises(E.LaunchError, match=r"argument 4 is a numpy float16 scalar \(2 bytes\).*'float' \(4 bytes"):
+        good.get_function("scalars")(1, 1, (out, -(2**40), 2.5, True, np.float16(0.25)))
+    with pytest.raises(E.LaunchError, match=r"argument 1 is a numpy int32 scalar \(4 bytes\).*'long long int' \(8 bytes"):
+        good.get_function("scalars")(1, 1, (out, np.int32(3), 2.5, True, np.float32(0.25)))
+
+
+@pytest.fixture
+def plain_bugs(monkeypatch):
+    """bugs.cu built without instrumentation, as where the race checker's shadow memory cannot be
+    mapped: out-of-bounds writes are then found only by the canary bytes around each buffer."""
+    monkeypatch.setattr(build, "instrumented", lambda: False)
+    module = E.Module(BUGS.read_text(), ["write_past_end", "write_before_start", "takes_int"], filename=str(BUGS))
+    assert not module.instrumented
+    return module
+
+
+@pytest.mark.parametrize("kernel, threads, where", [("write_past_end", 62, "4 bytes past the end"),
+                                                    ("write_before_start", 8, "4 bytes before the start")])
+def test_uninstrumented_writes_outside_a_buffer_are_found_in_its_canaries(plain_bugs, kernel, threads, where):
+    y = E.zeros(62, np.float32)   # 248 bytes: 8 bytes of padding after it, the page's slack before it
+    with pytest.raises(E.EmulatorFault, match=rf"kernel '{kernel}': a write landed {where} of argument 0 "
+                                              r"\(float32 array of shape \(62,\).*\(found in the canary bytes"):
+        plain_bugs.get_function(kernel)(1, threads, (y,))
+    # the canaries are restored: a launch that stays inside the buffer passes
+    plain_bugs.get_function("takes_int")(1, 64, (y, np.int32(62)))
+    assert (y == 4.0).all()
+
+
 # ---- planted bugs ----------------------------------------------------------------------
 def test_a_barrier_inside_branch(good, bugs):
     with pytest.raises(E.BarrierError) as e:
