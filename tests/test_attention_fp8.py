@@ -132,6 +132,23 @@ def test_q_rows_outside_the_half_range_keep_their_precision(backend, io_dtype, h
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotated_half_q_rows_past_the_half_range_are_scaled_too(backend, head_dim):
+    """float16 q is exact in one half piece, but rotated it takes three of fp32 values, which rotate
+    past 65504 from elements near 6e4 (a pair (x, y) rotates to up to sqrt(x^2 + y^2)): those rows
+    are brought into [2^14, 2^15) by a power of two like bf16 and float rows."""
+    lengths = [37, 301]
+    rope = cupykv.Rope(theta=500.0)
+    cache, oracle, rng = _caches(backend, lengths, head_dim=head_dim, io_dtype="float16", seed=7, rope=rope)
+    q = rng.uniform(-6e4, 6e4, (len(lengths), 2, 8, head_dim)).astype(np.float16)
+    scale = 2.0 / (6e4 * np.sqrt(head_dim))   # logits of about +-2 (k of about 1)
+    want = reference.attention(q, oracle, 1, scale=scale, rope=rope)
+    got = _attend(cache, q, 1, scale=scale, rope=rope, num_splits=2)
+    assert np.isfinite(got.astype(np.float32)).all()
+    assert_attention_close(got, want, "float16", _value_scale(oracle, 1, [n + 2 for n in lengths]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_lengths_at_every_step_and_warp_round_edge(backend, head_dim):
     # three stages: a warp's first steps are w, w + warps and w + 2 warps; lengths around each round's end
     round_keys = STEP * WARPS[head_dim]

@@ -229,10 +229,14 @@ def test_bad_scales_are_refused_by_name_and_change_nothing(backend, bad, error, 
     with pytest.raises(error, match=message):
         reference.KVCache(_spec(), k_scale=bad)
     cache = cupykv.KVCache(_spec(), backend=backend, k_scale=2.0, v_scale=3.0)
-    with pytest.raises(error, match=message):
-        cache.set_scales(bad, 5.0)
-    k_scales, v_scales = cache.scales_host()
-    assert np.all(k_scales == 2.0) and np.all(v_scales == 3.0)   # neither scale changed
+    oracle = reference.KVCache(_spec(), k_scale=2.0, v_scale=3.0)
+    for twin in (cache, oracle):
+        with pytest.raises(error, match=message):
+            twin.set_scales(bad, 5.0)
+        with pytest.raises(error, match=message.replace("k_scale", "v_scale")):
+            twin.set_scales(5.0, bad)   # a good k_scale is not set either
+        k_scales, v_scales = twin.scales_host() if twin is cache else (twin.k_scales, twin.v_scales)
+        assert np.all(k_scales == 2.0) and np.all(v_scales == 3.0)   # neither scale changed
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
