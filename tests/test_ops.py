@@ -144,7 +144,8 @@ def test_linear_wide_enough_to_keep_in_features_in_one_warp(backend, dtype):
     """From ops.LINEAR_SPLIT_K_BELOW_OUTS outputs on, a warp owns all of in_features (split_k 1,
     8 outputs a block): an odd count past it, both load paths."""
     out_features = ops.LINEAR_SPLIT_K_BELOW_OUTS + 5
-    assert ops.linear_split_k(out_features) == 1 and ops.linear_split_k(out_features - 6) == 2
+    assert ops.linear_split_k(out_features) == ops.linear_split_k(ops.LINEAR_SPLIT_K_BELOW_OUTS) == 1
+    assert ops.linear_split_k(ops.LINEAR_SPLIT_K_BELOW_OUTS - 1) == 2
     run_linear(backend, dtype, 2, 8 * (16 // np.dtype(NP_DTYPES[dtype]).itemsize), out_features, seed=3)
     run_linear(backend, dtype, 3, 9, out_features, seed=4)
 
