@@ -228,3 +228,52 @@ def test_bfloat16_bit_helpers_match_ml_dtypes():
     assert bits.dtype == np.uint16
     np.testing.assert_array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
     np.testing.assert_array_equal(f32_from_bf16_bits(np, bits), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def _context_without_timing():
+    """The smoke plan on the emulator with a timer that times nothing: each section checks its
+    results before it times them, so the checks are what runs."""
+    from cupykv.backends import get_backend
+    from cupykv.bench import sections
+    from cupykv.bench.timing import Timing
+    return sections.Context(backend=get_backend("emulator"), plan=PLANS["smoke"],
+                            timer=lambda fn, flush=True: Timing(1e-3, 1e-3, 1e-3, 1), copy_GBps=1.0)
+
+
+@pytest.mark.parametrize("section, op", [("attention_decode", "attention"), ("linear", "linear")])
+@pytest.mark.parametrize("factor", [1.0, 1.05], ids=["right", "5%-off"])
+def test_a_wrong_result_fails_the_sections_check(monkeypatch, section, op, factor):
+    """The figures are only as good as the checks before them: an op whose result is 5% off (past
+    the 1% limit) fails every check of its section, with that error; the op itself passes."""
+    import cupykv
+    from cupykv.bench import sections
+    real = getattr(cupykv, op)
+
+    def scaled(*args, out, **options):
+        real(*args, out=out, **options)
+        out[...] = (out.astype(np.float32) * factor).astype(out.dtype)
+        return out
+
+    monkeypatch.setattr(cupykv, op, scaled)
+    checks = getattr(sections, section)(_context_without_timing())["checks"]
+    assert len(checks) == 2
+    for check in checks:
+        assert check["limit"] == sections.ERROR_LIMIT == 1e-2
+        if factor == 1.0:
+            assert check["passed"] and check["relative_error"] < 4e-3, check   # one bf16 rounding, about 2e-3
+        else:
+            assert not check["passed"] and abs(check["relative_error"] - 0.05) < 5e-3, check
+
+
+def test_relative_error_and_the_check_boundary():
+    from cupykv.backends import get_backend
+    from cupykv.bench import sections
+    from cupykv.bench.arrays import relative_error
+    backend = get_backend("emulator")
+    want = np.array([[3.0, 4.0]], np.float32)   # norm 5
+    got = backend.asarray(np.array([[3.0, 4.5]], np.float32))
+    assert relative_error(backend, got, want) == pytest.approx(0.1, rel=1e-12)
+    assert relative_error(backend, backend.asarray(np.full((1, 2), np.nan, np.float32)), want) == math.inf
+    assert relative_error(backend, got, np.zeros((1, 2), np.float32)) == pytest.approx(math.hypot(3.0, 4.5))
+    assert sections._check("x", 1e-2)["passed"] and not sections._check("x", 1.0001e-2)["passed"]
+    assert not sections._check("x", math.inf)["passed"]
