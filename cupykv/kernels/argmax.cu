@@ -2,7 +2,7 @@
 //
 // Computes, for every row r of logits [rows, vocab]:
 //     out_ids[r] = the lowest k with logits[r, k] == max_j logits[r, j]
-// as int32 (NaN-free inputs assumed; a row of -inf gives 0). out_ids is
+// as int32 (NaN-free inputs assumed; a row of -inf, or of NaN, gives 0). out_ids is
 // device memory, so the next replay of a captured decode step can read it
 // (embedding's ids).
 //
