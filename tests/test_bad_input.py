@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cupykv
-from cupykv import reference, testing
+from cupykv import ops, reference, testing
 from backends import BACKENDS
 
 SPEC = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=8, max_seq=16, batch=2, dtype="float16")
@@ -118,6 +118,15 @@ BAD_CALLS = [
     ("attention num_splits np.int8(-1)", lambda c, d: cupykv.attention(d(rows()), c, 0, num_splits=np.int8(-1)),
      ValueError, r"^num_splits: expected an int in 1\.\.1, got -1$"),
     ("mask q_len 2**30", lambda c, d: c.additive_mask(2**30), ValueError, r"^q_len: expected an int in 1\.\.1073741823, got 1073741824$"),
+    # -- array sizes: each at least 1 (a grid of 0 blocks is an error, or CuPy runs one) and within the int ----------
+    ("rmsnorm zero rows", lambda c, d: ops.rmsnorm(d(np.zeros((0, 8), np.float16)), d(np.ones(8, np.float16)), 1e-5),
+     ValueError, r"^x: expected shape \(rows, hidden\) \[rows, hidden\] with every size in 1\.\.2\*\*31-1, got \(0, 8\)$"),
+    ("linear zero in_features", lambda c, d: ops.linear(d(np.zeros((2, 0), np.float16)), d(np.zeros((4, 0), np.float16))),
+     ValueError, r"^x: expected shape \(rows, in_features\) .*got \(2, 0\)$"),
+    # 4 GiB of zeros: reserved, never written (the emulator maps it without committing a page)
+    ("argmax 2**31 rows", lambda c, d: ops.argmax(c._backend.zeros((2**31, 1), np.float16)),
+     ValueError, r"^logits: expected shape \(rows, vocab\) \[rows, vocab\] with every size in 1\.\.2\*\*31-1, "
+                 r"got \(2147483648, 1\)$"),
     # -- floats the kernel's float32 does not hold ------------------------------------------------------------------
     ("attention scale 1e39 (inf in float32)", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=1e39),
      ValueError, rf"^scale: expected {FLOAT32}, got 1e\+39$"),
