@@ -176,6 +176,18 @@ def test_more_than_max_files_fails_the_run(tmp_path):
     assert summary["exit_code"] == 1 and "more than 8" in summary["errors"][0]
 
 
+@pytest.mark.parametrize("tests, skipped, status", [(5, 5, "failed"), (5, 4, "passed")], ids=["all-skipped", "one-ran"])
+def test_a_test_part_in_which_no_test_passed_fails(tmp_path, tests, skipped, status):
+    """A gpu suite that found no GPU skips every test and exits 0: that must not read as a pass."""
+    xml = tmp_path / "suite.xml"
+    suite = f'<testsuite name="pytest" tests="{tests}" failures="0" errors="0" skipped="{skipped}"/>'
+    part = Part("gpu_suite", "writes its junit XML", 30, (_python(f"open({str(xml)!r}, 'w').write({suite!r})"),),
+                junit_xml=str(xml))
+    record = _execute(_plan(part), tmp_path / "out")["parts"]["gpu_suite"]
+    assert record["status"] == status and record["tests"]["passed"] == tests - skipped
+    assert record["reason"].startswith("no test passed") == (status == "failed")
+
+
 def test_junit_counts(tmp_path):
     suite = '<testsuite name="pytest" tests="7" failures="1" errors="1" skipped="2"/>'
     (tmp_path / "one.xml").write_text(suite)
