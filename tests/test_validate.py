@@ -145,8 +145,10 @@ def test_a_part_past_its_timeout_is_failed_and_its_processes_killed(tmp_path, mo
     assert not marker.exists(), "the timed-out part's process group was not killed"
 
 
-def test_a_part_left_without_time_is_failed_unrun(tmp_path):
-    summary = _execute(_plan(Part("late", "never starts", 30, (_python("print('ran')"),)), total_s=0.0), tmp_path)
+@pytest.mark.parametrize("total_s", [0.0, validate.MIN_COMMAND_S - 1.0])
+def test_a_part_left_without_time_is_failed_unrun(tmp_path, total_s):
+    """No command starts with less than MIN_COMMAND_S left of the run: it could not finish."""
+    summary = _execute(_plan(Part("late", "never starts", 30, (_python("print('ran')"),)), total_s=total_s), tmp_path)
     part = summary["parts"]["late"]
     assert part["status"] == "failed" and part["reason"].startswith("not run")
     assert "$ " not in (tmp_path / "validate.log").read_text()   # no command was started
@@ -168,12 +170,28 @@ def test_a_missing_output_fails_the_part(tmp_path):
     assert "missing outputs: bench.json" in summary["parts"]["bench"]["reason"]
 
 
-def test_more_than_max_files_fails_the_run(tmp_path):
-    for i in range(MAX_FILES):
+def test_a_previous_runs_files_are_removed_first(tmp_path):
+    """A bench.json left by an earlier run must not stand in for one this run failed to write."""
+    for name in validate.OWN_FILES:
+        (tmp_path / name).write_text("from an earlier run")
+    summary = _execute(_plan(Part("bench", "writes nothing", 30, (_python("pass"),),
+                                  required_outputs=("bench.json", "bench.png"))), tmp_path)
+    assert summary["parts"]["bench"]["status"] == "failed"
+    assert "missing outputs: bench.json, bench.png" in summary["parts"]["bench"]["reason"]
+    assert sorted(summary["files"]) == ["validate.json", "validate.log"]
+    assert "from an earlier run" not in (tmp_path / "validate.log").read_text()
+
+
+@pytest.mark.parametrize("leftovers", [MAX_FILES - 2, MAX_FILES - 1, MAX_FILES])
+def test_more_than_max_files_fails_the_run(tmp_path, leftovers):
+    for i in range(leftovers):
         (tmp_path / f"old{i}.txt").write_text("left over")
     summary = _execute(_plan(Part("ok", "prints", 30, (_python("print('fine')"),))), tmp_path)
-    assert len(summary["files"]) == MAX_FILES + 2   # the leftovers, validate.log and validate.json
-    assert summary["exit_code"] == 1 and "more than 8" in summary["errors"][0]
+    assert len(summary["files"]) == leftovers + 2   # the leftovers, validate.log and validate.json
+    if leftovers + 2 <= MAX_FILES:
+        assert summary["exit_code"] == 0 and summary["errors"] == []
+    else:
+        assert summary["exit_code"] == 1 and "more than 8" in summary["errors"][0]
 
 
 @pytest.mark.parametrize("tests, skipped, status", [(5, 5, "failed"), (5, 4, "passed")], ids=["all-skipped", "one-ran"])
