@@ -40,7 +40,7 @@
 // - S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulation on operands of type
 //   M = mma_type<T, TI> (T for 16-bit caches, __half for fp8 caches). The operands are split into
 //   16-bit pieces whose sum is the fp32 value: q is exact in M unless rotated or float (rope or TI
-//   float: three pieces, 24 bits of mantissa for bf16, 22 and more for fp16), and P = hi + lo (16
+//   float: three pieces, all 24 bits of the row's largest element), and P = hi + lo (16
 //   bits in bf16, 22 in half), so the products carry close to fp32 precision, as on the CUDA-core
 //   kernel, and the stated tolerances hold unchanged. Half operands have a narrow range: P's pieces
 //   are taken of p * 2^15 (kPLog2Factor, unscaled when published), and q rows that are not exact
