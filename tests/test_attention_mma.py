@@ -80,6 +80,25 @@ def _split_results(plan, q):
     return np.divide(out, total[..., None], out=np.zeros_like(out), where=total[..., None] > 0), total
 
 
+def _assert_split_results_equal_the_cuda_core_kernels(cache16, cache32, q, **options):
+    """Three-split plans over twin caches (``_twins``) for ``q`` [batch, 2, 8, head_dim]: the tensor-core
+    kernel's per-split results and row sums equal the CUDA-core kernel's to fp32 accuracy."""
+    plans = [cupykv.AttentionPlan(c, 2, 8, num_splits=3, **options) for c in (cache16, cache32)]
+    assert plans[0].kernel.tensor_cores and not plans[1].kernel.tensor_cores
+    (got, got_sum), (want, want_sum) = (_split_results(p, c.to_device(q.astype(c.spec.np_dtype)))
+                                        for p, c in zip(plans, (cache16, cache32)))
+    assert np.isfinite(got).all() and np.isfinite(got_sum).all()
+    assert np.array_equal(got_sum > 0, want_sum > 0)
+    # the workspace's row sums are sum_j e^(s_j - max) on both kernels, whatever factor the mma's operands
+    # took; each weight's exponent differs by up to |s_j - max| 2^-24 (about 60 2^-24 for logits of 30)
+    # plus 2 ulp
+    sum_error = float(np.abs(got_sum - want_sum).max() / np.abs(want_sum).max())
+    assert sum_error <= 256 * 2.0 ** -24, f"split row sums differ by {sum_error:.3g}"
+    value_scale = float(np.abs(want).max())
+    error = np.abs(got - want).max() / value_scale
+    assert error <= 64 * 2.0 ** -24, f"split results differ by {error:.3g} of the value scale"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, head_dim", CASES)
 @pytest.mark.parametrize("options", [dict(), dict(rope=cupykv.Rope()), dict(softcap=20.0, rope=cupykv.Rope(theta=500)),
@@ -90,18 +109,7 @@ def test_split_results_equal_the_cuda_core_kernel_to_fp32_accuracy(backend, dtyp
     lengths = [301, 37, 640]
     (cache16, cache32), rng = _twins(backend, dtype, head_dim, lengths, scale=2.0 if dtype == "bfloat16" else 1.0)
     q = testing.random_rows(rng, cache16.spec, (3, 2, 8, head_dim), 2.0 if dtype == "bfloat16" else 1.0)
-    plans = [cupykv.AttentionPlan(c, 2, 8, num_splits=3, scale=1.0 / 8, **options) for c in (cache16, cache32)]
-    assert plans[0].kernel.tensor_cores and not plans[1].kernel.tensor_cores
-    (got, got_sum), (want, want_sum) = (_split_results(p, c.to_device(q.astype(c.spec.np_dtype)))
-                                        for p, c in zip(plans, (cache16, cache32)))
-    assert np.array_equal(got_sum > 0, want_sum > 0)
-    # the workspace's row sums are sum_j e^(s_j - max) on both kernels, whatever factor the mma's operands
-    # took; each weight's exponent differs by up to |s_j - max| 2^-24 (about 60 2^-24 here) plus 2 ulp
-    sum_error = float(np.abs(got_sum - want_sum).max() / np.abs(want_sum).max())
-    assert sum_error <= 256 * 2.0 ** -24, f"split row sums differ by {sum_error:.3g}"
-    value_scale = float(np.abs(want).max())
-    error = np.abs(got - want).max() / value_scale
-    assert error <= 64 * 2.0 ** -24, f"split results differ by {error:.3g} of the value scale"
+    _assert_split_results_equal_the_cuda_core_kernels(cache16, cache32, q, scale=1.0 / 8, **options)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -121,17 +129,8 @@ def test_rotated_half_q_rows_keep_fp32_accuracy_at_either_end_of_the_half_range(
     q[..., 0] = np.where(rng.random((2, 2, 8)) < 0.5, -1.0, 1.0) * np.abs(q).max(axis=-1) * 1.001   # a pair's large x
     q = q.astype(np.float16)
     assert np.isfinite(q).all()
-    rope = cupykv.Rope(theta=500.0)
     scale = 2.0 / (largest * np.sqrt(head_dim))   # logits of about +-2 (k of about 1)
-    plans = [cupykv.AttentionPlan(c, 2, 8, num_splits=3, scale=scale, rope=rope) for c in (cache16, cache32)]
-    assert plans[0].kernel.tensor_cores and not plans[1].kernel.tensor_cores
-    (got, got_sum), (want, want_sum) = (_split_results(p, c.to_device(q.astype(c.spec.np_dtype)))
-                                        for p, c in zip(plans, (cache16, cache32)))
-    assert np.isfinite(got).all() and np.isfinite(got_sum).all()
-    sum_error = float(np.abs(got_sum - want_sum).max() / np.abs(want_sum).max())
-    assert sum_error <= 256 * 2.0 ** -24, f"split row sums differ by {sum_error:.3g}"
-    error = np.abs(got - want).max() / float(np.abs(want).max())
-    assert error <= 64 * 2.0 ** -24, f"split results differ by {error:.3g} of the value scale"
+    _assert_split_results_equal_the_cuda_core_kernels(cache16, cache32, q, scale=scale, rope=cupykv.Rope(theta=500.0))
 
 
 # the operand types of P V: half for a half cache and an fp8 cache with half io; bf16 (no subnormals in

@@ -14,8 +14,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import cupykv
+from cupykv.backends import get_backend
 from cupykv.bench import PLANS, SCHEMA, plan_for
-from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits
+from cupykv.bench import SECTIONS as SECTION_RUNNERS, sections as bench_sections
+from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits, relative_error
+from cupykv.bench.timing import Timing
 from cupykv.bench.peers import CPU_LABEL
 from cupykv.bench.report import EMULATOR_LABEL
 
@@ -233,10 +237,7 @@ def test_bfloat16_bit_helpers_match_ml_dtypes():
 def _context_without_timing():
     """The smoke plan on the emulator with a timer that times nothing: each section checks its
     results before it times them, so the checks are what runs."""
-    from cupykv.backends import get_backend
-    from cupykv.bench import sections
-    from cupykv.bench.timing import Timing
-    return sections.Context(backend=get_backend("emulator"), plan=PLANS["smoke"],
+    return bench_sections.Context(backend=get_backend("emulator"), plan=PLANS["smoke"],
                             timer=lambda fn, flush=True: Timing(1e-3, 1e-3, 1e-3, 1), copy_GBps=1.0)
 
 
@@ -252,8 +253,6 @@ def test_a_wrong_result_fails_the_sections_check(monkeypatch, section, op, n_che
     """The figures are only as good as the checks before them: an op whose result is 5% off (past
     the 1% limit) fails every check of it in its section, with that error; the op itself passes.
     (full_axis also checks its whole-axis baseline, which the patch leaves alone.)"""
-    import cupykv
-    from cupykv.bench import SECTIONS, sections
     owner, name = (cupykv.AttentionPlan, "run") if op == "AttentionPlan.run" else (cupykv, op)
     real = getattr(owner, name)
 
@@ -263,11 +262,11 @@ def test_a_wrong_result_fails_the_sections_check(monkeypatch, section, op, n_che
         return out
 
     monkeypatch.setattr(owner, name, scaled)
-    checks = dict(SECTIONS)[section](_context_without_timing())["checks"]
+    checks = dict(SECTION_RUNNERS)[section](_context_without_timing())["checks"]
     patched = [check for check in checks if not check["what"].startswith("full-axis baseline")]
     assert len(patched) == n_checks and len(checks) - len(patched) == (section == "full_axis")
     for check in checks:
-        assert check["limit"] == sections.ERROR_LIMIT == 1e-2
+        assert check["limit"] == bench_sections.ERROR_LIMIT == 1e-2
         if factor == 1.0 or check not in patched:
             assert check["passed"] and check["relative_error"] < 4e-3, check   # one bf16 rounding, about 2e-3
         else:
@@ -275,14 +274,11 @@ def test_a_wrong_result_fails_the_sections_check(monkeypatch, section, op, n_che
 
 
 def test_relative_error_and_the_check_boundary():
-    from cupykv.backends import get_backend
-    from cupykv.bench import sections
-    from cupykv.bench.arrays import relative_error
     backend = get_backend("emulator")
     want = np.array([[3.0, 4.0]], np.float32)   # norm 5
     got = backend.asarray(np.array([[3.0, 4.5]], np.float32))
     assert relative_error(backend, got, want) == pytest.approx(0.1, rel=1e-12)
     assert relative_error(backend, backend.asarray(np.full((1, 2), np.nan, np.float32)), want) == math.inf
     assert relative_error(backend, got, np.zeros((1, 2), np.float32)) == pytest.approx(math.hypot(3.0, 4.5))
-    assert sections._check("x", 1e-2)["passed"] and not sections._check("x", 1.0001e-2)["passed"]
-    assert not sections._check("x", math.inf)["passed"]
+    assert bench_sections._check("x", 1e-2)["passed"] and not bench_sections._check("x", 1.0001e-2)["passed"]
+    assert not bench_sections._check("x", math.inf)["passed"]
