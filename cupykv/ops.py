@@ -392,9 +392,11 @@ def argmax(logits: ArrayLike, *, out: ArrayLike | None = None,
            backend: str | Backend | None = None, run_if: ArrayLike | None = None) -> DeviceArray:
     """``out[r] = argmax(logits[r])`` as int32 (greedy sampling), the lowest index on ties.
 
-    Inputs are assumed NaN-free; a row with nothing above -inf (all -inf, or all
-    NaN) gives 0, an id inside the vocabulary. The ids stay on the device, so the next
-    replay of a captured decode step can feed them to :func:`embedding`.
+    NaN ranks above every number, as in NumPy and PyTorch: a row holding a NaN gives
+    its first NaN's index (a corrupted row is seen as such, not hidden behind its largest
+    number). A row of -inf, or of NaN, gives 0, an id inside the vocabulary. The ids stay
+    on the device, so the next replay of a captured decode step can feed them to
+    :func:`embedding`.
 
     Graph-safe: yes, with ``out=`` — one launch into ``out``; without ``out`` the output is allocated,
     which a captured step refuses (CaptureError).

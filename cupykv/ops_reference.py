@@ -103,7 +103,10 @@ def add(a: npt.ArrayLike, b: npt.ArrayLike) -> HostArray:
 
 
 def argmax(logits: npt.ArrayLike) -> npt.NDArray[np.int32]:
-    """Index of each row's maximum of logits ``[rows, vocab]`` as int32 ``[rows]``, the lowest on ties."""
+    """Index of each row's maximum of logits ``[rows, vocab]`` as int32 ``[rows]``, the lowest on ties.
+
+    NaN ranks above every number (NumPy's rule): a row holding a NaN gives its first NaN.
+    """
     logits = _float("logits", logits, 2)
     ids: npt.NDArray[np.int32] = np.argmax(logits.astype(np.float64), axis=-1).astype(np.int32)
     return ids

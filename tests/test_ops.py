@@ -370,9 +370,28 @@ def test_argmax_large_vocab_and_ties(backend, dtype, vocab):
     ninf = np.array(-np.inf, NP_DTYPES[dtype])
     logits[1, [vocab - 1, 7, vocab // 2]] = 20.0   # a tie: the lowest index wins
     logits[2] = ninf                             # nothing but -inf: index 0
-    logits[3] = np.array(np.nan, NP_DTYPES[dtype])   # nothing but NaN (no element compares larger): index 0,
+    logits[3] = np.array(np.nan, NP_DTYPES[dtype])   # nothing but NaN (the first NaN wins): index 0,
     got = to_host(backend, ops.argmax(device(backend, logits)))   # a token id, never one past the vocab
     assert got.tolist() == reference.argmax(logits).tolist() == [winners[0], 7, 0, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(dtype=st.sampled_from(DTYPES), vocab=st.sampled_from((40, 1000, 4096, 32000)),
+       n_nans=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_argmax_ranks_nan_above_every_number_as_numpy_does(backend, dtype, vocab, n_nans, seed):
+    """A row holding NaN gives its first NaN, wherever the NaN lies against the row's largest number
+    (another thread's elements, another warp's, the same vector): a corrupted row shows, as in NumPy."""
+    rng = np.random.default_rng(seed)
+    logits, winners = logits_with_unique_max(rng, 4, vocab, dtype)
+    nan = np.array(np.nan, NP_DTYPES[dtype])
+    logits[0, rng.choice(vocab, n_nans, replace=False)] = nan        # anywhere
+    logits[1, vocab - 1] = nan                                       # the last element, after the maximum
+    logits[2, [winners[2], (winners[2] + 1) % vocab]] = [np.inf, nan]  # inf does not beat NaN
+    # row 3 keeps no NaN: its unique maximum
+    firsts = [int(np.flatnonzero(np.isnan(logits[r].astype(np.float32)))[0]) for r in range(3)]
+    got = to_host(backend, ops.argmax(device(backend, logits)))
+    assert got.tolist() == reference.argmax(logits).tolist() == np.argmax(logits, axis=-1).tolist() \
+        == firsts + [winners[3]]
 
 
 # -- a captured greedy decode loop -------------------------------------------------------

@@ -2,7 +2,8 @@
 //
 // Computes, for every row r of logits [rows, vocab]:
 //     out_ids[r] = the lowest k with logits[r, k] == max_j logits[r, j]
-// as int32 (NaN-free inputs assumed; a row of -inf, or of NaN, gives 0). out_ids is
+// as int32, with NaN ranked above every number, as NumPy's and PyTorch's argmax rank it: a row
+// holding a NaN gives its first NaN (a row of NaN gives 0), a row of -inf gives 0. out_ids is
 // device memory, so the next replay of a captured decode step can read it
 // (embedding's ids).
 //
@@ -12,7 +13,7 @@
 // of 16 / sizeof(T) and logits is 16-byte aligned, single elements otherwise)
 // keeping the first maximum; (value, index) pairs are then merged by a warp
 // butterfly and across warps through shared memory (one __syncthreads),
-// preferring the larger value and, on ties, the lower index.
+// preferring NaN, then the larger value and, on ties, the lower index.
 //
 // Device-resident arguments: logits (read), out_ids [rows] int32 (written),
 // run_if [1] int32 (read first: 0 makes the launch return at once, reading
@@ -20,9 +21,12 @@
 #include "common.cuh"
 
 namespace argmax_detail {
-// Whether (value_b, index_b) beats (value_a, index_a): larger value, then lower index.
+// Whether (value_b, index_b) beats (value_a, index_a): NaN above every number, then the larger
+// value, then (equal values, or two NaN) the lower index.
 __device__ __forceinline__ bool better(float value_b, int index_b, float value_a, int index_a) {
-    return value_b > value_a || (value_b == value_a && index_b < index_a);
+    const bool nan_b = value_b != value_b, nan_a = value_a != value_a;
+    if (nan_b != nan_a) return nan_b;
+    return value_b > value_a || ((value_b == value_a || nan_b) && index_b < index_a);
 }
 }  // namespace argmax_detail
 
