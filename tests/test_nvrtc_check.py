@@ -183,8 +183,9 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
             assert r.min_blocks == 2, r   # attention_mma_min_blocks<T, 2>(): 2 (sm_80's shared memory)
         elif r.instance.startswith("cupykv_attention_mma<") and r.instance.endswith(", 4>"):
             assert r.min_blocks == 1, r   # attention_mma_min_blocks<T, 4>(): 1 (sm_80's shared memory)
-        elif r.instance.startswith("cupykv_attention_mma<"):   # attention_mma_min_blocks<T, 1>(): 4 for fp8, else 3
-            assert r.min_blocks == (4 if "__nv_fp8_e4m3" in r.instance else 3), r
+        elif r.instance.startswith("cupykv_attention_mma<"):   # attention_mma_min_blocks<T, 1>(): 3 for 16-bit,
+            fp8_blocks = 5 if r.arch == "sm_90" else 4          # fp8: 4 on sm_80, 5 from sm_90 on (shared memory)
+            assert r.min_blocks == (fp8_blocks if "__nv_fp8_e4m3" in r.instance else 3), r
         elif r.instance.startswith("cupykv_linear<"):
             assert r.min_blocks == 4, r
         elif r.instance.startswith("cupykv_linear_mma<"):   # 2 blocks of 8 warps: 64 KB of weight in flight per SM
@@ -218,6 +219,26 @@ def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
             instance = f"cupykv_{kernel}<{cuda}, {size}>" if kernel.startswith("linear") else f"cupykv_{kernel}<{cuda}, {cuda}, {size}>"
             for arch, documented in by_arch.items():
                 assert computed[(arch, instance)] == documented, (instance, arch)
+
+
+def test_the_one_tile_fp8_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
+    """docs/performance.md's one-tile fp8 table: registers and blocks per SM, the same for every io
+    type, and bytes in flight = blocks x key warps x the kStagesFp8 - 1 steps (K and V of 16 keys, a
+    byte each) a warp has in flight while it computes one."""
+    mma = KERNELS["attention_mma"].constants("attention_mma_tiling")
+    text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
+    rows = re.findall(r"^\| attention_mma<fp8, any io, (\d+), 1> \| (\d+) \| (\d+)[^|]*\| (\d+) \| (\d+)[^|]*"
+                      r"\| (\d+) KB / (\d+) KB \|$", text, re.M)
+    assert sorted(int(row[0]) for row in rows) == [64, 128]
+    computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
+                for row in occupancy.rows(reports)}
+    for head_dim, r80, b80, r90, b90, kb80, kb90 in rows:
+        per_block = mma[f"kWarps{head_dim}"] * (mma["kStagesFp8"] - 1) * 2 * mma["kStepKeys"] * int(head_dim)
+        for io in ("__nv_bfloat16", "__half", "float"):
+            instance = f"cupykv_attention_mma<__nv_fp8_e4m3, {io}, {head_dim}, 1>"
+            for arch, registers, blocks, kb in (("sm_80", r80, b80, kb80), ("sm_90", r90, b90, kb90)):
+                assert computed[(arch, instance)] == (int(registers), int(blocks)), (instance, arch)
+                assert int(blocks) * per_block == int(kb) * 1024, (instance, arch)
 
 
 def _report_exit(reports):

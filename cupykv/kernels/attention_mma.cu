@@ -140,13 +140,23 @@ template <int ROW_TILES> constexpr int attention_mma_row_groups() {   // warps p
 }
 
 // Blocks per SM the design assumes (__launch_bounds__; `python -m cupykv check` holds every instance
-// to it). One row tile: 3 for 16-bit caches, whose stages bind shared memory; 4 for fp8 caches, whose
-// stages are smaller (at head_dim 64 this caps registers at 128). Two row tiles: 2, what sm_80's
-// shared memory gives at head_dim 128 (the registers may grow to 255 for the second tile's
-// accumulators). Four: 1, what sm_80's shared memory gives at head_dim 128 (a warp's registers as
-// with two tiles).
+// to it). One row tile: 3 for 16-bit caches, whose stages bind shared memory; for fp8 caches, whose
+// stages are smaller, what shared memory fits at either head_dim: 4 on sm_80 (164 KB), 5 from sm_90 on
+// (228 KB). At head_dim 64 (128 threads) that caps registers at 128 or 96; at 128 (64 threads) it caps
+// nothing. Two row tiles: 2, what sm_80's shared memory gives at head_dim 128 (the registers may grow
+// to 255 for the second tile's accumulators). Four: 1, what sm_80's shared memory gives at head_dim
+// 128 (a warp's registers as with two tiles).
+namespace attention_mma_tiling {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr int kFp8OneTileBlocks = 5;
+#else
+constexpr int kFp8OneTileBlocks = 4;
+#endif
+}  // namespace attention_mma_tiling
+
 template <typename T, int ROW_TILES> constexpr int attention_mma_min_blocks() {
-    return ROW_TILES == 4 ? 1 : ROW_TILES == 2 ? 2 : cupykv::is_fp8<T>::value ? 4 : 3;
+    return ROW_TILES == 4 ? 1 : ROW_TILES == 2 ? 2
+         : cupykv::is_fp8<T>::value ? attention_mma_tiling::kFp8OneTileBlocks : 3;
 }
 
 namespace cupykv {
