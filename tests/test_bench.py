@@ -17,7 +17,7 @@ import pytest
 import cupykv
 from cupykv.backends import get_backend
 from cupykv.bench import PLANS, SCHEMA, plan_for
-from cupykv.bench import SECTIONS as SECTION_RUNNERS, sections as bench_sections
+from cupykv.bench import SECTIONS as SECTION_RUNNERS, model as bench_model, sections as bench_sections
 from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits, relative_error
 from cupykv.bench.timing import Timing
 from cupykv.bench.peers import CPU_LABEL
@@ -271,6 +271,42 @@ def test_a_wrong_result_fails_the_sections_check(monkeypatch, section, op, n_che
             assert check["passed"] and check["relative_error"] < 4e-3, check   # one bf16 rounding, about 2e-3
         else:
             assert not check["passed"] and abs(check["relative_error"] - 0.05) < 5e-3, check
+
+
+class _GraphThatDoesNothing:
+    """A captured step gone stale in the plainest way: its replays launch nothing."""
+
+    def __init__(self, graph):
+        self.num_launches = graph.num_launches
+
+    def replay(self, n=1):
+        pass
+
+
+class _GraphThatReplaysTwice:
+    """A replay that runs the step twice: the right tokens, every other one."""
+
+    def __init__(self, graph):
+        self.graph, self.num_launches = graph, graph.num_launches
+
+    def replay(self, n=1):
+        self.graph.replay(2 * n)
+
+
+@pytest.mark.parametrize("section", ["model_decode", "smollm2_decode"])
+@pytest.mark.parametrize("graph", [None, _GraphThatDoesNothing, _GraphThatReplaysTwice],
+                         ids=["real", "does-nothing", "replays-twice"])
+def test_a_stale_graph_fails_the_model_sections_check(monkeypatch, section, graph):
+    """The model sections time a graph only as good as its replays: after the timings, replays from
+    the same start must leave the tokens and lengths that eager steps leave, for each batch."""
+    if graph is not None:
+        real_capture = bench_model.capture
+        monkeypatch.setattr(bench_model, "capture", lambda step: graph(real_capture(step)))
+    checks = dict(SECTION_RUNNERS)[section](_context_without_timing())["checks"]
+    replays = [check for check in checks if "graph replays leave the tokens and lengths" in check["what"]]
+    assert len(replays) == (len(PLANS["smoke"].smollm2_batches) if section == "smollm2_decode" else 1)
+    assert all(check["passed"] is (graph is None) for check in replays), replays
+    assert all(check["passed"] for check in checks if check not in replays)   # no overflow either way
 
 
 def test_relative_error_and_the_check_boundary():

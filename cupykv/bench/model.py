@@ -15,13 +15,21 @@ from cupykv.bench.timing import HostTimer
 from cupykv.graph import capture
 
 
-def eager_vs_graph(ctx, step, params: dict, start=None, after=None) -> dict:
+#: decode steps that the eager-against-graph check runs each way, after the timings
+CHECKED_STEPS = 3
+
+
+def eager_vs_graph(ctx, step, params: dict, start=None, after=None, state=None) -> dict:
     """Time ``step()`` eagerly and as a captured graph replayed once per call.
 
     ``step`` launches cupykv ops only, into preallocated buffers (so that it
     can be captured); each call is one decode step. ``start()``, if given,
     runs before each phase so both begin from the same state (e.g. the same
     context length); ``after()`` returns a list of checks, run at the end.
+    ``state()``, if given (with ``start``), reads what a step leaves on the
+    host (tokens, lengths): after the timings, :data:`CHECKED_STEPS` replays
+    must leave what as many eager steps leave, from the same start, so a
+    graph that went stale is not timed as if it decoded.
     """
     if start is not None:
         start()
@@ -30,6 +38,9 @@ def eager_vs_graph(ctx, step, params: dict, start=None, after=None) -> dict:
         start()
     graph = capture(step)
     replayed = ctx.timer(lambda: graph.replay(1), flush=False)
+    checks = after() if after is not None else []
+    if state is not None:
+        checks.append(_replays_match_eager_steps(step, graph, start, state))
     return {
         "status": "ok",
         "description": "one decode step (every layer, LM head and argmax): eager launches vs one replay of the "
@@ -39,18 +50,37 @@ def eager_vs_graph(ctx, step, params: dict, start=None, after=None) -> dict:
                   "ratio_eager_over_graph": "eager_time_ms / graph_time_ms"},
         "results": [{**eager.as_ms("eager_time"), **replayed.as_ms("graph_time"),
                      "ratio_eager_over_graph": eager.median_s / replayed.median_s}],
-        "checks": after() if after is not None else [],
+        "checks": checks,
     }
 
 
+def _replays_match_eager_steps(step, graph, start, state) -> dict:
+    """The check of :func:`eager_vs_graph`: ``state()`` after each of CHECKED_STEPS eager steps and
+    replays, both from ``start()``."""
+    def run(one_step):
+        start()
+        seen = []
+        for _ in range(CHECKED_STEPS):
+            one_step()
+            seen.append(state())
+        return seen
+
+    eager = run(step)
+    replayed = run(lambda: graph.replay(1))
+    return {"what": f"{CHECKED_STEPS} graph replays leave the tokens and lengths of {CHECKED_STEPS} eager steps",
+            "passed": replayed == eager}
+
+
 def _llama_step(llama, ctx, config_items=None, batch=None):
-    """Build a random-weight bf16 LLaMA on the bench backend; return ``(step, start, after, params)``.
+    """Build a random-weight bf16 LLaMA on the bench backend; return ``(step, start, after, state, params)``.
 
     Uses ``LlamaConfig(**config_items)`` (``plan.model_config`` by default),
     ``Llama.random(...)`` and ``Llama.decode_step()`` (one token for every
     sequence: reads the device ids, writes the next ids, advances), with
     ``batch`` sequences (``plan.model_batch`` by default). The cache is filled
-    with random K/V, and each phase starts at ``plan.model_context`` tokens.
+    with random K/V, and each phase starts at ``plan.model_context`` tokens
+    with the same ids (``start``); ``state()`` reads the next tokens and the
+    lengths a step left.
     """
     plan, backend = ctx.plan, ctx.backend
     config_items = dict(plan.model_config if config_items is None else config_items)
@@ -64,9 +94,15 @@ def _llama_step(llama, ctx, config_items=None, batch=None):
     fill_random(backend, cache.k, "bfloat16", seed=500)
     fill_random(backend, cache.v, "bfloat16", seed=501)
 
+    first_ids = [(7 * b + 1) % config.vocab_size for b in range(batch)]
+
     def start():
         cache.reset()
         cache.advance(plan.model_context)
+        model.feed(first_ids)
+
+    def state():
+        return model.next_tokens(), cache.lengths_host().tolist()
 
     def after():
         try:
@@ -80,15 +116,15 @@ def _llama_step(llama, ctx, config_items=None, batch=None):
               "context_len": plan.model_context,
               "note": "context_len tokens are live when each phase starts; every timed call adds one",
               "build_s": time.perf_counter() - started}
-    return step, start, after, params
+    return step, start, after, state, params
 
 
 def model_decode(ctx) -> dict:
     """The model section: eager against graph decode step of a random-weight LLaMA."""
     from cupykv.models import llama
 
-    step, start, after, params = _llama_step(llama, ctx)
-    return eager_vs_graph(ctx, step, params, start=start, after=after)
+    step, start, after, state, params = _llama_step(llama, ctx)
+    return eager_vs_graph(ctx, step, params, start=start, after=after, state=state)
 
 
 def smollm2_decode(ctx) -> dict:
@@ -101,13 +137,13 @@ def smollm2_decode(ctx) -> dict:
 
     rows, checks, params = [], [], {}
     for batch in ctx.plan.smollm2_batches:
-        step, start, after, params = _llama_step(llama, ctx, ctx.plan.smollm2_config, batch)
-        timed = eager_vs_graph(ctx, step, params, start=start, after=after)
+        step, start, after, state, params = _llama_step(llama, ctx, ctx.plan.smollm2_config, batch)
+        timed = eager_vs_graph(ctx, step, params, start=start, after=after, state=state)
         row = timed["results"][0]
         rows.append({"batch": batch, **row, "eager_tokens_per_s": batch / (row["eager_time_ms"] * 1e-3),
                      "graph_tokens_per_s": batch / (row["graph_time_ms"] * 1e-3)})
         checks += [dict(check, what=f"batch {batch}: {check['what']}") for check in timed["checks"]]
-        del step, start, after
+        del step, start, after, state
     return {
         "status": "ok",
         "description": "decode step of a random-weight model with SmolLM2-135M's shape (the real GGUF cannot reach "
