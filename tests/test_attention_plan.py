@@ -197,6 +197,34 @@ def test_the_convenience_form_reuses_its_plan_and_allocates_nothing_on_later_cal
     cupykv.attention(q, cache, 1, num_splits=SPLITS, out=out)
 
 
+# Calls on one cache that differ from the first only in one option: each must get a plan of its own.
+OPTION_VARIANTS = [{}, {"rope": cupykv.Rope(theta=500.0)}, {"window": 5}, {"softcap": 3.0}, {"scale": 0.3},
+                   {"num_splits": SPLITS}, {"split_keys": 128}, {}]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_convenience_form_never_reuses_a_plan_made_for_other_options(backend):
+    """attention() keeps plans per cache by their static options: a call that differs in one option
+    (rope, window, softcap, scale, splits) must run a plan with that option, so its result is the
+    reference's for that option, and the plan it ran says so; the first options then get their plan again."""
+    cache, oracle = filled(backend)
+    q_host = queries(np.random.default_rng(2), 3)
+    q = cache.to_device(q_host)
+    value_scale = float(np.abs(oracle.v[0]).max())
+    for options in OPTION_VARIANTS:
+        got = cupykv.attention(q, cache, 0, **options)
+        want = reference.attention(q_host, oracle, 0, **{k: v for k, v in options.items()
+                                                         if k not in ("num_splits", "split_keys")})
+        testing.assert_attention_close(testing.to_numpy(got, SPEC), want, SPEC.dtype, value_scale, context=str(options))
+        used = next(reversed(attention_module._plans[cache].values()))   # the plan the call ran
+        assert (used.rope, used.window, used.softcap, used.split_keys) == (
+            options.get("rope"), options.get("window"), options.get("softcap"), options.get("split_keys")), options
+        assert used.scale == np.float32(options.get("scale", 1 / np.sqrt(SPEC.head_dim))), options
+        if "num_splits" in options:
+            assert used.num_splits == options["num_splits"]
+    assert len(attention_module._plans[cache]) == len(OPTION_VARIANTS) - 1
+
+
 def test_the_convenience_form_keeps_a_bounded_number_of_plans_per_cache():
     cache, _ = filled("emulator")
     rng = np.random.default_rng(1)
@@ -208,6 +236,22 @@ def test_the_convenience_form_keeps_a_bounded_number_of_plans_per_cache():
     assert [plan.q_len for plan in attention_module._plans[cache].values()] == list(range(4, limit + 4))
     gc.collect()
     assert [ref() is not None for ref in made] == [False] * 3 + [True] * limit   # dropped plans are freed
+
+
+def test_the_convenience_form_drops_its_least_recently_used_plan():
+    """A plan used again moves to the back of the queue: the next new shape drops the oldest unused one."""
+    cache, _ = filled("emulator")
+    rng = np.random.default_rng(1)
+    limit = attention_module.PLANS_PER_CACHE
+
+    def attend(q_len):
+        cupykv.attention(cache.to_device(queries(rng, q_len)), cache, 0, num_splits=SPLITS)
+
+    for q_len in range(1, limit + 1):
+        attend(q_len)
+    attend(1)              # the oldest, used again
+    attend(limit + 1)      # a new shape: q_len 2 is now the least recently used
+    assert [plan.q_len for plan in attention_module._plans[cache].values()] == [*range(3, limit + 1), 1, limit + 1]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

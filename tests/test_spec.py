@@ -127,3 +127,12 @@ def test_max_seq_leaves_room_for_every_query_position_in_int32():
 def test_a_spec_that_every_attention_or_append_would_overflow_is_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         CacheSpec(**{**GOOD, **fields})
+
+
+@pytest.mark.parametrize("fields", [dict(batch=1, n_kv_heads=2**31 - 1, head_dim=1),
+                                    dict(batch=2**31 - 1, n_kv_heads=1, head_dim=1)])
+def test_products_of_exactly_int32_max_are_accepted(fields):
+    """The products' bound is inclusive: 2**31 - 1 blocks (grid x's limit) and elements still fit an int
+    (2**31 - 1 is prime, so only 1 x 2**31 - 1 reaches it)."""
+    spec = CacheSpec(**{**GOOD, **fields})
+    assert max(spec.batch * spec.n_kv_heads, spec.n_kv_heads * spec.head_dim) == 2**31 - 1
