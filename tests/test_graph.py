@@ -314,3 +314,21 @@ def test_a_cupy_capture_invalidated_by_a_step_that_raised_nothing_is_a_capture_e
     _, _, step = make("cupy")
     with pytest.raises(cupykv.CaptureError, match="invalidated"):
         cupykv.capture(_step_that_misbehaves_at_capture(step, _invalidate_the_capture))
+
+
+def test_a_recorded_launch_keeps_its_arguments_as_they_were_when_it_was_recorded():
+    """CUDA copies a kernel's parameters when it records the launch. The emulator's recorder does the
+    same, so a step that reuses one argument list and changes it between launches replays each launch
+    with the values it was recorded with."""
+    from cupykv.backends.capture import Recorder
+    ran = []
+    recorder = Recorder(execute=False, capturing=True)
+    args = [3, "first"]
+    backend = cupykv.backends.get_backend("emulator")
+    for value in ("first", "second"):
+        args[1] = value
+        recorder.launch(backend, lambda grid, block, a, shared_mem=0: ran.append(tuple(a)), (1,), (32,), args, 0)
+    args[1] = "changed after recording"
+    for fn, grid, block, frozen, shared_mem in recorder.launches:
+        fn(grid, block, frozen, shared_mem=shared_mem)
+    assert ran == [(3, "first"), (3, "second")]
