@@ -193,9 +193,20 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
         assert not row.below_minimum, (r, row.occupancy)
 
 
+PERFORMANCE_DOC = Path(__file__).parents[1] / "docs" / "performance.md"
+
+
+def _bytes_in_flight_per_block(head_dim: int, fp8: bool) -> int:
+    """K/V bytes a block of attention_mma keeps in flight: its key warps x the steps a key warp has in
+    flight while it computes one (kStagesFp8 - 1 or kStages - 1) x K and V of kStepKeys rows."""
+    mma = KERNELS["attention_mma"].constants("attention_mma_tiling")
+    itemsize, ahead = (1, mma["kStagesFp8"] - 1) if fp8 else (2, mma["kStages"] - 1)
+    return mma[f"kWarps{head_dim}"] * ahead * 2 * mma["kStepKeys"] * head_dim * itemsize
+
+
 def _docs_table():
     """Rows of docs/performance.md's occupancy table: (instance pattern, {arch: (registers, blocks)})."""
-    text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
+    text = PERFORMANCE_DOC.read_text()
     types = {"bf16": "__nv_bfloat16", "half": "__half", "float": "float", "T": None}
     rows = []
     for match in re.finditer(r"^\| (attention_mma|attention|linear_mma|linear)<(\w+), (\d+)(?:, (\d+))?>[^|]*\| (\d+) \| (\d+) "
@@ -225,15 +236,14 @@ def test_the_one_tile_fp8_occupancy_table_in_the_docs_is_what_the_check_computes
     """docs/performance.md's one-tile fp8 table: registers and blocks per SM, the same for every io
     type, and bytes in flight = blocks x key warps x the kStagesFp8 - 1 steps (K and V of 16 keys, a
     byte each) a warp has in flight while it computes one."""
-    mma = KERNELS["attention_mma"].constants("attention_mma_tiling")
-    text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
+    text = PERFORMANCE_DOC.read_text()
     rows = re.findall(r"^\| attention_mma<fp8, any io, (\d+), 1> \| (\d+) \| (\d+)[^|]*\| (\d+) \| (\d+)[^|]*"
                       r"\| (\d+) KB / (\d+) KB \|$", text, re.M)
     assert sorted(int(row[0]) for row in rows) == [64, 128]
     computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
                 for row in occupancy.rows(reports)}
     for head_dim, r80, b80, r90, b90, kb80, kb90 in rows:
-        per_block = mma[f"kWarps{head_dim}"] * (mma["kStagesFp8"] - 1) * 2 * mma["kStepKeys"] * int(head_dim)
+        per_block = _bytes_in_flight_per_block(int(head_dim), fp8=True)
         for io in ("__nv_bfloat16", "__half", "float"):
             instance = f"cupykv_attention_mma<__nv_fp8_e4m3, {io}, {head_dim}, 1>"
             for arch, registers, blocks, kb in (("sm_80", r80, b80, kb80), ("sm_90", r90, b90, kb90)):
@@ -288,8 +298,7 @@ def test_the_two_and_four_row_tile_bytes_in_flight_in_the_docs_follow_the_check(
     """docs/performance.md's tables of two- and four-row-tile blocks: blocks per SM as the check
     computes them, and bytes in flight = blocks x key warps x the steps a key warp has in flight (K
     and V of 16 keys; the two row groups of a four-tile block share them)."""
-    mma = KERNELS["attention_mma"].constants("attention_mma_tiling")
-    text = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
+    text = PERFORMANCE_DOC.read_text()
     rows = re.findall(r"^  \| (16-bit|fp8), head_dim (\d+)(?:, (4) tiles)? \| (\d+) / (\d+)[^|]*\| (\d+) KB / (\d+) KB \|$",
                       text, re.M)
     assert sorted((kind, head_dim, tiles or "2") for kind, head_dim, tiles, *_ in rows) == sorted(
@@ -299,8 +308,7 @@ def test_the_two_and_four_row_tile_bytes_in_flight_in_the_docs_follow_the_check(
         head_dim = int(head_dim)
         types = "__nv_fp8_e4m3, __nv_bfloat16" if kind == "fp8" else "__nv_bfloat16, __nv_bfloat16"
         instance = f"cupykv_attention_mma<{types}, {head_dim}, {tiles or 2}>"
-        itemsize, ahead = (1, mma["kStagesFp8"] - 1) if kind == "fp8" else (2, mma["kStages"] - 1)
-        per_block = mma[f"kWarps{head_dim}"] * ahead * 2 * mma["kStepKeys"] * head_dim * itemsize
+        per_block = _bytes_in_flight_per_block(head_dim, fp8=kind == "fp8")
         for arch, blocks, kb in (("sm_80", b80, kb80), ("sm_90", b90, kb90)):
             assert computed[(arch, instance)] == int(blocks), (instance, arch)
             assert int(blocks) * per_block == int(kb) * 1024, (instance, arch)
