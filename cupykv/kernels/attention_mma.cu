@@ -146,6 +146,8 @@ template <int ROW_TILES> constexpr int attention_mma_row_groups() {   // warps p
 // nothing. Two row tiles: 2, what sm_80's shared memory gives at head_dim 128 (the registers may grow
 // to 255 for the second tile's accumulators). Four: 1, what sm_80's shared memory gives at head_dim
 // 128 (a warp's registers as with two tiles).
+// A block of its own: the first attention_mma_tiling block is read by cupykv.kernels.parse_constants,
+// which takes `constexpr int` statements only, not preprocessor lines.
 namespace attention_mma_tiling {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr int kFp8OneTileBlocks = 5;
