@@ -70,9 +70,15 @@ HMMA_CYCLES = 4
 #: K/V bytes per HMMA that keep HBM busy at that rate (4.6 bytes a cycle and scheduler at 1.98 GHz; about
 #: 19.9 at the 1.83 GHz of the quoted rate).
 H200_BYTES_PER_HMMA = H200_BYTES_PER_INSTRUCTION * HMMA_CYCLES
+#: K/V bytes per issued warp instruction that keep an A100's HBM busy: 2.04 TB/s (80 GB) over 108 SMs
+#: x 4 schedulers x 1.41 GHz.
+A100_BYTES_PER_INSTRUCTION = 2.04e12 / (108 * 4 * 1.41e9)
 STEP_KEYS = 16            # keys of one warp step (attention_mma.cu kStepKeys)
 Q_PIECES = 3              # 16-bit pieces of a float q (attention_mma.cu kQPieces)
 ARCH = "sm_90"
+#: The architecture of the second table: fp8 caches before sm_89, which has no E4M3 conversion
+#: instruction, so each pair of codes is widened by bit moves (kv_codec.cuh widen_fp8_pair_by_bits).
+FP8_BIT_WIDEN_ARCH = "sm_80"
 COUNT_OPTION = "-DCUPYKV_COUNT_COMMON_PATH"
 _CACHE_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3": 1}
 
@@ -324,13 +330,13 @@ def disassemble(cubin: bytes, nvdisasm: str) -> str:
     return done.stdout
 
 
-def count_instance(nvrtc: Nvrtc, nvdisasm: str, instance: Instance) -> StepCount:
-    """Compile ``instance`` both ways (max settled, max moved) and count its key loop's step."""
+def count_instance(nvrtc: Nvrtc, nvdisasm: str, instance: Instance, arch: str = ARCH) -> StepCount:
+    """Compile ``instance`` for ``arch`` both ways (max settled, max moved) and count its key loop's step."""
     kernel = KERNELS["attention_mma"]
     source = kernel.source()
     counts = []
     for rescales in (0, 1):
-        program = compile_program(nvrtc, kernel.filename, source, [instance.name], ARCH,
+        program = compile_program(nvrtc, kernel.filename, source, [instance.name], arch,
                                   extra_options=(COUNT_OPTION, f"-DCUPYKV_STEP_RESCALES={rescales}"))
         instructions, labels = parse_sass(disassemble(program.cubin, nvdisasm))
         counts.append(count_key_loop(instructions, labels, instance))
@@ -370,8 +376,14 @@ def _count_each(count, chosen, nvrtc: Nvrtc | None, nvdisasm: str | None) -> lis
 
 
 def count_all(selected: list[Instance] | None = None, nvrtc: Nvrtc | None = None,
-              nvdisasm: str | None = None) -> list[StepCount]:
-    return _count_each(count_instance, instances() if selected is None else selected, nvrtc, nvdisasm)
+              nvdisasm: str | None = None, arch: str = ARCH) -> list[StepCount]:
+    return _count_each(lambda tools, disasm, instance: count_instance(tools, disasm, instance, arch),
+                       instances() if selected is None else selected, nvrtc, nvdisasm)
+
+
+def fp8_instances() -> list[Instance]:
+    """The fp8-cache instances: the second table counts them for :data:`FP8_BIT_WIDEN_ARCH`."""
+    return [i for i in instances() if i.dtype == "float8_e4m3"]
 
 
 def count_all_linear(nvrtc: Nvrtc | None = None, nvdisasm: str | None = None) -> list[LinearLoopCount]:
@@ -404,6 +416,7 @@ def main(nvrtc_path: str | None = None) -> int:
     try:
         nvrtc, nvdisasm = load_nvrtc(nvrtc_path), find_nvdisasm()
         counts = count_all(nvrtc=nvrtc, nvdisasm=nvdisasm)
+        fp8_counts = count_all(fp8_instances(), nvrtc, nvdisasm, FP8_BIT_WIDEN_ARCH)
         linear_counts = count_all_linear(nvrtc, nvdisasm)
     except (NvrtcError, StepCountError) as exc:
         print(f"cupykv check --steps: FAILED\n{exc}", file=sys.stderr)
@@ -413,6 +426,9 @@ def main(nvrtc_path: str | None = None) -> int:
           f"bytes per issued instruction, and {H200_BYTES_PER_HMMA:.1f} per HMMA at the tensor core's full rate "
           f"({HMMA_CYCLES} cycles each).")
     print(format_table(counts))
+    print(f"\nfp8 caches on {FP8_BIT_WIDEN_ARCH}, whose codes widen by bit moves (no E4M3 conversion instruction "
+          f"before sm_89); an A100 needs {A100_BYTES_PER_INSTRUCTION:.1f} bytes per issued instruction:")
+    print(format_table(fp8_counts))
     print("\nThe tensor-core linear, per warp and iteration of its weight loop (the steps whose loads go out "
           "before the first mma):")
     print(format_linear_table(linear_counts))

@@ -1,7 +1,8 @@
 """The instruction counts of ``python -m cupykv check --steps`` (cupykv.step_instructions).
 
-- docs/performance.md's tables (a key step of the tensor-core attention, an iteration of the
-  tensor-core linear's weight loop) are the count, row for row, under the pinned NVRTC and nvdisasm;
+- docs/performance.md's tables (a key step of the tensor-core attention on sm_90, and of its fp8
+  instances on sm_80, whose codes widen by bit moves; an iteration of the tensor-core linear's
+  weight loop) are the count, row for row, under the pinned NVRTC and nvdisasm;
 - the count's parsing of SASS (labels, loops, the nested S loop, the HMMA check) on listings
   written here, so that a counting bug shows apart from any compiler;
 - CUPYKV_COMMON_PATH fixes the tests only in the count: a real build keeps the rescale vote.
@@ -21,11 +22,18 @@ DOC = Path(__file__).parents[1] / "docs" / "performance.md"
 _ROW = re.compile(r"^\| ([a-z0-9 ,]+) \| (\d+) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \|$", re.M)
 
 
-def documented_rows() -> dict[str, tuple]:
-    """The rows of the instruction-count table: label -> (bytes, hmma, settled, moved)."""
-    section = DOC.read_text().split("## Instructions per step on the common path", 1)[1].split("\n## ", 1)[0]
-    rows = {m.group(1): tuple(int(m.group(g)) for g in (2, 3, 5, 7)) for m in _ROW.finditer(section)}
-    assert len(rows) >= 16, "the table of docs/performance.md lost rows, or its format changed"
+def documented_rows(section: str = "## Instructions per step on the common path", least: int = 16) -> dict[str, tuple]:
+    """The rows of an instruction-count table: label -> (bytes, hmma, settled, moved)."""
+    text = DOC.read_text().split(section, 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): tuple(int(m.group(g)) for g in (2, 3, 5, 7)) for m in _ROW.finditer(text)}
+    assert len(rows) >= least, "a table of docs/performance.md lost rows, or its format changed"
+    return rows
+
+
+def documented_sm80_fp8_rows() -> dict[str, tuple]:
+    """The fp8 section's table: every fp8 instance counted for sm_80."""
+    rows = documented_rows("## fp8 caches on tensor cores: the load path", least=18)
+    assert set(rows) == {i.label for i in steps.fp8_instances()}
     return rows
 
 
@@ -48,6 +56,18 @@ def test_the_documented_row_is_the_count(tools, label):
     assert count.moved > count.settled
     line = steps.format_table([count]).splitlines()[-1]
     assert _ROW.match(line) and line.startswith(f"| {label} |")
+
+
+@pytest.mark.parametrize("label", sorted(documented_sm80_fp8_rows()))
+def test_the_documented_sm80_fp8_row_is_the_count(tools, label):
+    nvrtc, nvdisasm = tools
+    count = steps.count_instance(nvrtc, nvdisasm, _instance(label), steps.FP8_BIT_WIDEN_ARCH)
+    assert (count.instance.step_bytes, count.hmma, count.settled, count.moved) == documented_sm80_fp8_rows()[label]
+    # the widen is bit moves and one f16x2 multiply a pair: each warp widens the whole step, K and V,
+    # head_dim / 2 pairs a lane (no E4M3 conversion: count_instance fails on any loop in the key loop
+    # but the S loop of two tiles per warp, and cuda_fp8.h's has one per code)
+    assert count.opcodes["HMUL2"] == count.instance.head_dim // 2
+    assert count.moved > count.settled
 
 
 _LINEAR_ROW = re.compile(r"^  \| (bf16|half), (\d+) \| (\d+) \| (\d+) \| (\d+) \(([\d.]+)\) \|$", re.M)
@@ -102,8 +122,10 @@ def test_the_command_line_prints_the_table(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"nvidia-cuda-nvrtc {PINNED_NVRTC}" in out and "-DCUPYKV_COUNT_COMMON_PATH" in out
     assert "4.6 bytes per issued instruction" in out and "18.4 per HMMA" in out
-    (row,) = [line for line in out.splitlines() if line.startswith("| fp8, half io, 64, 1 |")]
-    assert _ROW.match(row)
+    sm90, sm80 = [line for line in out.splitlines() if line.startswith("| fp8, half io, 64, 1 |")]
+    assert _ROW.match(sm90) and _ROW.match(sm80) and sm90 != sm80
+    assert out.index(sm90) < out.index("fp8 caches on sm_80") < out.index(sm80)
+    assert "3.3 bytes per issued instruction" in out
     linear = [line for line in out.splitlines() if re.match(r"\| (bf16|half), (8|16) \|", line)]
     assert len(linear) == 4 and all(_LINEAR_ROW.match("  " + line) for line in linear)
 
