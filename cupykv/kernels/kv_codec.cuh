@@ -9,11 +9,22 @@
 //   __half and in __nv_bfloat16, so the tensor-core path widens codes without rounding and applies
 //   the scale to its fp32 results (attention_mma.cu).
 //
-// Compiles under NVRTC (sm_80, sm_90; cuda_fp8.h converts in hardware from sm_89) and under the
-// emulator, whose cuda_fp8.h shim is bit-exact against the toolkit's (tests/test_fp8_conversions.py).
+// Compiles under NVRTC (sm_80, sm_90) and under the emulator. A store converts with cuda_fp8.h (in
+// hardware from sm_89; the emulator's shim is bit-exact against the toolkit's header,
+// tests/test_fp8_conversions.py). A load widens with the conversion instruction from sm_89 on, and by
+// bit moves before sm_89 and on the emulator (widen_fp8_pair_by_bits, tests/test_fp8_widen.py).
 #pragma once
 #include "common.cuh"
 #include <cuda_fp8.h>
+
+// 1 where E4M3 codes widen with the conversion instruction (a GPU from sm_89 on); 0 where they widen
+// by bit moves (widen_fp8_pair_by_bits): before sm_89, on the emulator, and wherever
+// CUPYKV_FP8_WIDEN_BY_BITS is defined (tests/test_fp8_widen.py runs the bit moves on a GPU that way).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(CUPYKV_EMULATOR) && !defined(CUPYKV_FP8_WIDEN_BY_BITS)
+#define CUPYKV_FP8_WIDEN_BY_CVT 1
+#else
+#define CUPYKV_FP8_WIDEN_BY_CVT 0
+#endif
 
 namespace cupykv {
 
@@ -23,10 +34,39 @@ template <typename A> struct same_type<A, A> { static constexpr bool value = tru
 template <typename T> struct is_fp8 { static constexpr bool value = false; };
 template <> struct is_fp8<__nv_fp8_e4m3> { static constexpr bool value = true; };
 
+// Two E4M3 codes, in bits 8-15 and 24-31 of `spread` (bits 0-7 and 16-23 are ignored), widened exactly
+// to a pair of __half by moving bits: no table, no branch, no loop. Within each 16-bit lane:
+// - the code's seven magnitude bits shifted right by one (exponent into bits 13-10, mantissa into 9-7)
+//   are the bits of a __half worth code / 2^8, subnormal codes included: E4M3's bias is 7, half's 15,
+//   and a subnormal code's mantissa lands on the same fraction of a half subnormal;
+// - the sign stays in bit 15;
+// - the NaN codes (magnitude 0x7f, the only magnitude with all seven bits set; E4M3 has no infinity)
+//   would read as 480: adding 1 at the magnitude's lowest bit carries into bit 14 for them only, and
+//   that bit turns the half's exponent to all ones with a nonzero mantissa, a NaN.
+// One multiply by 2^8 (exact: the largest code, 448, and the smallest, 2^-9, are normal halves) then
+// restores the value. About seven instructions a pair where cuda_fp8.h's conversion before sm_89
+// takes a loop over subnormals and some forty instructions a code.
+__device__ __forceinline__ unsigned widen_fp8_pair_by_bits(unsigned spread) {
+    const unsigned magnitude = (spread & 0x7f007f00u) >> 1;            // bits 7-13 of each lane
+    const unsigned nan_exponent = (magnitude + 0x00800080u) & 0x40004000u;   // bit 14 iff all seven set
+    const unsigned bits = (spread & 0x80008000u) | magnitude | nan_exponent;
+    const __half2 pair = __halves2half2(__ushort_as_half((unsigned short)(bits & 0xffffu)),
+                                        __ushort_as_half((unsigned short)(bits >> 16)));
+    const __half two_pow8 = __ushort_as_half((unsigned short)0x5c00u);   // 256.0
+    const __half2 widened = __hmul2(pair, __halves2half2(two_pow8, two_pow8));
+    return (unsigned)__half_as_ushort(__low2half(widened)) | ((unsigned)__half_as_ushort(__high2half(widened)) << 16);
+}
+
 // The raw value of a stored element, without its scale.
 template <typename T> __device__ __forceinline__ float load_kv(T x) { return to_float<T>(x); }
+// An fp8 code widens as widen_fp8_word's do: cuda_fp8.h's conversion from sm_89 on (one instruction),
+// bit moves before sm_89 and on the emulator.
 template <> __device__ __forceinline__ float load_kv<__nv_fp8_e4m3>(__nv_fp8_e4m3 x) {
+#if CUPYKV_FP8_WIDEN_BY_CVT
     return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E4M3)));
+#else
+    return __half2float(__ushort_as_half((unsigned short)(widen_fp8_pair_by_bits((unsigned)x.__x << 8) & 0xffffu)));
+#endif
 }
 
 // The element that stores fp32 value x of a head with scale `scale` (ignored unless T is fp8).
@@ -53,29 +93,6 @@ template <typename T> __device__ __forceinline__ unsigned pack_pair(T low, T hig
            ((unsigned)*reinterpret_cast<const unsigned short*>(&high) << 16);
 }
 
-// Two E4M3 codes, in bits 8-15 and 24-31 of `spread` (bits 0-7 and 16-23 are ignored), widened exactly
-// to a pair of __half by moving bits: no table, no branch, no loop. Within each 16-bit lane:
-// - the code's seven magnitude bits shifted right by one (exponent into bits 13-10, mantissa into 9-7)
-//   are the bits of a __half worth code / 2^8, subnormal codes included: E4M3's bias is 7, half's 15,
-//   and a subnormal code's mantissa lands on the same fraction of a half subnormal;
-// - the sign stays in bit 15;
-// - the NaN codes (magnitude 0x7f, the only magnitude with all seven bits set; E4M3 has no infinity)
-//   would read as 480: adding 1 at the magnitude's lowest bit carries into bit 14 for them only, and
-//   that bit turns the half's exponent to all ones with a nonzero mantissa, a NaN.
-// One multiply by 2^8 (exact: the largest code, 448, and the smallest, 2^-9, are normal halves) then
-// restores the value. About seven instructions a pair where cuda_fp8.h's conversion before sm_89
-// takes a loop over subnormals and some forty instructions a code.
-__device__ __forceinline__ unsigned widen_fp8_pair_by_bits(unsigned spread) {
-    const unsigned magnitude = (spread & 0x7f007f00u) >> 1;            // bits 7-13 of each lane
-    const unsigned nan_exponent = (magnitude + 0x00800080u) & 0x40004000u;   // bit 14 iff all seven set
-    const unsigned bits = (spread & 0x80008000u) | magnitude | nan_exponent;
-    const __half2 pair = __halves2half2(__ushort_as_half((unsigned short)(bits & 0xffffu)),
-                                        __ushort_as_half((unsigned short)(bits >> 16)));
-    const __half two_pow8 = __ushort_as_half((unsigned short)0x5c00u);   // 256.0
-    const __half2 widened = __hmul2(pair, __halves2half2(two_pow8, two_pow8));
-    return (unsigned)__half_as_ushort(__low2half(widened)) | ((unsigned)__half_as_ushort(__high2half(widened)) << 16);
-}
-
 // Four E4M3 codes of one word (the code at the lowest address in bits 0-7) widened exactly to M, two
 // packed pairs: codes 0, 1 into `low_pair` and codes 2, 3 into `high_pair`, the first code of each in
 // the low half (the mma fragment's element order). From sm_89 on, one cvt.rn.f16x2.e4m3x2 per pair,
@@ -83,12 +100,12 @@ __device__ __forceinline__ unsigned widen_fp8_pair_by_bits(unsigned spread) {
 // where a 16-bit argument (cuda_fp8.h's __nv_cvt_fp8x2_to_halfraw2) costs a shift first. Before sm_89
 // and on the emulator, a byte permute spreads each pair's codes for widen_fp8_pair_by_bits (the
 // emulator runs it, so every fp8 test checks it; tests/test_fp8_widen.py checks it at every pair of
-// codes, and on a GPU, where CUPYKV_FP8_WIDEN_BY_BITS selects it from sm_89 on too, against the cvt).
+// codes, on a GPU against the cvt too).
 template <typename M> __device__ __forceinline__ void widen_fp8_word(unsigned word, unsigned& low_pair,
                                                                      unsigned& high_pair);
 template <> __device__ __forceinline__ void widen_fp8_word<__half>(unsigned word, unsigned& low_pair,
                                                                    unsigned& high_pair) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(CUPYKV_EMULATOR) && !defined(CUPYKV_FP8_WIDEN_BY_BITS)
+#if CUPYKV_FP8_WIDEN_BY_CVT
     asm("{\n\t.reg .b16 low, high;\n\tmov.b32 {low, high}, %2;\n\t"
         "cvt.rn.f16x2.e4m3x2 %0, low;\n\tcvt.rn.f16x2.e4m3x2 %1, high;\n\t}"
         : "=r"(low_pair), "=r"(high_pair) : "r"(word));
