@@ -4,11 +4,13 @@
 instance, what one warp issues for one 16-key step on the common path, and
 the bytes of K/V that step brings: the design's bytes per instruction,
 against the :data:`H200_BYTES_PER_INSTRUCTION` an H200 needs to keep HBM
-busy. It prints the same for one iteration of the weight loop of each
-``cupykv_linear_mma`` instance. No GPU is involved; ``docs/performance.md``
-holds both tables ("Instructions per step on the common path" and the
-``linear`` design account), and ``tests/test_step_instructions.py`` holds
-them to this count.
+busy. It prints the fp8-cache instances again for sm_80, where codes widen
+by bit moves (no E4M3 conversion instruction before sm_89), against the
+:data:`A100_BYTES_PER_INSTRUCTION` an A100 needs, and the same for one
+iteration of the weight loop of each ``cupykv_linear_mma`` instance. No GPU
+is involved; ``docs/performance.md`` holds the three tables ("Instructions
+per step on the common path", the fp8 load path and the ``linear`` design
+account), and ``tests/test_step_instructions.py`` holds them to this count.
 
 How it counts:
 
