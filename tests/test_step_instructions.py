@@ -31,9 +31,9 @@ def documented_rows(section: str = "## Instructions per step on the common path"
 
 
 def documented_sm80_fp8_rows() -> dict[str, tuple]:
-    """The fp8 section's table: every fp8 instance counted for sm_80."""
-    rows = documented_rows("## fp8 caches on tensor cores: the load path", least=18)
-    assert set(rows) == {i.label for i in steps.fp8_instances()}
+    """The fp8 section's table: the fp8 instances counted for sm_80 (of half io, the one-tile ones)."""
+    rows = documented_rows("## fp8 caches on tensor cores: the load path", least=14)
+    assert set(rows) == {i.label for i in steps.fp8_instances() if i.io_dtype != "float16" or i.row_tiles == 1}
     return rows
 
 
