@@ -71,7 +71,8 @@
 // reads each dim from its column. Each word is widened exactly to two pairs of M = __half
 // (widen_fp8_word: one instruction a pair on sm_89 and later, no shift for the high pair; before
 // sm_89 about seven, a byte permute, five integer operations and one HMUL2; a widen to bf16 would
-// take four). At the stage row stride every word read is free of bank conflicts (lanes of a warp hit 32 different banks).
+// take four). At the stage row stride every word read is free of bank conflicts (lanes of a warp hit
+// 32 different banks).
 // The scales stay out of the loop: the logits are (scale * k_scale) * (q . codes), and the
 // output (unnormalised, before the partial write or the normalised store) is multiplied by v_scale,
 // so the split merge is unchanged. The smaller stages also hold the row max and sum at the end, and
