@@ -2,9 +2,8 @@
 load_kv (one code to float) at every code.
 
 The tensor-core attention builds its fp8 B fragments with widen_fp8_word; the CUDA-core attention
-reads each code with load_kv. Before sm_89, and on the emulator, the
-codes are widened by bit moves and one multiply by 2^8 (widen_fp8_pair_by_bits); from sm_89 on by
-``cvt.rn.f16x2.e4m3x2``. Both must give the exact half of every code, -0.0 and the subnormal codes
+reads each code with load_kv. Before sm_89, and on the emulator, both widen by bit moves and one
+multiply by 2^8 (widen_fp8_pair_by_bits); from sm_89 on by ``cvt.rn.f16x2.e4m3x2``. Both must give the exact half of every code, -0.0 and the subnormal codes
 included, and a NaN for each of the two NaN codes; ml_dtypes' float8_e4m3fn, the reference's format
 (checked against the toolkit's conversions in tests/test_fp8_conversions.py), gives the expected
 values. Each pair of codes appears in the low and in the high half of a word, so each of the
@@ -41,6 +40,7 @@ def expected_halves(words: np.ndarray) -> np.ndarray:
 
 
 def widened_halves(low_pairs: np.ndarray, high_pairs: np.ndarray) -> np.ndarray:
+    """The kernel's [words] low and high pairs as [words, 4] float16, in expected_halves' order."""
     return np.stack([low_pairs, high_pairs], axis=1).astype(np.uint32).view(np.uint16).view(np.float16).reshape(-1, 4)
 
 
