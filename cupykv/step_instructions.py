@@ -7,10 +7,12 @@ against the :data:`H200_BYTES_PER_INSTRUCTION` an H200 needs to keep HBM
 busy. It prints the fp8-cache instances again for sm_80, where codes widen
 by bit moves (no E4M3 conversion instruction before sm_89), against the
 :data:`A100_BYTES_PER_INSTRUCTION` an A100 needs, and the same for one
-iteration of the weight loop of each ``cupykv_linear_mma`` instance. No GPU
-is involved; ``docs/performance.md`` holds the three tables ("Instructions
-per step on the common path", the fp8 load path and the ``linear`` design
-account), and ``tests/test_step_instructions.py`` holds them to this count.
+iteration of the weight loop of each ``cupykv_linear_mma`` instance and of
+the vector loop of each float32 ``cupykv_linear`` instance. No GPU is
+involved; ``docs/performance.md`` holds the four tables ("Instructions per
+step on the common path", the fp8 load path and the two in the ``linear``
+design account), and ``tests/test_step_instructions.py`` holds them to this
+count.
 
 How it counts:
 
@@ -41,6 +43,11 @@ CuPy compiles it (it has no per-step test to fix): the loop with the most
 of the steps whose loads go out first; each ``HMMA`` takes 8 weight rows x
 16 features, 256 bytes.
 
+The float32 CUDA-core linear (``linear.cu``, :class:`CudaCoreLinearInstance`) is counted likewise:
+its vector loop is the innermost loop (one holding no other) with the most ``FFMA``, which must hold
+the ``LDG`` (kAhead 16-byte loads of each of the warp's two weight rows and of each row of x) and the
+``FFMA`` (4 floats x 2 outputs per row of x and step) the tiling implies.
+
 A forward branch inside the loop that the common path skips (a step's
 copies past the last step, for instance) still counts, so each figure bounds
 the common path from above; no such branch holds an ``HMMA``.
@@ -59,7 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cupykv.kernels import (ATTENTION_HEAD_DIMS, ATTENTION_MMA_ROW_TILES, CACHE_DTYPE_PAIRS, CUDA_TYPES, KERNELS,
-                             LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, cache_types)
+                             LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES, cache_types)
 from cupykv.nvrtc_check import PINNED_NVRTC, Nvrtc, NvrtcError, compile_program, load_nvrtc
 
 #: K/V bytes per issued warp instruction that keep an H200's HBM busy: 4.8 TB/s over 132 SMs x 4
@@ -191,12 +198,54 @@ class LinearInstance:
 class LinearLoopCount:
     """What one warp of ``instance`` issues for one iteration of its weight loop."""
 
-    instance: LinearInstance
+    instance: LinearInstance | CudaCoreLinearInstance
     instructions: int
     opcodes: Counter
 
     def bytes_per_instruction(self) -> float:
         return self.instance.loop_bytes / self.instructions
+
+
+# ------------------------------------------------------------------------------ linear on CUDA cores
+_LINEAR_TILING = KERNELS["linear"].constants("linear_tiling")   # kAhead, kOutsPerWarp: linear.cu
+#: The float32 CUDA-core linear's vector loop: each lane loads 16 bytes of each of the warp's weight
+#: rows for kAhead steps, 4 floats a load.
+CUDA_CORE_LINEAR_FLOATS_PER_LOAD = 4
+
+
+@dataclass(frozen=True)
+class CudaCoreLinearInstance:
+    """One float32 ``cupykv_linear`` instance (the CUDA-core kernel): its row tile, 1 to 16 rows."""
+
+    row_tile: int
+
+    @property
+    def name(self) -> str:
+        return f"cupykv_linear<float, {self.row_tile}>"
+
+    @property
+    def loop_loads(self) -> int:
+        """Global loads of one iteration of the vector loop: each step one 16-byte load of each weight row
+        and one of each row of x."""
+        return _LINEAR_TILING["kAhead"] * (_LINEAR_TILING["kOutsPerWarp"] + self.row_tile)
+
+    @property
+    def loop_ffma(self) -> int:
+        """FFMA of one iteration: each step, every float of a weight load times every row."""
+        return (_LINEAR_TILING["kAhead"] * _LINEAR_TILING["kOutsPerWarp"] * CUDA_CORE_LINEAR_FLOATS_PER_LOAD
+                * self.row_tile)
+
+    @property
+    def loop_bytes(self) -> int:
+        """Weight bytes of one iteration, per warp: kAhead steps of the warp's rows, 512 bytes each."""
+        return _LINEAR_TILING["kAhead"] * _LINEAR_TILING["kOutsPerWarp"] * 32 * 16
+
+
+def cuda_core_linear_instances() -> list[CudaCoreLinearInstance]:
+    """The float32 ``cupykv_linear`` instances, one per row tile."""
+    found = [CudaCoreLinearInstance(tile) for tile in LINEAR_ROW_TILES]
+    assert {i.name for i in found} <= set(KERNELS["linear"].instances)
+    return found
 
 
 def linear_instances() -> list[LinearInstance]:
@@ -369,6 +418,36 @@ def count_linear_instance(nvrtc: Nvrtc, nvdisasm: str, instance: LinearInstance)
     return LinearLoopCount(instance, sum(counted.values()), counted)
 
 
+def count_cuda_core_linear_loop(instructions: list[Instruction], labels: dict[str, int],
+                                instance: CudaCoreLinearInstance) -> Counter:
+    """The instructions of one iteration of the float32 linear's vector loop by opcode.
+
+    The loop is the innermost loop (one holding no other) with the most ``FFMA``; it must hold the
+    ``LDG`` and ``FFMA`` of :attr:`CudaCoreLinearInstance.loop_loads` and ``loop_ffma`` (the scalar
+    loop, for odd sizes, holds a quarter of the FFMA).
+    """
+    spans = loops(instructions, labels)
+    innermost = [span for span in spans
+                 if not any(other != span and span[0] <= other[0] and other[1] <= span[1] for other in spans)]
+    bodies = [(_body(instructions, *span), span) for span in innermost]
+    bodies = [(body, span) for body, span in bodies if body["FFMA"] > 0]
+    if not bodies:
+        raise StepCountError(f"{instance.name}: no loop with FFMA in the SASS")
+    body = max(bodies, key=lambda found: (found[0]["FFMA"], -(found[1][1] - found[1][0])))[0]
+    if (body["LDG"], body["FFMA"]) != (instance.loop_loads, instance.loop_ffma):
+        raise StepCountError(f"{instance.name}: the vector loop issues {body['LDG']} LDG and {body['FFMA']} FFMA an "
+                             f"iteration, the tiling implies {instance.loop_loads} and {instance.loop_ffma}")
+    return body
+
+
+def count_cuda_core_linear_instance(nvrtc: Nvrtc, nvdisasm: str, instance: CudaCoreLinearInstance) -> LinearLoopCount:
+    """Compile ``instance`` as CuPy would and count one iteration of its vector loop."""
+    kernel = KERNELS["linear"]
+    program = compile_program(nvrtc, kernel.filename, kernel.source(), [instance.name], ARCH)
+    counted = count_cuda_core_linear_loop(*parse_sass(disassemble(program.cubin, nvdisasm)), instance)
+    return LinearLoopCount(instance, sum(counted.values()), counted)
+
+
 def _count_each(count, chosen, nvrtc: Nvrtc | None, nvdisasm: str | None) -> list:
     """``count(nvrtc, nvdisasm, instance)`` for each instance, the compiles on every core."""
     nvrtc = nvrtc or load_nvrtc()
@@ -390,6 +469,20 @@ def fp8_instances() -> list[Instance]:
 
 def count_all_linear(nvrtc: Nvrtc | None = None, nvdisasm: str | None = None) -> list[LinearLoopCount]:
     return _count_each(count_linear_instance, linear_instances(), nvrtc, nvdisasm)
+
+
+def count_all_cuda_core_linear(nvrtc: Nvrtc | None = None, nvdisasm: str | None = None) -> list[LinearLoopCount]:
+    return _count_each(count_cuda_core_linear_instance, cuda_core_linear_instances(), nvrtc, nvdisasm)
+
+
+def format_cuda_core_linear_table(counts: list[LinearLoopCount]) -> str:
+    """The markdown table of the CUDA-core kernel in docs/performance.md's `linear` section."""
+    lines = ["| rows (float32) | weight bytes per iteration | FFMA | instructions (bytes/instr) |", "|---|---|---|---|"]
+    for c in counts:
+        i = c.instance
+        lines.append(f"| {i.row_tile} | {i.loop_bytes} | {i.loop_ffma} | {c.instructions} "
+                     f"({c.bytes_per_instruction():.1f}) |")
+    return "\n".join(lines)
 
 
 def format_linear_table(counts: list[LinearLoopCount]) -> str:
@@ -420,6 +513,7 @@ def main(nvrtc_path: str | None = None) -> int:
         counts = count_all(nvrtc=nvrtc, nvdisasm=nvdisasm)
         fp8_counts = count_all(fp8_instances(), nvrtc, nvdisasm, FP8_BIT_WIDEN_ARCH)
         linear_counts = count_all_linear(nvrtc, nvdisasm)
+        cuda_core_counts = count_all_cuda_core_linear(nvrtc, nvdisasm)
     except (NvrtcError, StepCountError) as exc:
         print(f"cupykv check --steps: FAILED\n{exc}", file=sys.stderr)
         return 1
@@ -434,4 +528,7 @@ def main(nvrtc_path: str | None = None) -> int:
     print("\nThe tensor-core linear, per warp and iteration of its weight loop (the steps whose loads go out "
           "before the first mma):")
     print(format_linear_table(linear_counts))
+    print("\nThe CUDA-core linear (float32 weights), per warp and iteration of its vector loop (kAhead steps "
+          "of its two weight rows):")
+    print(format_cuda_core_linear_table(cuda_core_counts))
     return 0

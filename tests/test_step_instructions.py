@@ -2,7 +2,8 @@
 
 - docs/performance.md's tables (a key step of the tensor-core attention on sm_90, and of its fp8
   instances on sm_80, whose codes widen by bit moves; an iteration of the tensor-core linear's
-  weight loop) are the count, row for row, under the pinned NVRTC and nvdisasm;
+  weight loop, and of the float32 CUDA-core linear's vector loop) are the count, row for row, under
+  the pinned NVRTC and nvdisasm;
 - the count's parsing of SASS (labels, loops, the nested S loop, the HMMA check) on listings
   written here, so that a counting bug shows apart from any compiler;
 - CUPYKV_COMMON_PATH fixes the tests only in the count: a real build keeps the rescale vote.
@@ -91,6 +92,26 @@ def test_the_documented_linear_rows_are_the_count(tools):
                                                                   "half, 16": 2048, "bf16, 16": 2048}
 
 
+_CUDA_CORE_ROW = re.compile(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \(([\d.]+)\) \|$", re.M)
+
+
+def documented_cuda_core_linear_rows() -> dict[int, tuple]:
+    """The CUDA-core linear's table: rows -> (bytes, FFMA, instructions)."""
+    section = DOC.read_text().split("**CUDA cores (float32, odd sizes).**", 1)[1].split("\n## ", 1)[0]
+    rows = {int(m.group(1)): tuple(int(m.group(g)) for g in (2, 3, 4)) for m in _CUDA_CORE_ROW.finditer(section)}
+    assert sorted(rows) == [1, 2, 4, 8, 16], "the CUDA-core linear table of docs/performance.md lost rows"
+    return rows
+
+
+def test_the_documented_cuda_core_linear_rows_are_the_count(tools):
+    nvrtc, nvdisasm = tools
+    counted = {c.instance.row_tile: (c.instance.loop_bytes, c.opcodes["FFMA"], c.instructions)
+               for c in steps.count_all_cuda_core_linear(nvrtc, nvdisasm)}
+    assert counted == documented_cuda_core_linear_rows()
+    # 4 steps of two 512-byte weight rows a warp; 32 FFMA a row of x (4 steps x 4 floats x 2 outputs)
+    assert {rows: row[:2] for rows, row in counted.items()} == {r: (4096, 32 * r) for r in (1, 2, 4, 8, 16)}
+
+
 def test_the_tools_are_the_pinned_ones(tools):
     nvrtc, nvdisasm = tools
     assert nvrtc.wheel_version == PINNED_NVRTC
@@ -126,6 +147,8 @@ def test_the_command_line_prints_the_table(monkeypatch, capsys):
     assert _ROW.match(sm90) and _ROW.match(sm80) and sm90 != sm80
     assert out.index(sm90) < out.index("fp8 caches on sm_80") < out.index(sm80)
     assert "3.3 bytes per issued instruction" in out
+    cuda_core = [line for line in out.splitlines() if re.match(r"\| (1|2|4|8|16) \| 4096 \|", line)]
+    assert len(cuda_core) == 5 and all(_CUDA_CORE_ROW.match(line) for line in cuda_core)
     linear = [line for line in out.splitlines() if re.match(r"\| (bf16|half), (8|16) \|", line)]
     assert len(linear) == 4 and all(_LINEAR_ROW.match("  " + line) for line in linear)
 
@@ -222,6 +245,30 @@ def test_a_linear_loop_of_another_shape_fails(body, message):
     text = listing(".L_x_0:", "MOV R1, R2", *body, "@P0 BRA `(.L_x_0)")
     with pytest.raises(steps.StepCountError, match=message):
         steps.count_linear_loop(*steps.parse_sass(text), LINEAR_8)
+
+
+CUDA_CORE_2 = steps.CudaCoreLinearInstance(2)   # 16 LDG (8 weight, 8 x) and 64 FFMA an iteration
+
+
+def test_the_cuda_core_linear_loop_is_the_innermost_with_the_most_ffma():
+    vector = ["LDG.E.128 R4, desc[UR4][R2.64]"] * 16 + ["FFMA R1, R2, R3, R1"] * 64
+    scalar = ["LDG.E R4, desc[UR4][R2.64]"] * 16 + ["FFMA R1, R2, R3, R1"] * 16
+    # the row-tile loop holds both: more FFMA, but not innermost
+    text = listing(".L_x_0:", "MOV R1, R2", ".L_x_1:", *scalar, "@P0 BRA `(.L_x_1)", ".L_x_2:", *vector, "IADD3 R0, R0, 1",
+                   "@P1 BRA `(.L_x_2)", "@P2 BRA `(.L_x_0)", "EXIT")
+    counted = steps.count_cuda_core_linear_loop(*steps.parse_sass(text), CUDA_CORE_2)
+    assert counted == {"LDG": 16, "FFMA": 64, "IADD3": 1, "BRA": 1}
+
+
+@pytest.mark.parametrize("loads, ffma, message", [
+    (15, 64, "issues 15 LDG and 64 FFMA an iteration, the tiling implies 16 and 64"),
+    (16, 32, "issues 16 LDG and 32 FFMA"),
+])
+def test_a_cuda_core_linear_loop_of_another_shape_fails(loads, ffma, message):
+    text = listing(".L_x_0:", *["LDG.E.128 R4, desc[UR4][R2.64]"] * loads, *["FFMA R1, R2, R3, R1"] * ffma,
+                   "@P0 BRA `(.L_x_0)")
+    with pytest.raises(steps.StepCountError, match=message):
+        steps.count_cuda_core_linear_loop(*steps.parse_sass(text), CUDA_CORE_2)
 
 
 def test_no_loop_with_mma_fails():
