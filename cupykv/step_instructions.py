@@ -64,6 +64,7 @@ import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from cupykv.kernels import (ATTENTION_HEAD_DIMS, ATTENTION_MMA_ROW_TILES, CACHE_DTYPE_PAIRS, CUDA_TYPES, KERNELS,
                              LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES, cache_types)
@@ -194,11 +195,15 @@ class LinearInstance:
         return self.loop_hmma * LINEAR_BYTES_PER_HMMA
 
 
+#: A linear instance of either kernel: :class:`LinearInstance` or :class:`CudaCoreLinearInstance`.
+LinearKind = TypeVar("LinearKind", "LinearInstance", "CudaCoreLinearInstance")
+
+
 @dataclass(frozen=True)
-class LinearLoopCount:
+class LinearLoopCount(Generic[LinearKind]):
     """What one warp of ``instance`` issues for one iteration of its weight loop."""
 
-    instance: LinearInstance | CudaCoreLinearInstance
+    instance: LinearKind
     instructions: int
     opcodes: Counter
 
@@ -410,7 +415,7 @@ def count_linear_loop(instructions: list[Instruction], labels: dict[str, int], i
     return total
 
 
-def count_linear_instance(nvrtc: Nvrtc, nvdisasm: str, instance: LinearInstance) -> LinearLoopCount:
+def count_linear_instance(nvrtc: Nvrtc, nvdisasm: str, instance: LinearInstance) -> LinearLoopCount[LinearInstance]:
     """Compile ``instance`` as CuPy would and count one iteration of its weight loop."""
     kernel = KERNELS["linear_mma"]
     program = compile_program(nvrtc, kernel.filename, kernel.source(), [instance.name], ARCH)
@@ -440,7 +445,8 @@ def count_cuda_core_linear_loop(instructions: list[Instruction], labels: dict[st
     return body
 
 
-def count_cuda_core_linear_instance(nvrtc: Nvrtc, nvdisasm: str, instance: CudaCoreLinearInstance) -> LinearLoopCount:
+def count_cuda_core_linear_instance(nvrtc: Nvrtc, nvdisasm: str,
+                                    instance: CudaCoreLinearInstance) -> LinearLoopCount[CudaCoreLinearInstance]:
     """Compile ``instance`` as CuPy would and count one iteration of its vector loop."""
     kernel = KERNELS["linear"]
     program = compile_program(nvrtc, kernel.filename, kernel.source(), [instance.name], ARCH)
@@ -467,15 +473,16 @@ def fp8_instances() -> list[Instance]:
     return [i for i in instances() if i.dtype == "float8_e4m3"]
 
 
-def count_all_linear(nvrtc: Nvrtc | None = None, nvdisasm: str | None = None) -> list[LinearLoopCount]:
+def count_all_linear(nvrtc: Nvrtc | None = None, nvdisasm: str | None = None) -> list[LinearLoopCount[LinearInstance]]:
     return _count_each(count_linear_instance, linear_instances(), nvrtc, nvdisasm)
 
 
-def count_all_cuda_core_linear(nvrtc: Nvrtc | None = None, nvdisasm: str | None = None) -> list[LinearLoopCount]:
+def count_all_cuda_core_linear(nvrtc: Nvrtc | None = None,
+                               nvdisasm: str | None = None) -> list[LinearLoopCount[CudaCoreLinearInstance]]:
     return _count_each(count_cuda_core_linear_instance, cuda_core_linear_instances(), nvrtc, nvdisasm)
 
 
-def format_cuda_core_linear_table(counts: list[LinearLoopCount]) -> str:
+def format_cuda_core_linear_table(counts: list[LinearLoopCount[CudaCoreLinearInstance]]) -> str:
     """The markdown table of the CUDA-core kernel in docs/performance.md's `linear` section."""
     lines = ["| rows (float32) | weight bytes per iteration | FFMA | instructions (bytes/instr) |", "|---|---|---|---|"]
     for c in counts:
@@ -485,7 +492,7 @@ def format_cuda_core_linear_table(counts: list[LinearLoopCount]) -> str:
     return "\n".join(lines)
 
 
-def format_linear_table(counts: list[LinearLoopCount]) -> str:
+def format_linear_table(counts: list[LinearLoopCount[LinearInstance]]) -> str:
     """The markdown table of docs/performance.md's `linear` section."""
     lines = ["| weight, row tile | weight bytes per iteration | HMMA | instructions (bytes/instr) |", "|---|---|---|---|"]
     for c in counts:
