@@ -386,16 +386,23 @@ def disassemble(cubin: bytes, nvdisasm: str) -> str:
     return done.stdout
 
 
+def compiled_sass(nvrtc: Nvrtc, nvdisasm: str, op: str, instance_name: str, arch: str = ARCH,
+                  extra_options: tuple[str, ...] = ()) -> tuple[list[Instruction], dict[str, int]]:
+    """The SASS of one instance of kernel file ``op`` (a :data:`KERNELS` key), compiled as CuPy compiles it
+    plus ``extra_options``: its instructions and labels (:func:`parse_sass`)."""
+    kernel = KERNELS[op]
+    program = compile_program(nvrtc, kernel.filename, kernel.source(), [instance_name], arch,
+                              extra_options=extra_options)
+    return parse_sass(disassemble(program.cubin, nvdisasm))
+
+
 def count_instance(nvrtc: Nvrtc, nvdisasm: str, instance: Instance, arch: str = ARCH) -> StepCount:
     """Compile ``instance`` for ``arch`` both ways (max settled, max moved) and count its key loop's step."""
-    kernel = KERNELS["attention_mma"]
-    source = kernel.source()
     counts = []
     for rescales in (0, 1):
-        program = compile_program(nvrtc, kernel.filename, source, [instance.name], arch,
-                                  extra_options=(COUNT_OPTION, f"-DCUPYKV_STEP_RESCALES={rescales}"))
-        instructions, labels = parse_sass(disassemble(program.cubin, nvdisasm))
-        counts.append(count_key_loop(instructions, labels, instance))
+        options = (COUNT_OPTION, f"-DCUPYKV_STEP_RESCALES={rescales}")
+        counts.append(count_key_loop(*compiled_sass(nvrtc, nvdisasm, "attention_mma", instance.name, arch, options),
+                                     instance))
     settled, moved = counts
     return StepCount(instance, sum(settled.values()), sum(moved.values()), settled["HMMA"], settled)
 
@@ -417,9 +424,7 @@ def count_linear_loop(instructions: list[Instruction], labels: dict[str, int], i
 
 def count_linear_instance(nvrtc: Nvrtc, nvdisasm: str, instance: LinearInstance) -> LinearLoopCount[LinearInstance]:
     """Compile ``instance`` as CuPy would and count one iteration of its weight loop."""
-    kernel = KERNELS["linear_mma"]
-    program = compile_program(nvrtc, kernel.filename, kernel.source(), [instance.name], ARCH)
-    counted = count_linear_loop(*parse_sass(disassemble(program.cubin, nvdisasm)), instance)
+    counted = count_linear_loop(*compiled_sass(nvrtc, nvdisasm, "linear_mma", instance.name), instance)
     return LinearLoopCount(instance, sum(counted.values()), counted)
 
 
@@ -448,9 +453,7 @@ def count_cuda_core_linear_loop(instructions: list[Instruction], labels: dict[st
 def count_cuda_core_linear_instance(nvrtc: Nvrtc, nvdisasm: str,
                                     instance: CudaCoreLinearInstance) -> LinearLoopCount[CudaCoreLinearInstance]:
     """Compile ``instance`` as CuPy would and count one iteration of its vector loop."""
-    kernel = KERNELS["linear"]
-    program = compile_program(nvrtc, kernel.filename, kernel.source(), [instance.name], ARCH)
-    counted = count_cuda_core_linear_loop(*parse_sass(disassemble(program.cubin, nvdisasm)), instance)
+    counted = count_cuda_core_linear_loop(*compiled_sass(nvrtc, nvdisasm, "linear", instance.name), instance)
     return LinearLoopCount(instance, sum(counted.values()), counted)
 
 

@@ -17,7 +17,7 @@ import pytest
 from cupykv import step_instructions as steps
 from cupykv.__main__ import main as cli_main
 from cupykv.kernels import KERNELS
-from cupykv.nvrtc_check import PINNED_NVRTC, compile_program, load_nvrtc
+from cupykv.nvrtc_check import PINNED_NVRTC, load_nvrtc
 
 DOC = Path(__file__).parents[1] / "docs" / "performance.md"
 _ROW = re.compile(r"^\| ([a-z0-9 ,]+) \| (\d+) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \|$", re.M)
@@ -126,10 +126,8 @@ def test_a_real_build_keeps_the_tests_the_count_fixes(tools):
     # masking and softcap code: it is longer than even the moved step.
     nvrtc, nvdisasm = tools
     instance = _instance("bf16, 128, 1")
-    kernel = KERNELS["attention_mma"]
-    program = compile_program(nvrtc, kernel.filename, kernel.source(), [instance.name], steps.ARCH)
     three_piece_s = 8 * 2 * steps.Q_PIECES
-    real = steps.count_key_loop(*steps.parse_sass(steps.disassemble(program.cubin, nvdisasm)), instance,
+    real = steps.count_key_loop(*steps.compiled_sass(nvrtc, nvdisasm, "attention_mma", instance.name), instance,
                                 expected_hmma=instance.step_hmma + three_piece_s)
     counted = steps.count_instance(nvrtc, nvdisasm, instance)
     assert real["VOTE"] >= 1 and counted.opcodes["VOTE"] == 0
