@@ -3,11 +3,12 @@ load_kv (one code to float) at every code.
 
 The tensor-core attention builds its fp8 B fragments with widen_fp8_word; the CUDA-core attention
 reads each code with load_kv. Before sm_89, and on the emulator, both widen by bit moves and one
-multiply by 2^8 (widen_fp8_pair_by_bits); from sm_89 on by ``cvt.rn.f16x2.e4m3x2``. Both must give the exact half of every code, -0.0 and the subnormal codes
-included, and a NaN for each of the two NaN codes; ml_dtypes' float8_e4m3fn, the reference's format
-(checked against the toolkit's conversions in tests/test_fp8_conversions.py), gives the expected
-values. Each pair of codes appears in the low and in the high half of a word, so each of the
-widen's two byte permutes sees all 65536 pairs.
+multiply by 2^8 (widen_fp8_pair_by_bits); from sm_89 on by ``cvt.rn.f16x2.e4m3x2``. Both must give
+the exact half of every code, -0.0 and the subnormal codes included, and a NaN for each of the two
+NaN codes; ml_dtypes' float8_e4m3fn, the reference's format (checked against the toolkit's
+conversions in tests/test_fp8_conversions.py), gives the expected values. Each pair of codes
+appears in the low and in the high half of a word, so each of the widen's two byte permutes sees
+all 65536 pairs.
 """
 from pathlib import Path
 
