@@ -50,11 +50,15 @@ __device__ __forceinline__ unsigned widen_fp8_pair_by_bits(unsigned spread) {
     const unsigned magnitude = (spread & 0x7f007f00u) >> 1;            // bits 7-13 of each lane
     const unsigned nan_exponent = (magnitude + 0x00800080u) & 0x40004000u;   // bit 14 iff all seven set
     const unsigned bits = (spread & 0x80008000u) | magnitude | nan_exponent;
-    const __half2 pair = __halves2half2(__ushort_as_half((unsigned short)(bits & 0xffffu)),
-                                        __ushort_as_half((unsigned short)(bits >> 16)));
-    const __half two_pow8 = __ushort_as_half((unsigned short)0x5c00u);   // 256.0
-    const __half2 widened = __hmul2(pair, __halves2half2(two_pow8, two_pow8));
-    return (unsigned)__half_as_ushort(__low2half(widened)) | ((unsigned)__half_as_ushort(__high2half(widened)) << 16);
+    // The word is the pair as it is (memcpy, not two halves packed: packing costs ptxas byte permutes).
+    const unsigned two_pow8_bits = 0x5c005c00u;                          // 256.0 in each half
+    __half2 pair, two_pow8;
+    memcpy(&pair, &bits, 4);
+    memcpy(&two_pow8, &two_pow8_bits, 4);
+    const __half2 widened = __hmul2(pair, two_pow8);
+    unsigned widened_bits;
+    memcpy(&widened_bits, &widened, 4);
+    return widened_bits;
 }
 
 // The raw value of a stored element, without its scale.
