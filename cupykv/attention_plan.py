@@ -26,7 +26,7 @@ from cupykv.backends.base import Backend
 from cupykv.backends.capture import active_capture, refuse_in_capture
 from cupykv.cache import KVCache
 from cupykv.cache import KernelView
-from cupykv.kernels import ATTENTION_MMA_ROW_TILES, CUDA_TYPES, KERNELS, attention_instance
+from cupykv.kernels import CUDA_TYPES, KERNELS, attention_instance, attention_mma_row_tiles
 from cupykv.rope import Rope
 from cupykv.spec import CacheSpec
 
@@ -59,7 +59,7 @@ class AttentionKernel:
 
     @property
     def tensor_cores(self) -> bool:
-        """Whether S = QK^T and PV run on mma.sync (16-bit and fp8 caches at head_dim 64 and 128)."""
+        """Whether S = QK^T and PV run on mma.sync (16-bit and fp8 caches at head_dim 64, 128 and 256)."""
         return self.op == "attention_mma"
 
     @property
@@ -68,18 +68,21 @@ class AttentionKernel:
         return self.shared_mem_bytes > _args.MAX_DYNAMIC_SHARED_MEMORY
 
 
-def mma_row_tiles(query_rows: int) -> int:
+def mma_row_tiles(query_rows: int, head_dim: int) -> int:
     """m16 row tiles per block of the tensor-core kernel for ``query_rows`` (``q_len * group``) rows
-    per sequence and kv head: the fewest of cupykv.kernels.ATTENTION_MMA_ROW_TILES that hold them,
-    or the most there are, so that a block reads each K/V row once for up to 64 rows."""
-    return next((tiles for tiles in ATTENTION_MMA_ROW_TILES if query_rows <= TILE_ROWS * tiles),
-                ATTENTION_MMA_ROW_TILES[-1])
+    per sequence and kv head: the fewest of :func:`cupykv.kernels.attention_mma_row_tiles` that hold
+    them, or the most there are, so that a block reads each K/V row once for up to 64 rows (32 at
+    head_dim 256)."""
+    choices = attention_mma_row_tiles(head_dim)
+    return next((tiles for tiles in choices if query_rows <= TILE_ROWS * tiles), choices[-1])
 
 
-def mma_row_groups(row_tiles: int) -> int:
+def mma_row_groups(row_tiles: int, head_dim: int) -> int:
     """Warps of the tensor-core kernel per key warp (``attention_mma_row_groups``): a warp holds at
-    most ``kMaxWarpTiles`` row tiles, so four tiles take two row groups that share the K/V stages."""
-    return max(1, row_tiles // MMA_TILING["kMaxWarpTiles"])
+    most ``kMaxWarpTiles`` row tiles (``kMaxWarpTiles256`` at head_dim 256), so four tiles (two at
+    head_dim 256) take two row groups that share the K/V stages."""
+    most = MMA_TILING["kMaxWarpTiles256" if head_dim == 256 else "kMaxWarpTiles"]
+    return max(1, row_tiles // most)
 
 
 def mma_shared_memory_bytes(dtype: str, head_dim: int, row_tiles: int) -> int:
@@ -93,22 +96,22 @@ def mma_shared_memory_bytes(dtype: str, head_dim: int, row_tiles: int) -> int:
 
 def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, query_rows: int = 1) -> AttentionKernel:
     """The kernel for a cache's storage dtype, head size and io dtype (``dtype`` by default): tensor
-    cores for 16-bit and fp8 caches at head_dim 64 and 128 (``attention_mma.cu``), CUDA cores
+    cores for 16-bit and fp8 caches at head_dim 64, 128 and 256 (``attention_mma.cu``), CUDA cores
     otherwise (``attention.cu``). ``query_rows`` (``q_len * group``) picks the tensor-core
     kernel's rows per block (:func:`mma_row_tiles`)."""
-    row_tiles = mma_row_tiles(query_rows)
+    row_tiles = mma_row_tiles(query_rows, head_dim)
     op, instance = attention_instance(dtype, head_dim, io_dtype, row_tiles)
     if op == "attention_mma":
-        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"] * mma_row_groups(row_tiles),
+        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"] * mma_row_groups(row_tiles, head_dim),
                                mma_shared_memory_bytes(dtype, head_dim, row_tiles), TILE_ROWS * row_tiles)
     return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
 
 
 def block_row_choices(dtype: str, head_dim: int, io_dtype: str | None = None) -> tuple[int, ...]:
     """The query rows a block of the cache's attention kernel may own: 16, 32 or 64 on tensor cores
-    (one, two or four m16 tiles), 16 on CUDA cores."""
+    (one, two or four m16 tiles; 16 or 32 at head_dim 256), 16 on CUDA cores."""
     if attention_kernel(dtype, head_dim, io_dtype).tensor_cores:
-        return tuple(TILE_ROWS * tiles for tiles in ATTENTION_MMA_ROW_TILES)
+        return tuple(TILE_ROWS * tiles for tiles in attention_mma_row_tiles(head_dim))
     return (TILE_ROWS,)
 
 
@@ -259,10 +262,10 @@ class AttentionPlan:
         tokens exactly. Splits past a sequence's live length exit at once.
     rows_per_block : int, optional
         Query rows (``q_len * group`` per sequence and kv head) one block
-        owns, for tuning: 16, 32 or 64 on tensor cores, 16 on CUDA cores
-        (:func:`cupykv.attention_plan.block_row_choices`). By default the
-        fewest that hold ``q_len * group``, 64 at most: each block reads its
-        keys' K/V once. Without a window, a row's result does not depend on
+        owns, for tuning: 16, 32 or 64 on tensor cores (16 or 32 at head_dim
+        256), 16 on CUDA cores (:func:`cupykv.attention_plan.block_row_choices`).
+        By default the fewest that hold ``q_len * group``, 64 at most (32 at
+        head_dim 256): each block reads its keys' K/V once. Without a window, a row's result does not depend on
         it, unsplit or with ``split_keys``.
 
     Attributes
@@ -270,8 +273,8 @@ class AttentionPlan:
     num_splits : int
     split_keys : int or None
     kernel : AttentionKernel
-        The kernel the plan launches (tensor cores for 16-bit caches at
-        head_dim 64 and 128).
+        The kernel the plan launches (tensor cores for 16-bit and fp8 caches
+        at head_dim 64, 128 and 256).
     grid, block : tuple of int
         The attention launch: one, split or not (the last block of a query tile
         to finish merges its splits, through a device counter the plan owns).

@@ -66,8 +66,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from cupykv.kernels import (ATTENTION_HEAD_DIMS, ATTENTION_MMA_ROW_TILES, CACHE_DTYPE_PAIRS, CUDA_TYPES, KERNELS,
-                             LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES, cache_types)
+from cupykv.attention_plan import mma_row_groups
+from cupykv.kernels import (ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, CUDA_TYPES, KERNELS, LINEAR_MMA_DTYPES,
+                             LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES, attention_mma_row_tiles, cache_types)
 from cupykv.nvrtc_check import PINNED_NVRTC, Nvrtc, NvrtcError, compile_program, load_nvrtc
 
 #: K/V bytes per issued warp instruction that keep an H200's HBM busy: 4.8 TB/s over 132 SMs x 4
@@ -112,8 +113,9 @@ class Instance:
 
     @property
     def row_groups(self) -> int:
-        """Warps that share each key warp's stages (attention_mma_row_groups): 2 at four tiles."""
-        return 2 if self.row_tiles == 4 else 1
+        """Warps that share each key warp's stages (attention_mma_row_groups): 2 at four tiles, and at
+        two tiles of head_dim 256."""
+        return mma_row_groups(self.row_tiles, self.head_dim)
 
     @property
     def warp_tiles(self) -> int:
@@ -145,7 +147,7 @@ class Instance:
 def instances() -> list[Instance]:
     """Every ``cupykv_attention_mma`` instance the library compiles, in ``KERNELS`` order."""
     found = [Instance(dtype, io, hd, tiles) for dtype, io in CACHE_DTYPE_PAIRS if dtype != "float32"
-             for hd in ATTENTION_HEAD_DIMS for tiles in ATTENTION_MMA_ROW_TILES]
+             for hd in ATTENTION_MMA_HEAD_DIMS for tiles in attention_mma_row_tiles(hd)]
     assert {i.name for i in found} == set(KERNELS["attention_mma"].instances)
     return found
 

@@ -30,7 +30,8 @@ from backends import BACKENDS
 
 MMA = KERNELS["attention_mma"].constants("attention_mma_tiling")
 STEP = MMA["kStepKeys"]
-WARPS = {64: MMA["kWarps64"], 128: MMA["kWarps128"]}
+WARPS = {64: MMA["kWarps64"], 128: MMA["kWarps128"], 256: MMA["kWarps256"]}
+HEAD_DIMS = [64, 128, 256]
 IO_DTYPES = ["bfloat16", "float16", "float32"]
 NAN_CODE = 0x7F
 
@@ -69,13 +70,15 @@ def _attend(cache, q, layer, **options):
 
 
 @pytest.mark.parametrize("io_dtype", IO_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_the_plan_picks_tensor_cores_and_the_fp8_shared_memory(io_dtype, head_dim):
     kernel = attention_kernel("float8_e4m3", head_dim, io_dtype)
     cuda_io = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}[io_dtype]
     assert kernel.tensor_cores and kernel.instance == f"cupykv_attention_mma<__nv_fp8_e4m3, {cuda_io}, {head_dim}, 1>"
     assert kernel.threads == 32 * WARPS[head_dim]
-    assert kernel.shared_mem_bytes == MMA[f"kQTile{head_dim}"] + MMA[f"kStages{head_dim}Fp8"] <= 48 * 1024
+    assert kernel.shared_mem_bytes == MMA[f"kQTile{head_dim}"] + MMA[f"kStages{head_dim}Fp8"]
+    # without the opt-in past 48 KiB but at head_dim 256, whose q pieces alone are 25 KB
+    assert kernel.opts_in_to_shared_memory == (head_dim == 256)
     # the byte stages keep as many bytes per warp in flight as the 16-bit path, and hold the fp32 accumulators
     # and the row max and sum at the end
     stage_bytes = WARPS[head_dim] * MMA["kStagesFp8"] * 2 * STEP * (head_dim + MMA["kRowPadFp8"])
@@ -85,8 +88,9 @@ def test_the_plan_picks_tensor_cores_and_the_fp8_shared_memory(io_dtype, head_di
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("io_dtype", IO_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group, q_len", [(1, 1), (4, 4), (8, 1), (8, 4), (8, 8)])
+@pytest.mark.parametrize("head_dim, group, q_len", [(hd, g, q) for hd in (64, 128) for g, q in
+                                                    [(1, 1), (4, 4), (8, 1), (8, 4), (8, 8)]]
+                         + [(256, 1, 1), (256, 2, 8), (256, 8, 8)])   # 256: one tile, two, and two blocks of two
 @pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
 def test_matches_the_reference(backend, io_dtype, head_dim, group, q_len, use_rope):
     # lengths off the 16-key steps; layer 1, whose scales differ from layer 0's in every head
@@ -105,7 +109,7 @@ def test_matches_the_reference(backend, io_dtype, head_dim, group, q_len, use_ro
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("io_dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("magnitude", [1e-7, 1e5])
 def test_q_rows_outside_the_half_range_keep_their_precision(backend, io_dtype, head_dim, magnitude):
     """The mma operands are halves (subnormal below 6.1e-5, at most 65504). q rows of bf16 or float io
@@ -131,7 +135,7 @@ def test_q_rows_outside_the_half_range_keep_their_precision(backend, io_dtype, h
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_rotated_half_q_rows_past_the_half_range_are_scaled_too(backend, head_dim):
     """float16 q is exact in one half piece, but rotated it takes three of fp32 values, which rotate
     past 65504 from elements near 6e4 (a pair (x, y) rotates to up to sqrt(x^2 + y^2)): those rows
@@ -148,7 +152,7 @@ def test_rotated_half_q_rows_past_the_half_range_are_scaled_too(backend, head_di
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_lengths_at_every_step_and_warp_round_edge(backend, head_dim):
     # three stages: a warp's first steps are w, w + warps and w + 2 warps; lengths around each round's end
     round_keys = STEP * WARPS[head_dim]
@@ -164,8 +168,8 @@ def test_lengths_at_every_step_and_warp_round_edge(backend, head_dim):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("q_len", [1, 4, 9])   # 4, 16 and 36 rows: one, one and four row tiles
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("q_len", [1, 4, 9])   # 4, 16 and 36 rows: one, one and four row tiles (two blocks of two at 256)
 def test_nan_codes_past_the_attended_rows_never_reach_the_output(backend, head_dim, q_len):
     """Rows pending past the last query (in its own 16-key step) and the cache's tail hold NaN codes:
     past the split, so the copy zero-fills them, and nothing of them reaches the output."""
@@ -213,29 +217,32 @@ def test_scales_are_read_at_run_time(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, head_dim):
     cache, _, rng = _caches(backend, [300, 411], head_dim=head_dim, max_seq=600)
     q = testing.random_rows(rng, cache.spec, (2, 16, 6, head_dim))
     alone = cupykv.AttentionPlan(cache, 1, 6, split_keys=256).run(cache.to_device(q[:, :1].copy()), 0)
     alone = _host(alone, cache.spec)
-    for q_len in (2, 5, 9, 16):   # 6, 15, 27 and 48 rows per kv head: one, one, two and four row tiles
+    for q_len in (2, 5, 9, 16):   # 6, 15, 27 and 48 rows per kv head: one, one, two and four row tiles (256: two
+                                  # blocks of two)
         together = cupykv.AttentionPlan(cache, q_len, 6, split_keys=256).run(cache.to_device(q[:, :q_len].copy()), 0)
         assert np.array_equal(testing.bits(_host(together, cache.spec)[:, :1]), testing.bits(alone)), q_len
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 1204 / 76), (64, 602 / 38)])
+@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 1204 / 76), (64, 602 / 38), (256, 2408 / 151)])
 def test_decode_reads_each_row_once_in_whole_requests(head_dim, sectors_per_request, layout):
     """The fp8 byte stages on the emulator's traffic counter (301 live rows per sequence), K and V alike.
 
     A warp copies a 16-key step with 16-byte cp.async, 16 codes per copy: eight lanes on each
     128-byte row at head_dim 128 (four on each 64-byte row at 64), so a full request covers four
-    (eight) whole rows, 16 sectors, each requested once. 301 rows are 18 full steps and a last step
-    of 13 rows. head_dim 128: 4 requests a step; the last has 3 full ones and one with one live row
-    (4 sectors): (18 x 4 x 16 + 3 x 16 + 4) / (18 x 4 + 4) = 1204 / 76. head_dim 64: 2 requests a
-    step; the last has a full one and one with 5 live rows (10 sectors): (18 x 2 x 16 + 16 + 10) /
-    (18 x 2 + 2) = 602 / 38.
+    (eight) whole rows, 16 sectors, each requested once; at head_dim 256, sixteen lanes on each
+    256-byte row, two rows. 301 rows are 18 full steps and a last step of 13 rows. head_dim 128: 4
+    requests a step; the last has 3 full ones and one with one live row (4 sectors): (18 x 4 x 16 +
+    3 x 16 + 4) / (18 x 4 + 4) = 1204 / 76. head_dim 64: 2 requests a step; the last has a full one
+    and one with 5 live rows (10 sectors): (18 x 2 x 16 + 16 + 10) / (18 x 2 + 2) = 602 / 38.
+    head_dim 256: 8 requests a step; the last has 6 full ones and one with one live row (8 sectors):
+    (18 x 8 x 16 + 6 x 16 + 8) / (18 x 8 + 7) = 2408 / 151.
     """
     length = 300
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=512, batch=2, dtype="float8_e4m3",

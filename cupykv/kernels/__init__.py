@@ -29,13 +29,25 @@ FP8_IO_DTYPES = ("bfloat16", "float16", "float32")
 #: every (storage dtype, io dtype) a cache can have: 16- and 32-bit caches store their io dtype.
 CACHE_DTYPE_PAIRS = tuple((dtype, dtype) for dtype in CUDA_TYPES) + tuple(("float8_e4m3", io) for io in FP8_IO_DTYPES)
 
-#: head sizes with a compile-time attention specialisation; others use HEAD_DIM = 0.
+#: head sizes with a compile-time specialisation of the CUDA-core attention (float32 caches);
+#: others use HEAD_DIM = 0.
 ATTENTION_HEAD_DIMS = (64, 128)
 
-#: m16 row tiles per block of the tensor-core attention (kernels/attention_mma.cu): 1 for up to 16
-#: query rows per sequence and kv head (q_len x group), 2 for up to 32, 4 past that (two row groups
-#: of warps sharing the K/V stages).
+#: head sizes the tensor-core attention (kernels/attention_mma.cu) takes, for 16-bit and fp8 caches;
+#: other sizes run on CUDA cores at HEAD_DIM = 0.
+ATTENTION_MMA_HEAD_DIMS = (64, 128, 256)
+
+#: m16 row tiles per block of the tensor-core attention: 1 for up to 16 query rows per sequence and
+#: kv head (q_len x group), 2 for up to 32, 4 past that (two row groups of warps sharing the K/V
+#: stages). Head_dim 256 takes 1 or 2 (:func:`attention_mma_row_tiles`).
 ATTENTION_MMA_ROW_TILES = (1, 2, 4)
+
+
+def attention_mma_row_tiles(head_dim: int) -> tuple[int, ...]:
+    """The row tiles per block the tensor-core attention has at ``head_dim``: all of
+    ATTENTION_MMA_ROW_TILES, or 1 and 2 at head_dim 256, where four tiles' q pieces and stages
+    (132 KiB) would pass the 99 KiB of shared memory a block may have on sm_86 and sm_89."""
+    return ATTENTION_MMA_ROW_TILES[:2] if head_dim == 256 else ATTENTION_MMA_ROW_TILES
 
 #: rows a linear warp accumulates at once; one instance each (see kernels/linear.cu).
 LINEAR_ROW_TILES = (1, 2, 4, 8, 16)
@@ -110,11 +122,11 @@ KERNELS: dict[str, KernelFile] = {
         + tuple(f"cupykv_attention<{cache_types(dtype, io)}, 0>" for dtype, io in CACHE_DTYPE_PAIRS
                 if dtype != "float32"),
     ),
-    # the tensor-core path of 16-bit and fp8 caches at head_dim 64 and 128
+    # the tensor-core path of 16-bit and fp8 caches at head_dim 64, 128 and 256
     "attention_mma": KernelFile(
         "attention_mma.cu",
         tuple(f"cupykv_attention_mma<{cache_types(dtype, io)}, {hd}, {tiles}>" for dtype, io in CACHE_DTYPE_PAIRS
-              if dtype != "float32" for hd in ATTENTION_HEAD_DIMS for tiles in ATTENTION_MMA_ROW_TILES),
+              if dtype != "float32" for hd in ATTENTION_MMA_HEAD_DIMS for tiles in attention_mma_row_tiles(hd)),
     ),
     # decoder ops (cupykv.ops): everything a LLaMA-style decode step needs besides attention
     "linear": KernelFile(
@@ -185,16 +197,17 @@ def header_digest(kernel_dir: str = KERNEL_DIR) -> str:
 def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None, row_tiles: int = 1) -> tuple[str, str]:
     """``(op, instance)`` of the attention kernel for a cache's storage and io dtypes and head size.
 
-    16-bit and fp8 caches at a specialised head size run on tensor cores (``attention_mma.cu``);
+    16-bit and fp8 caches at head_dim 64, 128 and 256 run on tensor cores (``attention_mma.cu``);
     float32 caches and other head sizes on CUDA cores (``attention.cu``). ``io_dtype`` defaults
     to ``dtype`` (it must be given for an fp8 cache). ``row_tiles``: the tensor-core kernel's m16
-    row tiles per block, one of ATTENTION_MMA_ROW_TILES (``cupykv.attention_plan`` picks it from
-    the query shape; the CUDA-core kernel has no such choice).
+    row tiles per block, one of :func:`attention_mma_row_tiles` (``cupykv.attention_plan`` picks it
+    from the query shape; the CUDA-core kernel has no such choice).
     """
     types = cache_types(dtype, io_dtype or dtype)
-    if head_dim in ATTENTION_HEAD_DIMS and dtype != "float32":
-        if row_tiles not in ATTENTION_MMA_ROW_TILES:
-            raise ValueError(f"row_tiles: expected one of {ATTENTION_MMA_ROW_TILES}, got {row_tiles!r}")
+    if head_dim in ATTENTION_MMA_HEAD_DIMS and dtype != "float32":
+        if row_tiles not in attention_mma_row_tiles(head_dim):
+            raise ValueError(f"row_tiles: expected one of {attention_mma_row_tiles(head_dim)} at head_dim "
+                             f"{head_dim}, got {row_tiles!r}")
         return "attention_mma", f"cupykv_attention_mma<{types}, {head_dim}, {row_tiles}>"
     specialised = head_dim if head_dim in ATTENTION_HEAD_DIMS and dtype == "float32" else 0
     return "attention", f"cupykv_attention<{types}, {specialised}>"

@@ -2,7 +2,7 @@
 // cores, with K/V tiles staged through shared memory by asynchronous copies.
 //
 // The same contract, arguments, launch grid and split-KV workspace as cupykv_attention
-// (attention.cu), for head_dim 64 or 128. cupykv_attention_mma<T, TI, HEAD_DIM>: the cache stores
+// (attention.cu), for head_dim 64, 128 or 256. cupykv_attention_mma<T, TI, HEAD_DIM>: the cache stores
 // T, q and out have the io type TI (kv_codec.cuh): T == TI for __half and __nv_bfloat16 caches;
 // T = __nv_fp8_e4m3 with TI __nv_bfloat16, __half or float, each element standing for
 // code * k_scales[layer, kv_head] (v_scales for V). For sequence b, query i (position
@@ -24,14 +24,17 @@
 //   sequence and kv head) is computed on zero queries and never stored, as long as in a full
 //   block: a warp-uniform skip cost a WARPSYNC before every mma of every step (80 to 140 issued
 //   instructions a step on sm_90) in every block.
-// - A warp holds at most kMaxWarpTiles = 2 tiles (their accumulators take most of its registers).
+// - A warp holds at most kMaxWarpTiles = 2 tiles (their accumulators take most of its registers),
+//   or kMaxWarpTiles256 = 1 at head_dim 256 (one tile's accumulators are 128 registers a lane).
 //   Four tiles are two row groups of 2 tiles: warp (group g, key warp w) computes tiles 2g and
 //   2g + 1 over key warp w's steps, from a stage that the two warps of key warp w fill together
-//   and share. A row's sums are thus those of the same row in a one-tile block: the same steps,
-//   in the same order, merged in the same key-warp order.
+//   and share; at head_dim 256 two tiles are two row groups of one. A row's sums are thus those
+//   of the same row in a one-tile block: the same steps, in the same order, merged in the same
+//   key-warp order. Head_dim 256 takes one or two tiles per block: four would need 132 KB of
+//   shared memory, past the 99 KiB a block may have on sm_86 and sm_89.
 // - Each key warp double-buffers its steps (16-bit caches; fp8 below): the K and V rows of step
 //   n + kWarps are copied with 16-byte cp.async (.cg, L2 only) while step n is computed. Sixteen
-//   lanes read one 256-byte row (8 for head_dim 64), so a warp request covers whole rows; keys past
+//   lanes read one 256-byte row (8 for head_dim 64, 32 for 256), so a warp request covers whole rows; keys past
 //   the split are zero-filled, never read, so a stale row (NaN) past the live length cannot reach
 //   a product. One row group: no barrier runs inside the key loop (__syncwarp orders a warp's own
 //   stage). Two row groups: the key loop runs in block-uniform rounds (round n: step n * kWarps + w
@@ -59,7 +62,7 @@
 //
 // The fp8 load path (T = __nv_fp8_e4m3): the same steps, copies and masks, with K/V staged as raw
 // codes. A row is head_dim bytes, copied 16 codes per cp.async (8 lanes on a 128-byte row, 4 at
-// head_dim 64) into a stage row of head_dim + 16 bytes; a warp keeps kStagesFp8 = 3 stages, so steps
+// head_dim 64, 16 at 256) into a stage row of head_dim + 16 bytes; a warp keeps kStagesFp8 = 3 stages, so steps
 // n + kWarps and n + 2 kWarps are in flight while n is computed: as many bytes as the 16-bit path's
 // one step. The mma B fragments are built from the bytes (no ldmatrix, no M tile), with the head
 // dims permuted so that each lane reads whole 32-bit words of codes: for S = Q K^T, the k slots
@@ -101,6 +104,7 @@ namespace attention_mma_tiling {
 constexpr int kTileRows = 16;      // query rows of one m16 tile: the m of mma.m16n8k16
 constexpr int kMaxRowTiles = 4;    // m16 tiles per block: 1 (up to 16 rows), 2 (32) or 4 (more; ROW_TILES)
 constexpr int kMaxWarpTiles = 2;   // m16 tiles per warp: four tiles per block are two row groups of warps
+constexpr int kMaxWarpTiles256 = 1;   // at head_dim 256: two tiles per block are two row groups
 constexpr int kStepKeys = 16;      // keys of one warp step: two n8 blocks of S, the k16 of P.V
 constexpr int kSplitAlign = 128;   // split boundaries (num_splits mode) fall on multiples of this
 constexpr int kStages = 2;         // K/V buffers per warp: one computed while the next lands
@@ -108,36 +112,52 @@ constexpr int kStagesFp8 = 3;      // fp8 caches: one computed while the next tw
 constexpr int kQPieces = 3;        // 16-bit pieces of a rotated (or float) q
 constexpr int kRowPad = 8;         // elements after each shared row: ldmatrix reads 8 rows conflict-free
 constexpr int kRowPadFp8 = 16;     // bytes after each fp8 stage row: 16-byte rows, conflict-free fragments
-// Key warps per block: 4 at head_dim 64, 2 at 128, whatever the row tiles (they split the keys, so
-// a row's sums follow their count: it must not change with q_len). Four row tiles take that many
-// warps per row group.
+// Key warps per block: 4 at head_dim 64, 2 at 128 and 1 at 256, whatever the row tiles (they split
+// the keys, so a row's sums follow their count: it must not change with q_len). Each row group (four
+// row tiles; two at head_dim 256) takes that many warps. At head_dim 256 one warp's stages are 33 KB,
+// and its 16-key step in flight 16 KB: a second key warp would leave an sm_80 SM one block.
 constexpr int kWarps64 = 4;
 constexpr int kWarps128 = 2;
+constexpr int kWarps256 = 1;
 // Dynamic shared memory, bytes: the q pieces, [kQPieces][16 * ROW_TILES][head_dim + pad] M, that is
-// ROW_TILES times kQTile64 or kQTile128; then the K and V stages, [key warps][stages][2][16][row] T.
+// ROW_TILES times kQTile<head_dim>; then the K and V stages, [key warps][stages][2][16][row] T.
 // After the key loop both are overwritten by the key warps' fp32 accumulators [key warps]
 // [16 * ROW_TILES][head_dim] and row max and sum [2][key warps][16 * ROW_TILES]: ROW_TILES times
-// kAccTile64 or kAccTile128, which four tiles at head_dim 64 need beyond the q pieces and stages.
+// kAccTile<head_dim>, which four tiles at head_dim 64 need beyond the q pieces and stages.
 constexpr int kQTile64 = kQPieces * kTileRows * (64 + kRowPad) * 2;
 constexpr int kQTile128 = kQPieces * kTileRows * (128 + kRowPad) * 2;
+constexpr int kQTile256 = kQPieces * kTileRows * (256 + kRowPad) * 2;
 constexpr int kStages64 = kWarps64 * kStages * 2 * kStepKeys * (64 + kRowPad) * 2;
 constexpr int kStages128 = kWarps128 * kStages * 2 * kStepKeys * (128 + kRowPad) * 2;
+constexpr int kStages256 = kWarps256 * kStages * 2 * kStepKeys * (256 + kRowPad) * 2;
 constexpr int kStages64Fp8 = kWarps64 * kStagesFp8 * 2 * kStepKeys * (64 + kRowPadFp8);
 constexpr int kStages128Fp8 = kWarps128 * kStagesFp8 * 2 * kStepKeys * (128 + kRowPadFp8);
+constexpr int kStages256Fp8 = kWarps256 * kStagesFp8 * 2 * kStepKeys * (256 + kRowPadFp8);
 constexpr int kAccTile64 = kWarps64 * kTileRows * (64 + 2) * 4;
 constexpr int kAccTile128 = kWarps128 * kTileRows * (128 + 2) * 4;
+constexpr int kAccTile256 = kWarps256 * kTileRows * (256 + 2) * 4;
 // Past 48 KiB a launch needs the kernel's opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize);
-// two and four row tiles take it (but fp8 caches with two at head_dim 64). kMaxShared: the most any instance
+// two and four row tiles take it (but fp8 caches with two at head_dim 64), and every instance at
+// head_dim 256. kMaxShared: the most any instance
 // asks, within the opt-in limit of every target (99 KiB on sm_86 and sm_89).
 constexpr int kMaxShared = 99 * 1024;
 }  // namespace attention_mma_tiling
 
-template <int HEAD_DIM> constexpr int attention_mma_warps() {   // key warps (per row group)
-    return HEAD_DIM == 128 ? attention_mma_tiling::kWarps128 : attention_mma_tiling::kWarps64;
+// One of three values by head_dim (64, 128 or 256): the tiling constants of that size.
+template <int HEAD_DIM> constexpr int attention_mma_by_head_dim(int at64, int at128, int at256) {
+    return HEAD_DIM == 64 ? at64 : HEAD_DIM == 128 ? at128 : at256;
 }
 
-template <int ROW_TILES> constexpr int attention_mma_row_groups() {   // warps per key warp
-    return ROW_TILES > attention_mma_tiling::kMaxWarpTiles ? ROW_TILES / attention_mma_tiling::kMaxWarpTiles : 1;
+template <int HEAD_DIM> constexpr int attention_mma_warps() {   // key warps (per row group)
+    using namespace attention_mma_tiling;
+    return attention_mma_by_head_dim<HEAD_DIM>(kWarps64, kWarps128, kWarps256);
+}
+
+template <int HEAD_DIM, int ROW_TILES> constexpr int attention_mma_row_groups() {   // warps per key warp
+    using namespace attention_mma_tiling;
+    return ROW_TILES > attention_mma_by_head_dim<HEAD_DIM>(kMaxWarpTiles, kMaxWarpTiles, kMaxWarpTiles256)
+               ? ROW_TILES / attention_mma_by_head_dim<HEAD_DIM>(kMaxWarpTiles, kMaxWarpTiles, kMaxWarpTiles256)
+               : 1;
 }
 
 // Blocks per SM the design assumes (__launch_bounds__; `python -m cupykv check` holds every instance
@@ -146,7 +166,9 @@ template <int ROW_TILES> constexpr int attention_mma_row_groups() {   // warps p
 // (228 KB). At head_dim 64 (128 threads) that caps registers at 128 or 96; at 128 (64 threads) it caps
 // nothing. Two row tiles: 2, what sm_80's shared memory gives at head_dim 128 (the registers may grow
 // to 255 for the second tile's accumulators). Four: 1, what sm_80's shared memory gives at head_dim
-// 128 (a warp's registers as with two tiles).
+// 128 (a warp's registers as with two tiles). Head_dim 256, whose q pieces and stage rows are twice
+// as wide, and one key warp: 2 with one tile and 1 with two, what sm_80 gives 16-bit caches (fp8
+// caches, sm_90: one more).
 // A block of its own: the first attention_mma_tiling block is read by cupykv.kernels.parse_constants,
 // which takes `constexpr int` statements only, not preprocessor lines.
 namespace attention_mma_tiling {
@@ -157,8 +179,9 @@ constexpr int kFp8OneTileBlocks = 4;
 #endif
 }  // namespace attention_mma_tiling
 
-template <typename T, int ROW_TILES> constexpr int attention_mma_min_blocks() {
-    return ROW_TILES == 4 ? 1 : ROW_TILES == 2 ? 2
+template <typename T, int HEAD_DIM, int ROW_TILES> constexpr int attention_mma_min_blocks() {
+    return HEAD_DIM == 256 ? (ROW_TILES == 1 ? 2 : 1)
+         : ROW_TILES == 4 ? 1 : ROW_TILES == 2 ? 2
          : cupykv::is_fp8<T>::value ? attention_mma_tiling::kFp8OneTileBlocks : 3;
 }
 
@@ -203,8 +226,8 @@ __device__ __forceinline__ unsigned fp8_code_word(const unsigned char* at) {
 }  // namespace cupykv
 
 template <typename T, typename TI, int HEAD_DIM, int ROW_TILES>
-__global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mma_row_groups<ROW_TILES>() * 32,
-                                  attention_mma_min_blocks<T, ROW_TILES>())
+__global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mma_row_groups<HEAD_DIM, ROW_TILES>() * 32,
+                                  attention_mma_min_blocks<T, HEAD_DIM, ROW_TILES>())
     cupykv_attention_mma(
     TI* __restrict__ out,                 // [batch, q_len, n_heads, head_dim] (num_splits == 1)
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
@@ -230,13 +253,13 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     // io, or rotated)
     constexpr bool kHalfM = cupykv::same_type<M, __half>::value;
     const bool scaled_q = kHalfM && (!cupykv::same_type<TI, __half>::value || use_rope);
-    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "cupykv_attention_mma: head_dim 64 or 128");
-    static_assert(ROW_TILES == 1 || ROW_TILES == 2 || ROW_TILES == kMaxRowTiles,
-                  "cupykv_attention_mma: 1, 2 or 4 row tiles");
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "cupykv_attention_mma: head_dim 64, 128 or 256");
+    static_assert(ROW_TILES == 1 || ROW_TILES == 2 || (ROW_TILES == kMaxRowTiles && HEAD_DIM != 256),
+                  "cupykv_attention_mma: 1, 2 or 4 row tiles (1 or 2 at head_dim 256)");
     static_assert(kFp8 ? sizeof(T) == 1 : sizeof(T) == 2 && cupykv::same_type<T, TI>::value,
                   "cupykv_attention_mma: __half or __nv_bfloat16 caches of their own type, or __nv_fp8_e4m3");
     constexpr int kWarps = attention_mma_warps<HEAD_DIM>();           // key warps
-    constexpr int kRowGroups = attention_mma_row_groups<ROW_TILES>();  // warps sharing each key warp's stages
+    constexpr int kRowGroups = attention_mma_row_groups<HEAD_DIM, ROW_TILES>();  // warps sharing each key warp's stages
     constexpr int kWarpTiles = ROW_TILES / kRowGroups;                  // m16 tiles of one warp
     constexpr int kThreads = kWarps * kRowGroups * 32;
     constexpr int kBlockRows = kTileRows * ROW_TILES;   // query rows of the block
@@ -254,10 +277,10 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     constexpr int kStatBytes = 2 * kWarps * kBlockRows * (int)sizeof(float);          // their row max and sum
     constexpr int kLoopBytes = kQBytes + kStageBytes, kMergeBytes = kAccBytes + kStatBytes;
     constexpr int kSharedBytes = kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes;
-    static_assert(kLoopBytes == ROW_TILES * (HEAD_DIM == 128 ? kQTile128 : kQTile64)
-                                           + (kFp8 ? (HEAD_DIM == 128 ? kStages128Fp8 : kStages64Fp8)
-                                                   : (HEAD_DIM == 128 ? kStages128 : kStages64))
-                  && kMergeBytes == ROW_TILES * (HEAD_DIM == 128 ? kAccTile128 : kAccTile64),
+    static_assert(kLoopBytes == ROW_TILES * attention_mma_by_head_dim<HEAD_DIM>(kQTile64, kQTile128, kQTile256)
+                                    + (kFp8 ? attention_mma_by_head_dim<HEAD_DIM>(kStages64Fp8, kStages128Fp8, kStages256Fp8)
+                                            : attention_mma_by_head_dim<HEAD_DIM>(kStages64, kStages128, kStages256))
+                  && kMergeBytes == ROW_TILES * attention_mma_by_head_dim<HEAD_DIM>(kAccTile64, kAccTile128, kAccTile256),
                   "attention_mma: the shared memory layout differs from attention_mma_tiling");
     static_assert(kSharedBytes <= kMaxShared, "attention_mma: shared memory past kMaxShared");
     static_assert(kQBytes % 16 == 0 && kStageRow * (int)sizeof(T) % 16 == 0, "attention_mma: 16-byte stage rows");
