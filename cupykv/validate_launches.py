@@ -32,11 +32,12 @@ from cupykv.backends import get_backend
 from cupykv.backends.base import Backend
 from cupykv.bench import PLANS
 from cupykv.bench.arrays import fill_random, random_array
-from cupykv.kernels import ATTENTION_HEAD_DIMS, CACHE_DTYPE_PAIRS, KERNELS, LINEAR_ROW_TILES
+from cupykv.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, KERNELS, LINEAR_ROW_TILES
 from cupykv.spec import IO_DTYPES
 
-#: head sizes launched: the specialised ones and one that takes the generic (HEAD_DIM = 0) instance.
-HEAD_DIMS = (*ATTENTION_HEAD_DIMS, 40)
+#: head sizes launched: the specialised ones (of either attention kernel) and one that takes the
+#: generic (HEAD_DIM = 0) instance.
+HEAD_DIMS = (*sorted({*ATTENTION_HEAD_DIMS, *ATTENTION_MMA_HEAD_DIMS}), 40)
 #: split-KV factors launched: 1 and 2 (the last block of each query block merges the splits).
 NUM_SPLITS = (1, 2)
 #: max_seq of the small caches: split-KV needs max_seq > 128 * (num_splits - 1).
@@ -104,7 +105,8 @@ def _attention_round(backend: Backend, dtype: str, io_dtype: str, head_dim: int,
     v = random_array(backend, (2, 3, 1, head_dim), io_dtype, seed + 1)
     q = random_array(backend, (2, 1, 2, head_dim), io_dtype, seed + 2)    # [batch, q_len, n_heads, head_dim]
     # 9 queries x 2 heads = 18 rows of one kv head: past 16, the tensor-core kernel's two row tiles;
-    # 9 x 4 = 36 rows: past 32, its four (two row groups of warps sharing the K/V stages)
+    # 9 x 4 = 36 rows: past 32, its four (two row groups of warps sharing the K/V stages; at head_dim
+    # 256, two blocks of two)
     verify_q = random_array(backend, (2, 9, 2, head_dim), io_dtype, seed + 3)
     wide_q = random_array(backend, (2, 9, 4, head_dim), io_dtype, seed + 4)
     cache.append(0, k, v, rope=rope, return_positions=True)

@@ -264,7 +264,7 @@ def tile_rows_read(spec, lengths, q_len, group, window):
 # 64-127, kRowGroups = 2) and each group loads every V element of a chunk itself: V is loaded
 # twice per block (the same sectors, so an L1 hit on a GPU, but twice the load instructions).
 # Held exactly so that a change shows; the header comment says each row is read once. The tensor-core
-# kernel (attention_mma.cu, 16-bit caches at head_dim 64 and 128) copies each K and V row once.
+# kernel (attention_mma.cu, 16-bit caches at head_dim 64, 128 and 256) copies each K and V row once.
 V_LOADS_PER_ROW = {64: 2}
 
 
@@ -620,7 +620,7 @@ def test_decode_attention_touches_only_the_sectors_it_needs(dtype, head_dim, lay
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 2408 / 151), (64, 1204 / 76)])
+@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 2408 / 151), (64, 1204 / 76), (256, 16.0)])
 def test_decode_attention_sectors_per_request_bf16(head_dim, sectors_per_request, layout):
     """The design figures of the bf16 decode path (kernels/attention_mma.cu, 301 live rows per
     sequence), for K and V alike, in both layouts.
@@ -633,6 +633,8 @@ def test_decode_attention_sectors_per_request_bf16(head_dim, sectors_per_request
     (18 x 8 x 16 + 6 x 16 + 8) / (18 x 8 + 7) = 2408 / 151.
     head_dim 64: 4 requests a step; the last step has 3 full ones and one with one live row (4
     sectors): (18 x 4 x 16 + 3 x 16 + 4) / (18 x 4 + 4) = 1204 / 76.
+    head_dim 256: the whole warp copies one 512-byte row, 16 sectors; the 3 zero-filled rows of the
+    last step read nothing, so every request is full: 301 x 16 / 301 = 16.
     """
     launch, cache, needed = decode_attention("bfloat16", head_dim, layout)
     for array in (cache.k, cache.v):

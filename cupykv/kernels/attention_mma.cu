@@ -30,16 +30,16 @@
 //   2g + 1 over key warp w's steps, from a stage that the two warps of key warp w fill together
 //   and share; at head_dim 256 two tiles are two row groups of one. A row's sums are thus those
 //   of the same row in a one-tile block: the same steps, in the same order, merged in the same
-//   key-warp order. Head_dim 256 takes one or two tiles per block: four would need 132 KB of
+//   key-warp order. Head_dim 256 takes one or two tiles per block: four would need 132 KiB of
 //   shared memory, past the 99 KiB a block may have on sm_86 and sm_89.
 // - Each key warp double-buffers its steps (16-bit caches; fp8 below): the K and V rows of step
 //   n + kWarps are copied with 16-byte cp.async (.cg, L2 only) while step n is computed. Sixteen
-//   lanes read one 256-byte row (8 for head_dim 64, 32 for 256), so a warp request covers whole rows; keys past
-//   the split are zero-filled, never read, so a stale row (NaN) past the live length cannot reach
-//   a product. One row group: no barrier runs inside the key loop (__syncwarp orders a warp's own
-//   stage). Two row groups: the key loop runs in block-uniform rounds (round n: step n * kWarps + w
-//   of each key warp w), with a block barrier once a round's copies have landed and another once
-//   every warp is done with its stage.
+//   lanes read one 256-byte row (8 for head_dim 64, the whole warp a 512-byte row at 256), so a
+//   warp request covers whole rows; keys past the split are zero-filled, never read, so a stale
+//   row (NaN) past the live length cannot reach a product. One row group: no barrier runs inside
+//   the key loop (__syncwarp orders a warp's own stage). Two row groups: the key loop runs in
+//   block-uniform rounds (round n: step n * kWarps + w of each key warp w), with a block barrier
+//   once a round's copies have landed and another once every warp is done with its stage.
 // - S = Q K^T and O += P V run on mma.sync m16n8k16 with fp32 accumulation on operands of type
 //   M = mma_type<T, TI> (T for 16-bit caches, __half for fp8 caches). The operands are split into
 //   16-bit pieces whose sum is the fp32 value: q is exact in M unless rotated or float (rope or TI
@@ -62,12 +62,13 @@
 //
 // The fp8 load path (T = __nv_fp8_e4m3): the same steps, copies and masks, with K/V staged as raw
 // codes. A row is head_dim bytes, copied 16 codes per cp.async (8 lanes on a 128-byte row, 4 at
-// head_dim 64, 16 at 256) into a stage row of head_dim + 16 bytes; a warp keeps kStagesFp8 = 3 stages, so steps
-// n + kWarps and n + 2 kWarps are in flight while n is computed: as many bytes as the 16-bit path's
-// one step. The mma B fragments are built from the bytes (no ldmatrix, no M tile), with the head
-// dims permuted so that each lane reads whole 32-bit words of codes: for S = Q K^T, the k slots
-// 2t, 2t + 1, 8 + 2t, 9 + 2t that lane (g = lane / 4, t = lane % 4) holds in each 16 are dims
-// 4t .. 4t + 3 (fp8_q_slot; q is stored in slot order), one word of key g and one of key 8 + g;
+// head_dim 64, 16 at 256) into a stage row of head_dim + 16 bytes; a warp keeps kStagesFp8 = 3
+// stages, so steps n + kWarps and n + 2 kWarps are in flight while n is computed: as many bytes as
+// the 16-bit path's one step. The mma B fragments are built from the bytes (no ldmatrix, no M
+// tile), with the head dims permuted so that each lane reads whole 32-bit words of codes: for
+// S = Q K^T, the k slots 2t, 2t + 1, 8 + 2t, 9 + 2t that lane (g = lane / 4, t = lane % 4) holds
+// in each 16 are dims 4t .. 4t + 3 (fp8_q_slot; q is stored in slot order), one word of key g and
+// one of key 8 + g;
 // for P V, output column g of n8 block b is dim 32 (b / 4) + 4g + b % 4 (fp8_v_column), so lane g
 // reads one word of each of keys 2t, 2t + 1, 8 + 2t and 9 + 2t per 32 dims and pairs up the two
 // keys' codes with a byte permute; the accumulators stay in column order until the final write
