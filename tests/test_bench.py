@@ -23,7 +23,7 @@ from cupykv.bench.timing import Timing
 from cupykv.bench.peers import CPU_LABEL
 from cupykv.bench.report import EMULATOR_LABEL
 
-SECTIONS = ("copy", "attention_decode", "attention_shapes", "attention_fp8", "full_axis", "linear", "model_decode", "smollm2_decode", "decode_loops",
+SECTIONS = ("copy", "attention_decode", "attention_shapes", "attention_head_dim_256", "attention_fp8", "full_axis", "linear", "model_decode", "smollm2_decode", "decode_loops",
             "peers", "traffic")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -129,6 +129,15 @@ def test_ratios_are_quotients_of_stored_figures(bench):
     assert {row["rows_per_block"] for row in sections["attention_shapes"]["results"]} == {16, 32, 64}
     narrow_checks = [c for c in sections["attention_shapes"]["checks"] if c["what"].endswith("blocks of 32 rows vs float32")]
     assert narrow_checks and all(c["passed"] for c in narrow_checks)
+    for row in sections["attention_head_dim_256"]["results"]:   # head_dim 256, 2 kv heads, bf16 (the smoke plan)
+        assert row["kv_bytes"] == row["batch"] * (row["live_len"] + row["q_len"] - 1) * 2 * 256 * 2 * 2
+        assert _close(row["pct_of_copy"], 100 * row["kv_bytes"] / (row["time_ms"] * 1e-3) / 1e9
+                      / copy["bandwidth_GBps"])
+        # at most two m16 tiles a block at head_dim 256, so no 64-row blocks to time against 32-row ones
+        assert row["rows_per_block"] == (16 if row["q_len"] * row["group"] <= 16 else 32)
+        assert row["time_ms_32_row_blocks"] is None
+    assert {row["rows_per_block"] for row in sections["attention_head_dim_256"]["results"]} == {16, 32}
+    assert sections["attention_head_dim_256"]["params"]["head_dim"] == 256
     for row in sections["attention_fp8"]["results"]:   # head_dim 64, 2 kv heads (the smoke plan)
         for name, itemsize in (("bf16", 2), ("fp8", 1)):
             assert row[f"{name}_kv_bytes"] == row["batch"] * row["live_len"] * 2 * 64 * 2 * itemsize
@@ -160,6 +169,10 @@ def test_sections_cover_the_plan(bench):
               for row in data["sections"]["attention_shapes"]["results"]}
     assert shapes == set(itertools.product(plan.shapes.batches, plan.shapes.groups, plan.shapes.lives,
                                            plan.shapes.q_lens))
+    wide = {(row["batch"], row["group"], row["live_len"], row["q_len"])
+            for row in data["sections"]["attention_head_dim_256"]["results"]}
+    assert wide == set(itertools.product(plan.shapes_256.batches, plan.shapes_256.groups, plan.shapes_256.lives,
+                                         plan.shapes_256.q_lens))
     fp8 = {(row["batch"], row["group"], row["live_len"]) for row in data["sections"]["attention_fp8"]["results"]}
     assert fp8 == set(itertools.product(plan.fp8.batches, plan.fp8.groups, plan.fp8.lives))
     lives = [row["live_len"] for row in data["sections"]["full_axis"]["results"]]
@@ -242,9 +255,11 @@ def _context_without_timing():
 
 
 # (section, the op it checks, checks of that op in the smoke plan): each checked call, patched to be 5% off.
-# attention_shapes: groups 1 and 4 x q_len 1, 5 and 9, and 64-row blocks against blocks of 32 once.
+# attention_shapes: groups 1 and 4 x q_len 1, 5 and 9, and 64-row blocks against blocks of 32 once;
+# attention_head_dim_256: group 2 x q_len 1 and 9.
 WRONG_RESULT_CASES = [("attention_decode", "attention", 2), ("linear", "linear", 2), ("full_axis", "attention", 1),
-                      ("attention_shapes", "AttentionPlan.run", 7), ("attention_fp8", "AttentionPlan.run", 2)]
+                      ("attention_shapes", "AttentionPlan.run", 7), ("attention_head_dim_256", "AttentionPlan.run", 2),
+                      ("attention_fp8", "AttentionPlan.run", 2)]
 
 
 @pytest.mark.parametrize("section, op, n_checks", WRONG_RESULT_CASES, ids=[case[0] for case in WRONG_RESULT_CASES])

@@ -12,6 +12,8 @@ side by side:
   for q_len 1, 4, 8, 16 (decode and speculative verification), batch 1, 8, 32,
   live 1k to 128k and GQA group 1, 4, 8: percent of copy bandwidth, TFLOPS, and
   time as a ratio to q_len 1 at the same batch, group and live length.
+- ``attention_head_dim_256``: the same at head_dim 256 (Gemma 2 and 3, GQA 2
+  and 4), which the tensor-core kernel tiles with one key warp per block.
 - ``attention_fp8`` (:mod:`cupykv.bench.attention_fp8`): decode attention over
   an fp8 (E4M3) cache against a bf16 cache of the same shape: the fp8 speed-up
   and the fp8 cache's bandwidth as a percentage of copy.
@@ -96,6 +98,8 @@ class Plan:
     full_axis_check_divisor: int = 8
     peers: PeersPlan = PeersPlan()   # the peers section: torch SDPA and transformers on the same data
     shapes: ShapesPlan = ShapesPlan()   # attention_shapes: q_len x batch x live x GQA group
+    # attention_head_dim_256: the same at Gemma's head size
+    shapes_256: ShapesPlan = ShapesPlan(lives=(1024, 8192, 32768), groups=(2, 4), q_lens=(1, 4, 8), head_dim=256)
     fp8: Fp8Plan = Fp8Plan()            # attention_fp8: fp8 against bf16 caches, batch x live x GQA group
 
     def __post_init__(self):
@@ -137,6 +141,7 @@ PLANS = {
         peers=PeersPlan(batches=(1, 32), lives=(1024, 32768), groups=(1, 8), e2e_batches=(1,), e2e_repeat=2,
                         budget_s=60.0, compile_reserve_s=60.0),
         shapes=ShapesPlan(batches=(1, 8), lives=(8192, 32768), groups=(4, 8), q_lens=(1, 8)),
+        shapes_256=ShapesPlan(batches=(1, 8), lives=(8192, 32768), groups=(2,), q_lens=(1, 8), head_dim=256),
         fp8=Fp8Plan(batches=(1, 8), lives=(8192, 32768), groups=(8,))),
     # The emulator's smoke run: the real head configuration, tiny lengths and weights.
     "smoke": Plan(
@@ -159,12 +164,16 @@ PLANS = {
         # rows, one m16 tile per block, two at 20 rows and four (two row groups of warps) at 36
         shapes=ShapesPlan(batches=(1,), lives=(40, 100), groups=(1, 4), q_lens=(1, 5, 9), n_kv_heads=2, head_dim=64,
                           check_live=70),
+        # head_dim 256 at GQA 2: 2 and 18 query rows, one m16 tile per block and two (two warps)
+        shapes_256=ShapesPlan(batches=(1,), lives=(40,), groups=(2,), q_lens=(1, 9), n_kv_heads=2, head_dim=256,
+                              check_live=70),
         fp8=Fp8Plan(batches=(1,), lives=(100,), groups=(1, 4), n_kv_heads=2, head_dim=64, check_live=70)),
 }
 
 #: section name -> function of a Context, in run order (copy first: the others divide by it).
 SECTIONS = (("copy", sections.copy_bandwidth), ("attention_decode", sections.attention_decode),
-            ("attention_shapes", attention_shapes.attention_shapes), ("attention_fp8", attention_fp8.attention_fp8),
+            ("attention_shapes", attention_shapes.attention_shapes),
+            ("attention_head_dim_256", attention_shapes.attention_head_dim_256), ("attention_fp8", attention_fp8.attention_fp8),
             ("full_axis", sections.full_axis), ("linear", sections.linear), ("model_decode", model.model_decode),
             ("smollm2_decode", model.smollm2_decode), ("decode_loops", model.decode_loops), ("peers", peers.peers),
             ("traffic", sections.traffic))

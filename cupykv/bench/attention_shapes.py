@@ -71,7 +71,18 @@ def reference_f32(backend, q, k, v, length: int):
 
 def attention_shapes(ctx: Context) -> dict:
     """bf16 attention time per (batch, group, live, q_len): % of copy bandwidth, TFLOPS, ratio to q_len 1."""
-    plan, backend = ctx.plan.shapes, ctx.backend
+    return _shapes_section(ctx, ctx.plan.shapes, "")
+
+
+def attention_head_dim_256(ctx: Context) -> dict:
+    """:func:`attention_shapes` at head_dim 256 (Gemma 2 and 3: GQA 2 and 4), its own tiling of the
+    tensor-core kernel: one key warp per block and one m16 tile per warp."""
+    return _shapes_section(ctx, ctx.plan.shapes_256, "head_dim 256 (Gemma), ")
+
+
+def _shapes_section(ctx: Context, plan: ShapesPlan, about: str) -> dict:
+    """The section of :func:`attention_shapes` over the points of ``plan``; ``about`` opens its description."""
+    backend = ctx.backend
     results: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
     max_q = max(plan.q_lens)
@@ -121,7 +132,7 @@ def attention_shapes(ctx: Context) -> dict:
         row["time_vs_q_len_1"] = row["time_ms"] / base[key] if key in base else None
     return {
         "status": "ok",
-        "description": "cupykv.AttentionPlan.run over a bf16 cache for q_len 1 (decode) and 4-16 (speculative "
+        "description": f"{about}cupykv.AttentionPlan.run over a bf16 cache for q_len 1 (decode) and 4-16 (speculative "
                        "verification); bandwidth = K+V bytes of the keys the last query attends to / time; "
                        "TFLOPS counts QK^T and PV of every attended key",
         "params": {"n_kv_heads": plan.n_kv_heads, "head_dim": plan.head_dim, "dtype": "bfloat16",

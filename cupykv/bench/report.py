@@ -59,6 +59,8 @@ def table(data: dict) -> str:
     block("attention_decode", ("batch", "live_len", "time_ms", "bandwidth_GBps", "pct_of_copy"))
     block("attention_shapes", ("batch", "group", "live_len", "q_len", "rows_per_block", "time_ms", "pct_of_copy",
                                "TFLOPS", "time_vs_q_len_1", "time_vs_32_row_blocks"))
+    block("attention_head_dim_256", ("batch", "group", "live_len", "q_len", "rows_per_block", "time_ms", "pct_of_copy",
+                                     "TFLOPS", "time_vs_q_len_1"))
     block("attention_fp8", ("batch", "group", "live_len", "bf16_time_ms", "fp8_time_ms", "fp8_speedup",
                             "fp8_pct_of_copy"))
     block("full_axis", ("live_len", "cupykv_time_ms", "baseline_time_ms", "ratio_baseline_over_cupykv"))
