@@ -59,7 +59,7 @@ class AttentionKernel:
 
     @property
     def tensor_cores(self) -> bool:
-        """Whether S = QK^T and PV run on mma.sync (16-bit and fp8 caches at head_dim 64, 128 and 256)."""
+        """Whether S = QK^T and PV run on mma.sync (16-bit and fp8 caches at head_dim 64, 96, 128 and 256)."""
         return self.op == "attention_mma"
 
     @property
@@ -96,7 +96,7 @@ def mma_shared_memory_bytes(dtype: str, head_dim: int, row_tiles: int) -> int:
 
 def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, query_rows: int = 1) -> AttentionKernel:
     """The kernel for a cache's storage dtype, head size and io dtype (``dtype`` by default): tensor
-    cores for 16-bit and fp8 caches at head_dim 64, 128 and 256 (``attention_mma.cu``), CUDA cores
+    cores for 16-bit and fp8 caches at head_dim 64, 96, 128 and 256 (``attention_mma.cu``), CUDA cores
     otherwise (``attention.cu``). ``query_rows`` (``q_len * group``) picks the tensor-core
     kernel's rows per block (:func:`mma_row_tiles`)."""
     row_tiles = mma_row_tiles(query_rows, head_dim)
@@ -274,7 +274,7 @@ class AttentionPlan:
     split_keys : int or None
     kernel : AttentionKernel
         The kernel the plan launches (tensor cores for 16-bit and fp8 caches
-        at head_dim 64, 128 and 256).
+        at head_dim 64, 96, 128 and 256).
     grid, block : tuple of int
         The attention launch: one, split or not (the last block of a query tile
         to finish merges its splits, through a device counter the plan owns).

@@ -30,8 +30,8 @@ from backends import BACKENDS
 
 MMA = KERNELS["attention_mma"].constants("attention_mma_tiling")
 STEP = MMA["kStepKeys"]
-WARPS = {64: MMA["kWarps64"], 128: MMA["kWarps128"], 256: MMA["kWarps256"]}
-HEAD_DIMS = [64, 128, 256]
+WARPS = {64: MMA["kWarps64"], 96: MMA["kWarps96"], 128: MMA["kWarps128"], 256: MMA["kWarps256"]}
+HEAD_DIMS = [64, 96, 128, 256]
 IO_DTYPES = ["bfloat16", "float16", "float32"]
 NAN_CODE = 0x7F
 
@@ -90,6 +90,7 @@ def test_the_plan_picks_tensor_cores_and_the_fp8_shared_memory(io_dtype, head_di
 @pytest.mark.parametrize("io_dtype", IO_DTYPES)
 @pytest.mark.parametrize("head_dim, group, q_len", [(hd, g, q) for hd in (64, 128) for g, q in
                                                     [(1, 1), (4, 4), (8, 1), (8, 4), (8, 8)]]
+                         + [(96, 4, 4), (96, 8, 8)]   # 96: one tile, four
                          + [(256, 1, 1), (256, 2, 8), (256, 8, 8)])   # 256: one tile, two, and two blocks of two
 @pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
 def test_matches_the_reference(backend, io_dtype, head_dim, group, q_len, use_rope):
@@ -230,7 +231,8 @@ def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, head_di
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 1204 / 76), (64, 602 / 38), (256, 2408 / 151)])
+@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 1204 / 76), (64, 602 / 38), (256, 2408 / 151),
+                                                           (96, 903 / 57)])
 def test_decode_reads_each_row_once_in_whole_requests(head_dim, sectors_per_request, layout):
     """The fp8 byte stages on the emulator's traffic counter (301 live rows per sequence), K and V alike.
 
@@ -242,7 +244,10 @@ def test_decode_reads_each_row_once_in_whole_requests(head_dim, sectors_per_requ
     3 x 16 + 4) / (18 x 4 + 4) = 1204 / 76. head_dim 64: 2 requests a step; the last has a full one
     and one with 5 live rows (10 sectors): (18 x 2 x 16 + 16 + 10) / (18 x 2 + 2) = 602 / 38.
     head_dim 256: 8 requests a step; the last has 6 full ones and one with one live row (8 sectors):
-    (18 x 8 x 16 + 6 x 16 + 8) / (18 x 8 + 7) = 2408 / 151.
+    (18 x 8 x 16 + 6 x 16 + 8) / (18 x 8 + 7) = 2408 / 151. head_dim 96: a row is 6 copies (3
+    sectors), and a warp's 32 copies run on across row ends (512 contiguous bytes, 16 sectors); 3
+    requests a step; the last step's 13 live rows are 78 copies: two full requests and one of 14
+    live copies (7 sectors): (18 x 3 x 16 + 2 x 16 + 7) / (18 x 3 + 3) = 903 / 57.
     """
     length = 300
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=512, batch=2, dtype="float8_e4m3",

@@ -238,7 +238,7 @@ def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
     rows = _docs_table()
     assert len(rows) >= 17
     assert {size for kernel, _, size, _ in rows if kernel == "attention_mma"} == {
-        f"{head_dim}, {tiles}" for head_dim in (64, 128, 256) for tiles in (1, 2, 4) if tiles < 4 or head_dim < 256}
+        f"{head_dim}, {tiles}" for head_dim in (64, 96, 128, 256) for tiles in (1, 2, 4) if tiles < 4 or head_dim < 256}
     computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
                 for row in occupancy.rows(reports)}
     for kernel, cuda_type, size, by_arch in rows:
@@ -257,7 +257,7 @@ def test_the_one_tile_fp8_occupancy_table_in_the_docs_is_what_the_check_computes
     text = PERFORMANCE_DOC.read_text()
     rows = re.findall(r"^\| attention_mma<fp8, any io, (\d+), 1> \| (\d+(?:-\d+)?) \| (\d+)[^|]*\| (\d+(?:-\d+)?) \| "
                       r"(\d+)[^|]*\| (\d+) KB / (\d+) KB \|$", text, re.M)
-    assert sorted(int(row[0]) for row in rows) == [64, 128, 256]
+    assert sorted(int(row[0]) for row in rows) == [64, 96, 128, 256]
     computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
                 for row in occupancy.rows(reports)}
     for head_dim, r80, b80, r90, b90, kb80, kb90 in rows:

@@ -277,12 +277,14 @@ def test_no_loop_with_mma_fails():
 
 def test_the_tiling_implies_each_instances_mma_and_bytes():
     by_label = {i.label: i for i in steps.instances()}
-    assert len(by_label) == len(KERNELS["attention_mma"].instances) == 40
+    assert len(by_label) == len(KERNELS["attention_mma"].instances) == 55
     # head_dim 256: one tile a warp, S 16 k-steps x 2 and P.V 16 x 4; one key warp's step is 16 KB, which
     # the two warps (row groups) of a two-tile block share
     assert (by_label["bf16, 256, 1"].step_hmma, by_label["bf16, 256, 1"].step_bytes) == (96, 16384)
     assert (by_label["bf16, 256, 2"].step_hmma, by_label["bf16, 256, 2"].step_bytes) == (96, 8192)
     assert "half, 256, 4" not in by_label
+    # head_dim 96: S 6 k-steps x 2 and P.V 6 x 4 per tile; 16 keys of 192-byte K and V rows
+    assert (by_label["bf16, 96, 2"].step_hmma, by_label["bf16, 96, 2"].step_bytes) == (72, 6144)
     # one tile of bf16 at head_dim 128: S 8 k-steps x 2, P.V 8 x 4; K and V of 16 keys, 2 bytes each
     assert (by_label["bf16, 128, 1"].step_hmma, by_label["bf16, 128, 1"].step_bytes) == (48, 8192)
     # four tiles: two row groups of two tiles each, sharing a step's bytes

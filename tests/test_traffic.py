@@ -264,7 +264,7 @@ def tile_rows_read(spec, lengths, q_len, group, window):
 # 64-127, kRowGroups = 2) and each group loads every V element of a chunk itself: V is loaded
 # twice per block (the same sectors, so an L1 hit on a GPU, but twice the load instructions).
 # Held exactly so that a change shows; the header comment says each row is read once. The tensor-core
-# kernel (attention_mma.cu, 16-bit caches at head_dim 64, 128 and 256) copies each K and V row once.
+# kernel (attention_mma.cu, 16-bit caches at head_dim 64, 96, 128 and 256) copies each K and V row once.
 V_LOADS_PER_ROW = {64: 2}
 
 
@@ -610,7 +610,7 @@ def decode_attention(dtype, head_dim, layout, length=300, group=4):
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("bfloat16", 64), ("float32", 64),
-                                             ("float16", 96)])
+                                             ("float16", 96), ("float16", 80)])
 def test_decode_attention_touches_only_the_sectors_it_needs(dtype, head_dim, layout):
     launch, cache, needed = decode_attention(dtype, head_dim, layout)
     for array in (cache.k, cache.v):
@@ -620,7 +620,8 @@ def test_decode_attention_touches_only_the_sectors_it_needs(dtype, head_dim, lay
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 2408 / 151), (64, 1204 / 76), (256, 16.0)])
+@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 2408 / 151), (64, 1204 / 76), (256, 16.0),
+                                                           (96, 1806 / 113)])
 def test_decode_attention_sectors_per_request_bf16(head_dim, sectors_per_request, layout):
     """The design figures of the bf16 decode path (kernels/attention_mma.cu, 301 live rows per
     sequence), for K and V alike, in both layouts.
@@ -635,6 +636,10 @@ def test_decode_attention_sectors_per_request_bf16(head_dim, sectors_per_request
     sectors): (18 x 4 x 16 + 3 x 16 + 4) / (18 x 4 + 4) = 1204 / 76.
     head_dim 256: the whole warp copies one 512-byte row, 16 sectors; the 3 zero-filled rows of the
     last step read nothing, so every request is full: 301 x 16 / 301 = 16.
+    head_dim 96: a row is 12 copies (6 sectors), and a warp's 32 copies run on across row ends: 512
+    contiguous bytes of a step, 16 sectors. 6 requests a step; the last step's 13 live rows are 156
+    copies: 4 full requests and one of 28 live copies (14 sectors), and a sixth of zero-filled rows
+    only, which reads nothing: (18 x 6 x 16 + 4 x 16 + 14) / (18 x 6 + 5) = 1806 / 113.
     """
     launch, cache, needed = decode_attention("bfloat16", head_dim, layout)
     for array in (cache.k, cache.v):

@@ -19,7 +19,7 @@ from cupykv.kernels import KERNELS
 def test_the_largest_module_is_handed_out_first():
     order = compile_order(list(KERNELS))
     assert sorted(order) == sorted(KERNELS)
-    assert order[0] == "attention_mma"   # 40 instances: about half of all NVRTC time for sm_90
+    assert order[0] == "attention_mma"   # 55 instances: about half of all NVRTC time for sm_90
     assert order.index("attention") < order.index("add")
 
 

@@ -35,7 +35,7 @@ ATTENTION_HEAD_DIMS = (64, 128)
 
 #: head sizes the tensor-core attention (kernels/attention_mma.cu) takes, for 16-bit and fp8 caches;
 #: other sizes run on CUDA cores at HEAD_DIM = 0.
-ATTENTION_MMA_HEAD_DIMS = (64, 128, 256)
+ATTENTION_MMA_HEAD_DIMS = (64, 96, 128, 256)
 
 #: m16 row tiles per block of the tensor-core attention: 1 for up to 16 query rows per sequence and
 #: kv head (q_len x group), 2 for up to 32, 4 past that (two row groups of warps sharing the K/V
@@ -122,7 +122,7 @@ KERNELS: dict[str, KernelFile] = {
         + tuple(f"cupykv_attention<{cache_types(dtype, io)}, 0>" for dtype, io in CACHE_DTYPE_PAIRS
                 if dtype != "float32"),
     ),
-    # the tensor-core path of 16-bit and fp8 caches at head_dim 64, 128 and 256
+    # the tensor-core path of 16-bit and fp8 caches at head_dim 64, 96, 128 and 256
     "attention_mma": KernelFile(
         "attention_mma.cu",
         tuple(f"cupykv_attention_mma<{cache_types(dtype, io)}, {hd}, {tiles}>" for dtype, io in CACHE_DTYPE_PAIRS
@@ -197,7 +197,7 @@ def header_digest(kernel_dir: str = KERNEL_DIR) -> str:
 def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None, row_tiles: int = 1) -> tuple[str, str]:
     """``(op, instance)`` of the attention kernel for a cache's storage and io dtypes and head size.
 
-    16-bit and fp8 caches at head_dim 64, 128 and 256 run on tensor cores (``attention_mma.cu``);
+    16-bit and fp8 caches at head_dim 64, 96, 128 and 256 run on tensor cores (``attention_mma.cu``);
     float32 caches and other head sizes on CUDA cores (``attention.cu``). ``io_dtype`` defaults
     to ``dtype`` (it must be given for an fp8 cache). ``row_tiles``: the tensor-core kernel's m16
     row tiles per block, one of :func:`attention_mma_row_tiles` (``cupykv.attention_plan`` picks it

@@ -2,7 +2,7 @@
 // cores, with K/V tiles staged through shared memory by asynchronous copies.
 //
 // The same contract, arguments, launch grid and split-KV workspace as cupykv_attention
-// (attention.cu), for head_dim 64, 128 or 256. cupykv_attention_mma<T, TI, HEAD_DIM>: the cache stores
+// (attention.cu), for head_dim 64, 96, 128 or 256. cupykv_attention_mma<T, TI, HEAD_DIM>: the cache stores
 // T, q and out have the io type TI (kv_codec.cuh): T == TI for __half and __nv_bfloat16 caches;
 // T = __nv_fp8_e4m3 with TI __nv_bfloat16, __half or float, each element standing for
 // code * k_scales[layer, kv_head] (v_scales for V). For sequence b, query i (position
@@ -35,8 +35,10 @@
 // - Each key warp double-buffers its steps (16-bit caches; fp8 below): the K and V rows of step
 //   n + kWarps are copied with 16-byte cp.async (.cg, L2 only) while step n is computed. Sixteen
 //   lanes read one 256-byte row (8 for head_dim 64, the whole warp a 512-byte row at 256), so a
-//   warp request covers whole rows; keys past the split are zero-filled, never read, so a stale
-//   row (NaN) past the live length cannot reach a product. One row group: no barrier runs inside
+//   warp request covers whole rows; at head_dim 96 (192-byte rows, 12 copies) the warp's 32
+//   copies run on across row ends, 512 contiguous bytes of whole 32-byte sectors. Keys past the
+//   split are zero-filled, never read, so a stale row (NaN) past the live length cannot reach a
+//   product. One row group: no barrier runs inside
 //   the key loop (__syncwarp orders a warp's own stage). Two row groups: the key loop runs in
 //   block-uniform rounds (round n: step n * kWarps + w of each key warp w), with a block barrier
 //   once a round's copies have landed and another once every warp is done with its stage.
@@ -62,7 +64,7 @@
 //
 // The fp8 load path (T = __nv_fp8_e4m3): the same steps, copies and masks, with K/V staged as raw
 // codes. A row is head_dim bytes, copied 16 codes per cp.async (8 lanes on a 128-byte row, 4 at
-// head_dim 64, 16 at 256) into a stage row of head_dim + 16 bytes; a warp keeps kStagesFp8 = 3
+// head_dim 64, 16 at 256; at 96, 6 copies a row, a warp's copies across row ends) into a stage row of head_dim + 16 bytes; a warp keeps kStagesFp8 = 3
 // stages, so steps n + kWarps and n + 2 kWarps are in flight while n is computed: as many bytes as
 // the 16-bit path's one step. The mma B fragments are built from the bytes (no ldmatrix, no M
 // tile), with the head dims permuted so that each lane reads whole 32-bit words of codes: for
@@ -113,11 +115,12 @@ constexpr int kStagesFp8 = 3;      // fp8 caches: one computed while the next tw
 constexpr int kQPieces = 3;        // 16-bit pieces of a rotated (or float) q
 constexpr int kRowPad = 8;         // elements after each shared row: ldmatrix reads 8 rows conflict-free
 constexpr int kRowPadFp8 = 16;     // bytes after each fp8 stage row: 16-byte rows, conflict-free fragments
-// Key warps per block: 4 at head_dim 64, 2 at 128 and 1 at 256, whatever the row tiles (they split
+// Key warps per block: 4 at head_dim 64, 2 at 96 and 128, 1 at 256, whatever the row tiles (they split
 // the keys, so a row's sums follow their count: it must not change with q_len). Each row group (four
 // row tiles; two at head_dim 256) takes that many warps. At head_dim 256 one warp's stages are 33 KB,
 // and its 16-key step in flight 16 KB: a second key warp would leave an sm_80 SM one block.
 constexpr int kWarps64 = 4;
+constexpr int kWarps96 = 2;
 constexpr int kWarps128 = 2;
 constexpr int kWarps256 = 1;
 // Dynamic shared memory, bytes: the q pieces, [kQPieces][16 * ROW_TILES][head_dim + pad] M, that is
@@ -126,15 +129,19 @@ constexpr int kWarps256 = 1;
 // [16 * ROW_TILES][head_dim] and row max and sum [2][key warps][16 * ROW_TILES]: ROW_TILES times
 // kAccTile<head_dim>, which four tiles at head_dim 64 need beyond the q pieces and stages.
 constexpr int kQTile64 = kQPieces * kTileRows * (64 + kRowPad) * 2;
+constexpr int kQTile96 = kQPieces * kTileRows * (96 + kRowPad) * 2;
 constexpr int kQTile128 = kQPieces * kTileRows * (128 + kRowPad) * 2;
 constexpr int kQTile256 = kQPieces * kTileRows * (256 + kRowPad) * 2;
 constexpr int kStages64 = kWarps64 * kStages * 2 * kStepKeys * (64 + kRowPad) * 2;
+constexpr int kStages96 = kWarps96 * kStages * 2 * kStepKeys * (96 + kRowPad) * 2;
 constexpr int kStages128 = kWarps128 * kStages * 2 * kStepKeys * (128 + kRowPad) * 2;
 constexpr int kStages256 = kWarps256 * kStages * 2 * kStepKeys * (256 + kRowPad) * 2;
 constexpr int kStages64Fp8 = kWarps64 * kStagesFp8 * 2 * kStepKeys * (64 + kRowPadFp8);
+constexpr int kStages96Fp8 = kWarps96 * kStagesFp8 * 2 * kStepKeys * (96 + kRowPadFp8);
 constexpr int kStages128Fp8 = kWarps128 * kStagesFp8 * 2 * kStepKeys * (128 + kRowPadFp8);
 constexpr int kStages256Fp8 = kWarps256 * kStagesFp8 * 2 * kStepKeys * (256 + kRowPadFp8);
 constexpr int kAccTile64 = kWarps64 * kTileRows * (64 + 2) * 4;
+constexpr int kAccTile96 = kWarps96 * kTileRows * (96 + 2) * 4;
 constexpr int kAccTile128 = kWarps128 * kTileRows * (128 + 2) * 4;
 constexpr int kAccTile256 = kWarps256 * kTileRows * (256 + 2) * 4;
 // Past 48 KiB a launch needs the kernel's opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize);
@@ -144,21 +151,20 @@ constexpr int kAccTile256 = kWarps256 * kTileRows * (256 + 2) * 4;
 constexpr int kMaxShared = 99 * 1024;
 }  // namespace attention_mma_tiling
 
-// One of three values by head_dim (64, 128 or 256): the tiling constants of that size.
-template <int HEAD_DIM> constexpr int attention_mma_by_head_dim(int at64, int at128, int at256) {
-    return HEAD_DIM == 64 ? at64 : HEAD_DIM == 128 ? at128 : at256;
+// One of four values by head_dim (64, 96, 128 or 256): the tiling constants of that size.
+template <int HEAD_DIM> constexpr int attention_mma_by_head_dim(int at64, int at96, int at128, int at256) {
+    return HEAD_DIM == 64 ? at64 : HEAD_DIM == 96 ? at96 : HEAD_DIM == 128 ? at128 : at256;
 }
 
 template <int HEAD_DIM> constexpr int attention_mma_warps() {   // key warps (per row group)
     using namespace attention_mma_tiling;
-    return attention_mma_by_head_dim<HEAD_DIM>(kWarps64, kWarps128, kWarps256);
+    return attention_mma_by_head_dim<HEAD_DIM>(kWarps64, kWarps96, kWarps128, kWarps256);
 }
 
 template <int HEAD_DIM, int ROW_TILES> constexpr int attention_mma_row_groups() {   // warps per key warp
     using namespace attention_mma_tiling;
-    return ROW_TILES > attention_mma_by_head_dim<HEAD_DIM>(kMaxWarpTiles, kMaxWarpTiles, kMaxWarpTiles256)
-               ? ROW_TILES / attention_mma_by_head_dim<HEAD_DIM>(kMaxWarpTiles, kMaxWarpTiles, kMaxWarpTiles256)
-               : 1;
+    constexpr int kMost = HEAD_DIM == 256 ? kMaxWarpTiles256 : kMaxWarpTiles;
+    return ROW_TILES > kMost ? ROW_TILES / kMost : 1;
 }
 
 // Blocks per SM the design assumes (__launch_bounds__; `python -m cupykv check` holds every instance
@@ -254,7 +260,8 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     // io, or rotated)
     constexpr bool kHalfM = cupykv::same_type<M, __half>::value;
     const bool scaled_q = kHalfM && (!cupykv::same_type<TI, __half>::value || use_rope);
-    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "cupykv_attention_mma: head_dim 64, 128 or 256");
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256,
+                  "cupykv_attention_mma: head_dim 64, 96, 128 or 256");
     static_assert(ROW_TILES == 1 || ROW_TILES == 2 || (ROW_TILES == kMaxRowTiles && HEAD_DIM != 256),
                   "cupykv_attention_mma: 1, 2 or 4 row tiles (1 or 2 at head_dim 256)");
     static_assert(kFp8 ? sizeof(T) == 1 : sizeof(T) == 2 && cupykv::same_type<T, TI>::value,
@@ -278,10 +285,12 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     constexpr int kStatBytes = 2 * kWarps * kBlockRows * (int)sizeof(float);          // their row max and sum
     constexpr int kLoopBytes = kQBytes + kStageBytes, kMergeBytes = kAccBytes + kStatBytes;
     constexpr int kSharedBytes = kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes;
-    static_assert(kLoopBytes == ROW_TILES * attention_mma_by_head_dim<HEAD_DIM>(kQTile64, kQTile128, kQTile256)
-                                    + (kFp8 ? attention_mma_by_head_dim<HEAD_DIM>(kStages64Fp8, kStages128Fp8, kStages256Fp8)
-                                            : attention_mma_by_head_dim<HEAD_DIM>(kStages64, kStages128, kStages256))
-                  && kMergeBytes == ROW_TILES * attention_mma_by_head_dim<HEAD_DIM>(kAccTile64, kAccTile128, kAccTile256),
+    static_assert(kLoopBytes == ROW_TILES * attention_mma_by_head_dim<HEAD_DIM>(kQTile64, kQTile96, kQTile128, kQTile256)
+                                    + (kFp8 ? attention_mma_by_head_dim<HEAD_DIM>(kStages64Fp8, kStages96Fp8, kStages128Fp8,
+                                                                                  kStages256Fp8)
+                                            : attention_mma_by_head_dim<HEAD_DIM>(kStages64, kStages96, kStages128, kStages256))
+                  && kMergeBytes == ROW_TILES * attention_mma_by_head_dim<HEAD_DIM>(kAccTile64, kAccTile96, kAccTile128,
+                                                                                    kAccTile256),
                   "attention_mma: the shared memory layout differs from attention_mma_tiling");
     static_assert(kSharedBytes <= kMaxShared, "attention_mma: shared memory past kMaxShared");
     static_assert(kQBytes % 16 == 0 && kStageRow * (int)sizeof(T) % 16 == 0, "attention_mma: 16-byte stage rows");
@@ -351,17 +360,19 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     // The row's 2^-k, in the padding after its first piece (16 bytes no ldmatrix reads; 16-byte aligned).
     auto q_unscale = [&](int r) -> float& { return *reinterpret_cast<float*>(q_tile + r * kRow + HEAD_DIM); };
     if constexpr (kHalfM) {   // a factor per row: 2^0 where q is exact in one half (half io, no rope)
-        constexpr int kPairsPerLane = HEAD_DIM / 2 / 32;
+        constexpr int kPairsPerLane = (HEAD_DIM / 2 + 31) / 32;   // 2 of a lane's 32 + lane at head_dim 96
         for (int r = warp; r < kBlockRows; r += kThreads / 32) {   // a warp per row: lanes over its pairs
             float lo[kPairsPerLane], hi[kPairsPerLane], largest = 0.0f;
             for (int j = 0; j < kPairsPerLane; ++j) {
-                load_pair(r, lane + 32 * j, &lo[j], &hi[j]);
+                lo[j] = 0.0f, hi[j] = 0.0f;
+                if (lane + 32 * j < half_dim) load_pair(r, lane + 32 * j, &lo[j], &hi[j]);
                 largest = fmaxf(largest, fmaxf(fabsf(lo[j]), fabsf(hi[j])));
             }
             const int exponent = scaled_q ? cupykv::half_q_exponent(cupykv::warp_max(largest)) : 0;
             if (lane == 0) q_unscale(r) = cupykv::power_of_two(-exponent);
             const float factor = cupykv::power_of_two(exponent);   // exact products
-            for (int j = 0; j < kPairsPerLane; ++j) store_pieces(r, lane + 32 * j, lo[j] * factor, hi[j] * factor);
+            for (int j = 0; j < kPairsPerLane; ++j)
+                if (lane + 32 * j < half_dim) store_pieces(r, lane + 32 * j, lo[j] * factor, hi[j] * factor);
         }
     } else {
         for (int e = tid; e < kBlockRows * half_dim; e += kThreads) {
@@ -394,27 +405,52 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     // Copies the K and V rows of step `step` into stage `stage`; keys past the split are zero-filled.
     // The kRowGroups warps of the key warp share them: copy c of the step is (key c / kPiecesPerRow,
     // piece c % kPiecesPerRow), and thread s of those warps (s = 32 * row group + lane) issues copies
-    // s, s + kSharers, ...: a fixed column, and keys kKeysPerPass apart.
+    // s, s + kSharers, ...: where a row is a power-of-two count of copies, a fixed column and keys
+    // kKeysPerPass apart; at head_dim 96 (12 or 6 copies a row) each copy's key and column, worked
+    // out once (kCopiesPerSharer of them, the last maybe past the step's copies).
     constexpr int kSharers = 32 * kRowGroups;
-    constexpr int kKeysPerPass = kSharers / kPiecesPerRow;
-    static_assert(32 % kPiecesPerRow == 0 && kStepKeys % kKeysPerPass == 0, "attention_mma: whole rows per warp pass");
+    constexpr bool kWholeRowsPerPass = 32 % kPiecesPerRow == 0;
+    constexpr int kKeysPerPass = kWholeRowsPerPass ? kSharers / kPiecesPerRow : 1;
+    constexpr int kStepCopies = kStepKeys * kPiecesPerRow;
+    constexpr int kCopiesPerSharer = (kStepCopies + kSharers - 1) / kSharers;
+    static_assert(kStepKeys % kKeysPerPass == 0 && HEAD_DIM % kCodesPerCopy == 0, "attention_mma: whole copies per step");
     const int sharer = 32 * row_group + lane;
     const int lane_key = sharer / kPiecesPerRow, lane_column = (sharer % kPiecesPerRow) * kCodesPerCopy;
     const T* k_lane = k_cache + head_base + lane_column;
     const T* v_lane = v_cache + head_base + lane_column;
+    int copy_key[kCopiesPerSharer], copy_column[kCopiesPerSharer];   // rows of other widths: each copy's place
+    for (int i = 0; i < kCopiesPerSharer; ++i) {
+        const int c = sharer + i * kSharers;
+        copy_key[i] = c / kPiecesPerRow, copy_column[i] = (c % kPiecesPerRow) * kCodesPerCopy;
+    }
     auto load_step = [&](int step, int stage) {
         const int first_key = keys.begin + step * kStepKeys;
-        T* k_stage = my_stages + stage * 2 * kTile + lane_key * kStageRow + lane_column;
-        T* v_stage = k_stage + kTile;
+        if constexpr (kWholeRowsPerPass) {
+            T* k_stage = my_stages + stage * 2 * kTile + lane_key * kStageRow + lane_column;
+            T* v_stage = k_stage + kTile;
 #pragma unroll
-        for (int pass = 0; pass < kStepKeys / kKeysPerPass; ++pass) {
-            const int key = first_key + lane_key + pass * kKeysPerPass;
-            const bool live = key < keys.end;
-            const long long offset = (long long)(live ? key : keys.begin) * stride_seq;
-            cupykv::cp_async_16(k_stage + pass * kKeysPerPass * kStageRow, k_lane + offset, live ? 16 : 0);
-            cupykv::cp_async_16(v_stage + pass * kKeysPerPass * kStageRow, v_lane + offset, live ? 16 : 0);
+            for (int pass = 0; pass < kStepKeys / kKeysPerPass; ++pass) {
+                const int key = first_key + lane_key + pass * kKeysPerPass;
+                const bool live = key < keys.end;
+                const long long offset = (long long)(live ? key : keys.begin) * stride_seq;
+                cupykv::cp_async_16(k_stage + pass * kKeysPerPass * kStageRow, k_lane + offset, live ? 16 : 0);
+                cupykv::cp_async_16(v_stage + pass * kKeysPerPass * kStageRow, v_lane + offset, live ? 16 : 0);
+            }
+        } else {
+            T* k_stage = my_stages + stage * 2 * kTile;
+#pragma unroll
+            for (int i = 0; i < kCopiesPerSharer; ++i) {
+                if (kStepCopies % kSharers != 0 && sharer + i * kSharers >= kStepCopies) break;
+                const int key = first_key + copy_key[i];
+                const bool live = key < keys.end;
+                const long long offset = head_base + (long long)(live ? key : keys.begin) * stride_seq + copy_column[i];
+                T* k_at = k_stage + copy_key[i] * kStageRow + copy_column[i];
+                cupykv::cp_async_16(k_at, k_cache + offset, live ? 16 : 0);
+                cupykv::cp_async_16(k_at + kTile, v_cache + offset, live ? 16 : 0);
+            }
         }
     };
+    (void)copy_key, (void)copy_column, (void)k_lane, (void)v_lane;
 
     float acc[kWarpTiles][kDimBlocks][4];
     float row_max[kWarpTiles][2], row_sum[kWarpTiles][2];   // row_sum: this lane's share (the quad's added at the end)
