@@ -265,8 +265,9 @@ class AttentionPlan:
         owns, for tuning: 16, 32 or 64 on tensor cores (16 or 32 at head_dim
         256), 16 on CUDA cores (:func:`cupykv.attention_plan.block_row_choices`).
         By default the fewest that hold ``q_len * group``, 64 at most (32 at
-        head_dim 256): each block reads its keys' K/V once. Without a window, a row's result does not depend on
-        it, unsplit or with ``split_keys``.
+        head_dim 256): each block reads its keys' K/V once. Without a
+        window, a row's result does not depend on it, unsplit or with
+        ``split_keys``.
 
     Attributes
     ----------

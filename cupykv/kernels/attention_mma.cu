@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     // The row's 2^-k, in the padding after its first piece (16 bytes no ldmatrix reads; 16-byte aligned).
     auto q_unscale = [&](int r) -> float& { return *reinterpret_cast<float*>(q_tile + r * kRow + HEAD_DIM); };
     if constexpr (kHalfM) {   // a factor per row: 2^0 where q is exact in one half (half io, no rope)
-        constexpr int kPairsPerLane = (HEAD_DIM / 2 + 31) / 32;   // 2 of a lane's 32 + lane at head_dim 96
+        constexpr int kPairsPerLane = (HEAD_DIM / 2 + 31) / 32;   // rounded up: at head_dim 96 lanes 0-15 take two
         for (int r = warp; r < kBlockRows; r += kThreads / 32) {   // a warp per row: lanes over its pairs
             float lo[kPairsPerLane], hi[kPairsPerLane], largest = 0.0f;
             for (int j = 0; j < kPairsPerLane; ++j) {
