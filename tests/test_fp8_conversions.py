@@ -107,12 +107,27 @@ def test_every_code_decodes_to_ml_dtypes_value(emulated):
     assert np.array_equal(half_bits[~nan].view(np.float16).astype(np.float32), want[~nan])
 
 
+def rounded_once(x):
+    """E4M3 codes of clamp(x, -448, 448) rounded once to nearest, ties to the even code, found by comparing
+    |x| with the midpoint of its two neighbouring values, which a float64 holds exactly. Not through
+    ml_dtypes, whose float64 conversion went through float32 (rounding twice) before version 0.7 and
+    rounds once from 0.7 on."""
+    positive = E4M3[:0x7F].astype(np.float64)   # codes 0 .. 126: 0 .. 448, ascending
+    magnitude = np.minimum(np.abs(x), 448.0)
+    above = np.minimum(np.searchsorted(positive, magnitude), 0x7E)   # the first value >= |x|
+    below = np.maximum(above - 1, 0)
+    middle = (positive[below] + positive[above]) / 2
+    code = np.where(magnitude < middle, below,
+                    np.where(magnitude > middle, above, np.where(below % 2 == 0, below, above)))
+    return (code | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
+
+
 def test_saturating_float_encodings_are_ml_dtypes_of_the_clamped_value(emulated):
     """E4M3(clamp(x, -448, 448)) from float32, rounded to nearest even: the reference's quantizer.
 
-    From float32 only: ml_dtypes converts a float64 through float32, rounding twice (a double just
-    below a tie becomes the tie, then rounds to even), where CUDA's double path rounds once. The
-    kernels quantize float32 values, and so does the reference.
+    From double the kernels' conversion rounds once; from float32 it rounds x's float32 value, so a
+    double just past a tie (which float32 rounds onto the tie) can take the other code. The kernels
+    quantize float32 values, and so does the reference.
     """
     x, codes, _, _ = emulated
     with np.errstate(over="ignore"):   # the largest doubles become float infinities, as in the kernel
@@ -120,6 +135,7 @@ def test_saturating_float_encodings_are_ml_dtypes_of_the_clamped_value(emulated)
     finite = ~np.isnan(as_float)
     want = np.clip(as_float[finite], -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     assert np.array_equal(codes[1, 1][finite], want)
-    below_ties = x[finite][codes[0, 1][finite] != np.clip(x[finite], -448.0, 448.0).astype(
-        ml_dtypes.float8_e4m3fn).view(np.uint8)]
-    assert below_ties.size and np.all(np.abs(below_ties) != np.abs(below_ties.astype(np.float32)))   # the double rounding
+    assert np.array_equal(codes[0, 1][finite], rounded_once(x[finite]))
+    assert np.array_equal(rounded_once(as_float[finite].astype(np.float64)), want)
+    twice = x[finite][codes[0, 1][finite] != codes[1, 1][finite]]
+    assert twice.size and np.all(np.abs(twice) != np.abs(twice.astype(np.float32)))   # the double rounding
