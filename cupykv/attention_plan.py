@@ -26,7 +26,7 @@ from cupykv.backends.base import Backend
 from cupykv.backends.capture import active_capture, refuse_in_capture
 from cupykv.cache import KVCache
 from cupykv.cache import KernelView
-from cupykv.kernels import CUDA_TYPES, KERNELS, attention_instance, attention_mma_row_tiles
+from cupykv.kernels import CUDA_TYPES, KERNELS, attention_instance, attention_mma_head_dim, attention_mma_row_tiles
 from cupykv.rope import Rope
 from cupykv.spec import CacheSpec
 
@@ -59,7 +59,8 @@ class AttentionKernel:
 
     @property
     def tensor_cores(self) -> bool:
-        """Whether S = QK^T and PV run on mma.sync (16-bit and fp8 caches at head_dim 64, 96, 128 and 256)."""
+        """Whether S = QK^T and PV run on mma.sync (16-bit and fp8 caches whose rows are whole 16-byte
+        copies, up to head_dim 256: :func:`cupykv.kernels.attention_mma_head_dim`)."""
         return self.op == "attention_mma"
 
     @property
@@ -96,22 +97,28 @@ def mma_shared_memory_bytes(dtype: str, head_dim: int, row_tiles: int) -> int:
 
 def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, query_rows: int = 1) -> AttentionKernel:
     """The kernel for a cache's storage dtype, head size and io dtype (``dtype`` by default): tensor
-    cores for 16-bit and fp8 caches at head_dim 64, 96, 128 and 256 (``attention_mma.cu``), CUDA cores
-    otherwise (``attention.cu``). ``query_rows`` (``q_len * group``) picks the tensor-core
-    kernel's rows per block (:func:`mma_row_tiles`)."""
-    row_tiles = mma_row_tiles(query_rows, head_dim)
+    cores for 16-bit and fp8 caches whose rows are whole 16-byte copies, up to head_dim 256
+    (``attention_mma.cu``, compiled at 64, 96, 128 and 256; a smaller head runs padded on the next
+    size up, :func:`cupykv.kernels.attention_mma_head_dim`), CUDA cores otherwise
+    (``attention.cu``). ``query_rows`` (``q_len * group``) picks the tensor-core kernel's rows per
+    block (:func:`mma_row_tiles`)."""
+    instance_head_dim = attention_mma_head_dim(dtype, head_dim)
+    if instance_head_dim is None:
+        op, instance = attention_instance(dtype, head_dim, io_dtype)
+        return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
+    row_tiles = mma_row_tiles(query_rows, instance_head_dim)
     op, instance = attention_instance(dtype, head_dim, io_dtype, row_tiles)
-    if op == "attention_mma":
-        return AttentionKernel(op, instance, 32 * MMA_TILING[f"kWarps{head_dim}"] * mma_row_groups(row_tiles, head_dim),
-                               mma_shared_memory_bytes(dtype, head_dim, row_tiles), TILE_ROWS * row_tiles)
-    return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
+    threads = 32 * MMA_TILING[f"kWarps{instance_head_dim}"] * mma_row_groups(row_tiles, instance_head_dim)
+    return AttentionKernel(op, instance, threads, mma_shared_memory_bytes(dtype, instance_head_dim, row_tiles),
+                           TILE_ROWS * row_tiles)
 
 
 def block_row_choices(dtype: str, head_dim: int, io_dtype: str | None = None) -> tuple[int, ...]:
     """The query rows a block of the cache's attention kernel may own: 16, 32 or 64 on tensor cores
-    (one, two or four m16 tiles; 16 or 32 at head_dim 256), 16 on CUDA cores."""
-    if attention_kernel(dtype, head_dim, io_dtype).tensor_cores:
-        return tuple(TILE_ROWS * tiles for tiles in attention_mma_row_tiles(head_dim))
+    (one, two or four m16 tiles; 16 or 32 past head_dim 128, on the 256 instance), 16 on CUDA cores."""
+    instance_head_dim = attention_mma_head_dim(dtype, head_dim)
+    if instance_head_dim is not None:
+        return tuple(TILE_ROWS * tiles for tiles in attention_mma_row_tiles(instance_head_dim))
     return (TILE_ROWS,)
 
 
@@ -262,10 +269,10 @@ class AttentionPlan:
         tokens exactly. Splits past a sequence's live length exit at once.
     rows_per_block : int, optional
         Query rows (``q_len * group`` per sequence and kv head) one block
-        owns, for tuning: 16, 32 or 64 on tensor cores (16 or 32 at head_dim
-        256), 16 on CUDA cores (:func:`cupykv.attention_plan.block_row_choices`).
-        By default the fewest that hold ``q_len * group``, 64 at most (32 at
-        head_dim 256): each block reads its keys' K/V once. Without a
+        owns, for tuning: 16, 32 or 64 on tensor cores (16 or 32 past head_dim
+        128), 16 on CUDA cores (:func:`cupykv.attention_plan.block_row_choices`).
+        By default the fewest that hold ``q_len * group``, 64 at most (32 past
+        head_dim 128): each block reads its keys' K/V once. Without a
         window, a row's result does not depend on it, unsplit or with
         ``split_keys``.
 
@@ -275,7 +282,7 @@ class AttentionPlan:
     split_keys : int or None
     kernel : AttentionKernel
         The kernel the plan launches (tensor cores for 16-bit and fp8 caches
-        at head_dim 64, 96, 128 and 256).
+        whose rows are whole 16-byte copies, up to head_dim 256).
     grid, block : tuple of int
         The attention launch: one, split or not (the last block of a query tile
         to finish merges its splits, through a device counter the plan owns).

@@ -36,8 +36,9 @@ from cupykv.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MMA_HEAD_DIMS, CACHE_D
 from cupykv.spec import IO_DTYPES
 
 #: head sizes launched: the specialised ones (of either attention kernel) and one that takes the
-#: generic (HEAD_DIM = 0) instance.
-HEAD_DIMS = (*sorted({*ATTENTION_HEAD_DIMS, *ATTENTION_MMA_HEAD_DIMS}), 40)
+#: generic (HEAD_DIM = 0) instance of every cache dtype: 36, whose 16-bit rows are not whole
+#: 16-byte copies (a multiple of 8 would run padded on a tensor-core instance).
+HEAD_DIMS = (*sorted({*ATTENTION_HEAD_DIMS, *ATTENTION_MMA_HEAD_DIMS}), 36)
 #: split-KV factors launched: 1 and 2 (the last block of each query block merges the splits).
 NUM_SPLITS = (1, 2)
 #: max_seq of the small caches: split-KV needs max_seq > 128 * (num_splits - 1).

@@ -1,4 +1,5 @@
-"""attention over fp8 (E4M3) caches on CUDA cores (attention.cu, head sizes other than 64 and 128).
+"""attention over fp8 (E4M3) caches on CUDA cores (attention.cu: head sizes whose rows are not whole
+16-byte copies, here 72 and 40; a multiple of 16 runs on tensor cores).
 
 The cache stores codes; the kernel dots q with raw codes and applies the per-(layer, kv head)
 scales once (q by scale * k_scale, the output by v_scale). Checked against reference.attention,
@@ -83,7 +84,7 @@ def run_fp8_case(backend, spec, group, q_len, lengths, num_splits, rope, seed, l
 
 
 @pytest.mark.parametrize("io_dtype", IO_DTYPES)
-@pytest.mark.parametrize("head_dim", [80, 40])
+@pytest.mark.parametrize("head_dim", [72, 40])
 def test_fp8_attention_runs_on_cuda_cores(io_dtype, head_dim):
     op, instance = attention_instance("float8_e4m3", head_dim, io_dtype)
     assert op == "attention"
@@ -92,7 +93,7 @@ def test_fp8_attention_runs_on_cuda_cores(io_dtype, head_dim):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("io_dtype", IO_DTYPES)
-@pytest.mark.parametrize("head_dim", [80, 40])
+@pytest.mark.parametrize("head_dim", [72, 40])
 @pytest.mark.parametrize("q_len", [1, 3])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("num_splits", [1, 2])

@@ -2,7 +2,8 @@
 
 16-bit caches at head_dim 64, 96, 128 and 256 run on mma.sync with K/V staged by cp.async in 16-key
 warp steps (4 key warps at head_dim 64, 2 at 96 and 128, 1 at 256, whose two row tiles are two
-warps; at 96 a warp's copies run on across row ends). The general suites (test_attention*, the property and
+warps; at 96 a warp's copies run on across row ends). Smaller heads whose rows are whole 16-byte
+copies run padded on the next of those sizes up. The general suites (test_attention*, the property and
 stateful tests) run it against the reference within the stated tolerances; these tests pin what
 those tolerances are too loose to see, or where its own tiling has edges:
 
@@ -17,7 +18,9 @@ those tolerances are too loose to see, or where its own tiling has edges:
 - splits 1..64 with an uneven last split, on this kernel;
 - rows pending in the same step as a query but past it, holding NaN and inf: zero-filled or masked,
   never read into a product;
-- bit-identical rows across q_len with split_keys (speculative verification equals greedy).
+- bit-identical rows across q_len with split_keys (speculative verification equals greedy);
+- padded heads (80 on the 96 instance, 40 on 64, ...): nothing read past a row (NaN after it, the
+  buffer's end after the last), nothing written past it, rope at the cache's own head size.
 """
 import numpy as np
 import pytest
@@ -25,7 +28,7 @@ import pytest
 import cupykv
 from cupykv import reference, testing
 from cupykv.attention_plan import attention_kernel, block_row_choices
-from cupykv.kernels import KERNELS
+from cupykv.kernels import KERNELS, attention_mma_head_dim
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
 
@@ -59,7 +62,7 @@ def test_the_plan_picks_tensor_cores_for_16_bit_caches_at_64_96_128_and_256_only
                 assert (kernel.shared_mem_bytes == merge) == (row_tiles == 4 and head_dim == 64)
                 assert kernel.shared_mem_bytes <= MMA["kMaxShared"]
                 assert kernel.opts_in_to_shared_memory == (kernel.shared_mem_bytes > 48 * 1024)
-        for head_dim in (80, 112, 192, 255, 32):
+        for head_dim in (36, 100, 255, 2, 264):   # rows that are not whole 16-byte copies, or past 256
             assert not attention_kernel(dtype, head_dim, query_rows=64).tensor_cores
     assert not attention_kernel("float32", 128, query_rows=64).tensor_cores
     # one row tile fits without the opt-in; two take it at head_dim 128 (q pieces of 32 rows and the stages)
@@ -410,3 +413,75 @@ def test_every_rows_per_block_gives_the_same_bits(backend, dtype, head_dim, opti
         results[rows] = testing.bits(testing.to_numpy(plan.run(q, 0), spec))
     for rows in choices:
         assert np.array_equal(results[rows], results[None]), rows
+
+
+# Smaller heads on the next instance up (attention_mma_head_dim): (dtype, io dtype, head_dim, instance).
+# 80: Phi-2; 40: a copy short of half the 64 instance; 112 and 160: one and three row pieces of padding
+# (160 on the 256 instance, one key warp); fp8 rows are whole copies at multiples of 16.
+PADDED = [("bfloat16", "", 80, 96), ("float16", "", 40, 64), ("bfloat16", "", 112, 128), ("float16", "", 160, 256),
+          ("float8_e4m3", "bfloat16", 80, 96), ("float8_e4m3", "float16", 48, 64)]
+
+
+def test_a_head_whose_rows_are_whole_copies_takes_the_next_tensor_core_instance_up():
+    for dtype in ("float16", "bfloat16"):
+        want = {8: 64, 16: 64, 40: 64, 56: 64, 64: 64, 72: 96, 80: 96, 88: 96, 96: 96, 104: 128, 120: 128,
+                128: 128, 136: 256, 160: 256, 192: 256, 248: 256, 256: 256}
+        assert {hd: attention_mma_head_dim(dtype, hd) for hd in want} == want
+        for head_dim in (2, 4, 6, 36, 100, 250, 264):
+            assert attention_mma_head_dim(dtype, head_dim) is None, head_dim
+    want = {16: 64, 48: 64, 64: 64, 80: 96, 96: 96, 112: 128, 128: 128, 144: 256, 240: 256, 256: 256}
+    assert {hd: attention_mma_head_dim("float8_e4m3", hd) for hd in want} == want
+    for head_dim in (8, 40, 72, 120, 264):   # fp8 rows of 8 codes (half a copy) stay on CUDA cores
+        assert attention_mma_head_dim("float8_e4m3", head_dim) is None, head_dim
+    for head_dim in (64, 80, 128):
+        assert attention_mma_head_dim("float32", head_dim) is None
+    for dtype, io_dtype, head_dim, instance in PADDED:
+        for query_rows, row_tiles, _ in TILINGS[256 if instance == 256 else 64]:
+            kernel = attention_kernel(dtype, head_dim, io_dtype or None, query_rows=query_rows)
+            twin = attention_kernel(dtype, instance, io_dtype or None, query_rows=query_rows)
+            assert kernel == twin and f", {instance}, {row_tiles}>" in kernel.instance
+        assert block_row_choices(dtype, head_dim, io_dtype or None) == block_row_choices(dtype, instance, io_dtype or None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, io_dtype, head_dim, instance", PADDED, ids=[f"{d}-{hd}" for d, _, hd, _ in PADDED])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_a_padded_head_reads_and_writes_only_its_own_dims(backend, dtype, io_dtype, head_dim, instance, layout):
+    """A head smaller than its instance zero-fills the instance's extra dims in q and in the K/V
+    stages, copying them from nothing. A copy of a padded dim read from memory takes the next bytes:
+    the next key's row (one kv head; HND), which past sequence 0's attended rows holds NaN, or, for
+    the last row of sequence 1, which fills the cache of the last layer, past the end of the buffer
+    (an out-of-bounds read on the emulator). q's padding left unzeroed is the poison the emulator
+    writes over shared memory. An output or split result at the instance's row stride lands on the
+    wrong rows. Rope rotates at the cache's head size, whose pairs are (d, d + head_dim / 2). A padded
+    copy that reads anything (even a live byte of its row, harmless to the result) shows in the bytes
+    the launch loads: exactly the attended rows' once."""
+    max_seq, lengths = 160, [77, 160]
+    spec = cupykv.CacheSpec(n_layers=2, n_kv_heads=1, head_dim=head_dim, max_seq=max_seq, batch=2, dtype=dtype,
+                            io_dtype=io_dtype, layout=layout)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(head_dim)
+    testing.fill(cache, oracle, [max_seq, max_seq], rng)
+    # q_len falling, so that each call's pending rows are below the NaN an earlier call wrote
+    for q_len, group, options in ((5, 8, dict(softcap=30.0, split_keys=128)),
+                                  (3, 2, dict(rope=cupykv.Rope(), num_splits=2)), (1, 4, dict(num_splits=1))):
+        committed = [lengths[0], max_seq - q_len]   # sequence 1's last query attends key max_seq - 1
+        cache.set_lengths(committed)
+        oracle.set_lengths(committed)
+        testing.poison_tail(cache, [lengths[0] + q_len, max_seq])
+        plan = cupykv.AttentionPlan(cache, q_len, group, **options)
+        assert plan.kernel.tensor_cores and f", {instance}, " in plan.kernel.instance
+        q = testing.random_rows(rng, spec, (2, q_len, group, head_dim))
+        if backend == "emulator" and q_len == 1:   # each attended row's bytes read once, no more
+            with testing.traffic(cache) as traffic:
+                plan.run(cache.to_device(q), 1)
+            (launch,) = traffic.launches
+            rows = committed[0] + 1 + committed[1] + 1
+            for array in (cache.k, cache.v):
+                assert launch.of(array).bytes_loaded == rows * head_dim * spec.itemsize
+        got = testing.to_numpy(plan.run(cache.to_device(q), 1), spec, io=True)
+        assert np.isfinite(got).all()
+        reference_options = {name: value for name, value in options.items() if name in ("rope", "softcap")}
+        want = reference.attention(q, oracle, 1, **reference_options)
+        assert_attention_close(got, want, spec.io_dtype, testing.value_scale(oracle, 1),
+                               f"(q_len {q_len}, group {group}, {options})")

@@ -264,7 +264,8 @@ def tile_rows_read(spec, lengths, q_len, group, window):
 # 64-127, kRowGroups = 2) and each group loads every V element of a chunk itself: V is loaded
 # twice per block (the same sectors, so an L1 hit on a GPU, but twice the load instructions).
 # Held exactly so that a change shows; the header comment says each row is read once. The tensor-core
-# kernel (attention_mma.cu, 16-bit caches at head_dim 64, 96, 128 and 256) copies each K and V row once.
+# kernel (attention_mma.cu, 16-bit caches at head_dim 64, 96, 128 and 256, and smaller heads padded onto
+# them) copies each K and V row once.
 V_LOADS_PER_ROW = {64: 2}
 
 
@@ -628,7 +629,7 @@ def test_decode_attention_touches_only_the_sectors_it_needs(dtype, head_dim, lay
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 2408 / 151), (64, 1204 / 76), (256, 16.0),
-                                                           (96, 1806 / 113)])
+                                                           (96, 1806 / 113), (80, 1505 / 113)])
 def test_decode_attention_sectors_per_request_bf16(head_dim, sectors_per_request, layout):
     """The design figures of the bf16 decode path (kernels/attention_mma.cu, 301 live rows per
     sequence), for K and V alike, in both layouts.
@@ -647,6 +648,12 @@ def test_decode_attention_sectors_per_request_bf16(head_dim, sectors_per_request
     contiguous bytes of a step, 16 sectors. 6 requests a step; the last step's 13 live rows are 156
     copies: 4 full requests and one of 28 live copies (14 sectors), and a sixth of zero-filled rows
     only, which reads nothing: (18 x 6 x 16 + 4 x 16 + 14) / (18 x 6 + 5) = 1806 / 113.
+    head_dim 80, padded onto the 96 instance: a row is 10 copies (5 sectors) in 12 copy slots, whose
+    last two read nothing, so a warp's 32 slots hold 28, 26 and 26 live copies in turn (14, 13 and
+    13 sectors; 8 rows every 3 requests), each sector still requested once. The last step's 13 live
+    rows: 3 requests of 40 sectors, then 14 (rows 8, 9 and half of 10) and 11:
+    (18 x 2 x 40 + 40 + 14 + 11) / (18 x 6 + 5) = 1505 / 113. More requests per byte than at 96, not
+    more sectors.
     """
     launch, cache, needed = decode_attention("bfloat16", head_dim, layout)
     for array in (cache.k, cache.v):

@@ -33,9 +33,28 @@ CACHE_DTYPE_PAIRS = tuple((dtype, dtype) for dtype in CUDA_TYPES) + tuple(("floa
 #: others use HEAD_DIM = 0.
 ATTENTION_HEAD_DIMS = (64, 128)
 
-#: head sizes the tensor-core attention (kernels/attention_mma.cu) takes, for 16-bit and fp8 caches;
-#: other sizes run on CUDA cores at HEAD_DIM = 0.
+#: head sizes the tensor-core attention (kernels/attention_mma.cu) is compiled for (its HEAD_DIM).
+#: 16-bit and fp8 caches of these sizes run on them, and caches of a smaller size on the next one up,
+#: padded (:func:`attention_mma_head_dim`); the rest runs on CUDA cores at HEAD_DIM = 0.
 ATTENTION_MMA_HEAD_DIMS = (64, 96, 128, 256)
+
+#: bytes of one element of a cache's storage dtype.
+CACHE_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1}
+
+
+def attention_mma_head_dim(dtype: str, head_dim: int) -> int | None:
+    """The HEAD_DIM of the tensor-core instance that attends over a ``dtype`` cache of ``head_dim``,
+    or None where the cache runs on CUDA cores.
+
+    16-bit and fp8 caches whose rows are whole 16-byte copies (``head_dim`` a multiple of 8, or of
+    16 for fp8) run on the smallest of :data:`ATTENTION_MMA_HEAD_DIMS` that holds them: at their own
+    size, or padded (head_dim 80 on the 96 instance, 40 on 64, 160 on 256). Padded dims are zeros in
+    q and in the K/V stages, copied from nothing, so the cache bytes read are the same; only the
+    mma work grows, by ``HEAD_DIM / head_dim``. float32 caches, and other sizes, return None.
+    """
+    if dtype == "float32" or head_dim % (16 // CACHE_ITEM_BYTES[dtype]) != 0:
+        return None
+    return next((size for size in ATTENTION_MMA_HEAD_DIMS if size >= head_dim), None)
 
 #: m16 row tiles per block of the tensor-core attention: 1 for up to 16 query rows per sequence and
 #: kv head (q_len x group), 2 for up to 32, 4 past that (two row groups of warps sharing the K/V
@@ -118,11 +137,13 @@ KERNELS: dict[str, KernelFile] = {
     "attention": KernelFile(
         "attention.cu",
         # float32 at every head size; 16-bit and fp8 caches at the sizes attention_mma.cu does not take
+        # (rows that are not whole 16-byte copies)
         tuple(f"cupykv_attention<float, float, {hd}>" for hd in (0,) + ATTENTION_HEAD_DIMS)
         + tuple(f"cupykv_attention<{cache_types(dtype, io)}, 0>" for dtype, io in CACHE_DTYPE_PAIRS
                 if dtype != "float32"),
     ),
-    # the tensor-core path of 16-bit and fp8 caches at head_dim 64, 96, 128 and 256
+    # the tensor-core path of 16-bit and fp8 caches, compiled at head_dim 64, 96, 128 and 256 (smaller
+    # sizes run padded on the next one up: attention_mma_head_dim)
     "attention_mma": KernelFile(
         "attention_mma.cu",
         tuple(f"cupykv_attention_mma<{cache_types(dtype, io)}, {hd}, {tiles}>" for dtype, io in CACHE_DTYPE_PAIRS
@@ -197,18 +218,20 @@ def header_digest(kernel_dir: str = KERNEL_DIR) -> str:
 def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None, row_tiles: int = 1) -> tuple[str, str]:
     """``(op, instance)`` of the attention kernel for a cache's storage and io dtypes and head size.
 
-    16-bit and fp8 caches at head_dim 64, 96, 128 and 256 run on tensor cores (``attention_mma.cu``);
-    float32 caches and other head sizes on CUDA cores (``attention.cu``). ``io_dtype`` defaults
-    to ``dtype`` (it must be given for an fp8 cache). ``row_tiles``: the tensor-core kernel's m16
-    row tiles per block, one of :func:`attention_mma_row_tiles` (``cupykv.attention_plan`` picks it
-    from the query shape; the CUDA-core kernel has no such choice).
+    16-bit and fp8 caches run on tensor cores (``attention_mma.cu``) at the instance
+    :func:`attention_mma_head_dim` gives; float32 caches and the other head sizes on CUDA cores
+    (``attention.cu``). ``io_dtype`` defaults to ``dtype`` (it must be given for an fp8 cache).
+    ``row_tiles``: the tensor-core kernel's m16 row tiles per block, one of
+    :func:`attention_mma_row_tiles` of that instance (``cupykv.attention_plan`` picks it from the
+    query shape; the CUDA-core kernel has no such choice).
     """
     types = cache_types(dtype, io_dtype or dtype)
-    if head_dim in ATTENTION_MMA_HEAD_DIMS and dtype != "float32":
-        if row_tiles not in attention_mma_row_tiles(head_dim):
-            raise ValueError(f"row_tiles: expected one of {attention_mma_row_tiles(head_dim)} at head_dim "
+    instance_head_dim = attention_mma_head_dim(dtype, head_dim)
+    if instance_head_dim is not None:
+        if row_tiles not in attention_mma_row_tiles(instance_head_dim):
+            raise ValueError(f"row_tiles: expected one of {attention_mma_row_tiles(instance_head_dim)} at head_dim "
                              f"{head_dim}, got {row_tiles!r}")
-        return "attention_mma", f"cupykv_attention_mma<{types}, {head_dim}, {row_tiles}>"
+        return "attention_mma", f"cupykv_attention_mma<{types}, {instance_head_dim}, {row_tiles}>"
     specialised = head_dim if head_dim in ATTENTION_HEAD_DIMS and dtype == "float32" else 0
     return "attention", f"cupykv_attention<{types}, {specialised}>"
 

@@ -2,7 +2,8 @@
 // cores, with K/V tiles staged through shared memory by asynchronous copies.
 //
 // The same contract, arguments, launch grid and split-KV workspace as cupykv_attention
-// (attention.cu), for head_dim 64, 96, 128 or 256. cupykv_attention_mma<T, TI, HEAD_DIM>: the cache stores
+// (attention.cu), for head_dim 64, 96, 128 or 256, and for a smaller head_dim (a multiple of 8, fp8: 16) on the
+// next of those up, its extra dims zeros (step 1 and the copies). cupykv_attention_mma<T, TI, HEAD_DIM>: the cache stores
 // T, q and out have the io type TI (kv_codec.cuh): T == TI for __half and __nv_bfloat16 caches;
 // T = __nv_fp8_e4m3 with TI __nv_bfloat16, __half or float, each element standing for
 // code * k_scales[layer, kv_head] (v_scales for V). For sequence b, query i (position
@@ -294,7 +295,10 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                   "attention_mma: the shared memory layout differs from attention_mma_tiling");
     static_assert(kSharedBytes <= kMaxShared, "attention_mma: shared memory past kMaxShared");
     static_assert(kQBytes % 16 == 0 && kStageRow * (int)sizeof(T) % 16 == 0, "attention_mma: 16-byte stage rows");
-    (void)head_dim_runtime;
+    // The cache's head size: HEAD_DIM, or a smaller one that the plan runs on the next instance up
+    // (a multiple of kCodesPerCopy, so whole copies; attention_mma_head_dim in cupykv/kernels). Dims
+    // head_dim .. HEAD_DIM - 1 are zeros in q and in the stages, never read from the cache, never written.
+    const int head_dim = head_dim_runtime;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int key_warp = warp % kWarps, row_group = warp / kWarps;
     const int quad_row = lane / 4, quad_col = lane % 4;   // the mma fragment coordinates
@@ -333,16 +337,16 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     //    not exact in one half (scaled_q): a row is first multiplied by 2^k so that its largest |q|
     //    lies in [2^14, 2^15) (half_q_exponent), which a half holds with 11 bits down to 2^-28 of it,
     //    and its logits by 2^-k (row_logit_scale below, from the factor kept in the row's padding).
-    const int half_dim = HEAD_DIM / 2;
+    const int half_dim = head_dim / 2;
     // The pair (d, d + half_dim) of block row r as fp32, rotated when use_rope; zeros past the block.
     auto load_pair = [&](int r, int d, float* lo, float* hi) {
         *lo = 0.0f, *hi = 0.0f;
         if (r < block_rows) {
             const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
-            const long long base = (((long long)b * q_len + i) * n_heads + h) * HEAD_DIM;
+            const long long base = (((long long)b * q_len + i) * n_heads + h) * head_dim;
             *lo = cupykv::to_float<TI>(q[base + d]);
             *hi = cupykv::to_float<TI>(q[base + d + half_dim]);
-            if (use_rope) cupykv::rope_rotate_pair(lo, hi, length + i, d, HEAD_DIM, rope_theta);
+            if (use_rope) cupykv::rope_rotate_pair(lo, hi, length + i, d, head_dim, rope_theta);
         }
     };
     // Its pieces; fp8 caches: each dim goes to its k slot (fp8_q_slot), where K's codes are read from.
@@ -382,6 +386,11 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             store_pieces(r, d, lo, hi);
         }
     }
+    // A smaller head's padded dims are zeros in every piece (fp8 caches: fp8_q_slot keeps a dim's slot
+    // within its 16 dims, and such a head_dim is a multiple of 16).
+    const int pad_dims = HEAD_DIM - head_dim;
+    for (int e = tid; e < kQPieces * kBlockRows * pad_dims; e += kThreads)
+        q_tile[(e / pad_dims) * kRow + head_dim + e % pad_dims] = cupykv::from_float<M>(0.0f);
 
     const cupykv::KeyRange keys = cupykv::attention_split_keys(length, first_row, block_rows, group, max_seq, window,
                                                                split, num_splits, split_keys, kSplitAlign);
@@ -407,7 +416,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     // piece c % kPiecesPerRow), and thread s of those warps (s = 32 * row group + lane) issues copies
     // s, s + kSharers, ...: where a row is a power-of-two count of copies, a fixed column and keys
     // kKeysPerPass apart; at head_dim 96 (12 or 6 copies a row) each copy's key and column, worked
-    // out once (kCopiesPerSharer of them, the last maybe past the step's copies).
+    // out once (kCopiesPerSharer of them, the last maybe past the step's copies). A copy of a padded dim
+    // (a column past a smaller head_dim) is zero-filled as a key past the split is, reading nothing: it
+    // looks up its key max_seq further on, past any split, and its source is the row's start.
     constexpr int kSharers = 32 * kRowGroups;
     constexpr bool kWholeRowsPerPass = 32 % kPiecesPerRow == 0;
     constexpr int kKeysPerPass = kWholeRowsPerPass ? kSharers / kPiecesPerRow : 1;
@@ -416,12 +427,16 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     static_assert(kStepKeys % kKeysPerPass == 0 && HEAD_DIM % kCodesPerCopy == 0, "attention_mma: whole copies per step");
     const int sharer = 32 * row_group + lane;
     const int lane_key = sharer / kPiecesPerRow, lane_column = (sharer % kPiecesPerRow) * kCodesPerCopy;
-    const T* k_lane = k_cache + head_base + lane_column;
-    const T* v_lane = v_cache + head_base + lane_column;
-    int copy_key[kCopiesPerSharer], copy_column[kCopiesPerSharer];   // rows of other widths: each copy's place
+    const bool lane_column_live = lane_column < head_dim;
+    const int lane_key_lookup = lane_key + (lane_column_live ? 0 : max_seq);   // below 2 max_seq, an int
+    const T* k_lane = k_cache + head_base + (lane_column_live ? lane_column : 0);
+    const T* v_lane = v_cache + head_base + (lane_column_live ? lane_column : 0);
+    // rows of other widths: each copy's key to look up, its place in a stage and its source column
+    int copy_key[kCopiesPerSharer], copy_place[kCopiesPerSharer], copy_source[kCopiesPerSharer];
     for (int i = 0; i < kCopiesPerSharer; ++i) {
-        const int c = sharer + i * kSharers;
-        copy_key[i] = c / kPiecesPerRow, copy_column[i] = (c % kPiecesPerRow) * kCodesPerCopy;
+        const int c = sharer + i * kSharers, key = c / kPiecesPerRow, column = (c % kPiecesPerRow) * kCodesPerCopy;
+        copy_key[i] = key + (column < head_dim ? 0 : max_seq), copy_place[i] = key * kStageRow + column;
+        copy_source[i] = column < head_dim ? column : 0;
     }
     auto load_step = [&](int step, int stage) {
         const int first_key = keys.begin + step * kStepKeys;
@@ -430,7 +445,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             T* v_stage = k_stage + kTile;
 #pragma unroll
             for (int pass = 0; pass < kStepKeys / kKeysPerPass; ++pass) {
-                const int key = first_key + lane_key + pass * kKeysPerPass;
+                const int key = first_key + lane_key_lookup + pass * kKeysPerPass;
                 const bool live = key < keys.end;
                 const long long offset = (long long)(live ? key : keys.begin) * stride_seq;
                 cupykv::cp_async_16(k_stage + pass * kKeysPerPass * kStageRow, k_lane + offset, live ? 16 : 0);
@@ -443,14 +458,14 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 if (kStepCopies % kSharers != 0 && sharer + i * kSharers >= kStepCopies) break;
                 const int key = first_key + copy_key[i];
                 const bool live = key < keys.end;
-                const long long offset = head_base + (long long)(live ? key : keys.begin) * stride_seq + copy_column[i];
-                T* k_at = k_stage + copy_key[i] * kStageRow + copy_column[i];
+                const long long offset = head_base + (long long)(live ? key : keys.begin) * stride_seq + copy_source[i];
+                T* k_at = k_stage + copy_place[i];
                 cupykv::cp_async_16(k_at, k_cache + offset, live ? 16 : 0);
                 cupykv::cp_async_16(k_at + kTile, v_cache + offset, live ? 16 : 0);
             }
         }
     };
-    (void)copy_key, (void)copy_column, (void)k_lane, (void)v_lane;
+    (void)copy_key, (void)copy_place, (void)copy_source, (void)lane_key_lookup, (void)k_lane, (void)v_lane;
 
     float acc[kWarpTiles][kDimBlocks][4];
     float row_max[kWarpTiles][2], row_sum[kWarpTiles][2];   // row_sum: this lane's share (the quad's added at the end)
@@ -653,7 +668,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, block_rows};
     for (int e = tid; e < kBlockRows * HEAD_DIM; e += kThreads) {
         const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
-        if (r >= block_rows) continue;
+        if (r >= block_rows || d >= head_dim) continue;   // past the block, or a smaller head's padded dim
         const int column = kFp8 ? cupykv::fp8_v_column(d) : d;   // where the warps left dim d
         float top = cupykv::neg_infinity();
         for (int w = 0; w < kWarps; ++w)
@@ -670,9 +685,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         if constexpr (kFp8) value *= v_scale;   // the codes' sum times the head's scale
         const long long out_row = tile.out_row(r);
         if (num_splits == 1) {
-            out[out_row * HEAD_DIM + d] = cupykv::from_float<TI>(sum > 0.0f ? value / sum : 0.0f);
+            out[out_row * head_dim + d] = cupykv::from_float<TI>(sum > 0.0f ? value / sum : 0.0f);
         } else {
-            partial_out[(split * rows_total + out_row) * HEAD_DIM + d] = value;
+            partial_out[(split * rows_total + out_row) * head_dim + d] = value;
             if (d == 0) {
                 partial_max[split * rows_total + out_row] = top;
                 partial_sum[split * rows_total + out_row] = sum;
@@ -683,5 +698,5 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     __shared__ int is_last_split;
     if (num_splits > 1 && cupykv::attention_last_split(split_counters + blockIdx.x, num_splits, &is_last_split))
         cupykv::attention_merge_splits(out, partial_out, partial_max, partial_sum, tile, rows_total, num_splits,
-                                       HEAD_DIM);
+                                       head_dim);
 }
