@@ -67,8 +67,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from cupykv.attention_plan import mma_row_groups
-from cupykv.kernels import (ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, CUDA_TYPES, KERNELS, LINEAR_MMA_DTYPES,
-                             LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES, attention_mma_row_tiles, cache_types)
+from cupykv.kernels import (ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, CACHE_ITEM_BYTES, CUDA_TYPES, KERNELS,
+                             LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES, attention_mma_row_tiles,
+                             cache_types)
 from cupykv.nvrtc_check import PINNED_NVRTC, Nvrtc, NvrtcError, compile_program, load_nvrtc
 
 #: K/V bytes per issued warp instruction that keep an H200's HBM busy: 4.8 TB/s over 132 SMs x 4
@@ -91,7 +92,6 @@ ARCH = "sm_90"
 #: instruction, so each pair of codes is widened by bit moves (kv_codec.cuh widen_fp8_pair_by_bits).
 FP8_BIT_WIDEN_ARCH = "sm_80"
 COUNT_OPTION = "-DCUPYKV_COUNT_COMMON_PATH"
-_CACHE_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3": 1}
 
 
 class StepCountError(RuntimeError):
@@ -129,7 +129,7 @@ class Instance:
     @property
     def step_bytes(self) -> int:
         """K and V bytes of one 16-key step, per warp: the row groups of a four-tile block share a step."""
-        return STEP_KEYS * self.head_dim * 2 * _CACHE_BYTES[self.dtype] // self.row_groups
+        return STEP_KEYS * self.head_dim * 2 * CACHE_ITEM_BYTES[self.dtype] // self.row_groups
 
     @property
     def step_hmma(self) -> int:
@@ -334,9 +334,12 @@ def count_key_loop(instructions: list[Instruction], labels: dict[str, int], inst
     """
     (first, last), inner = _mma_loop(instructions, labels, instance.name)
     total = _body(instructions, first, last)
-    if len(inner) > 1:
-        raise StepCountError(f"{instance.name}: {len(inner)} loops inside the key loop; the count models one")
-    for span in inner:
+    # loops without HMMA (a real build's check of a masked step's V for non-finite elements, which the
+    # counted build leaves out) count once, as written; the one with HMMA is the S loop of two tiles
+    s_loops = [span for span in inner if _body(instructions, *span)["HMMA"]]
+    if len(s_loops) > 1:
+        raise StepCountError(f"{instance.name}: {len(s_loops)} loops with HMMA inside the key loop; the count models one")
+    for span in s_loops:
         once = _body(instructions, *span)
         per_k_step = instance.warp_tiles * 2 * instance.q_pieces   # HMMA of one S k-step
         if once["HMMA"] == 0 or once["HMMA"] % per_k_step:

@@ -30,7 +30,8 @@ from cupykv.validate_launches import recording_launches
 from backends import BACKENDS
 
 # max_seq past 2 * 128 keys, so that a plan can split a sequence of 260 live rows three ways
-SPEC = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=8, max_seq=300, batch=2, dtype="float16")
+# (head_dim 6: 12-byte rows, not whole 16-byte copies, so a 16-bit cache stays on CUDA cores)
+SPEC = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=6, max_seq=300, batch=2, dtype="float16")
 # the attention kernels: CUDA cores (SPEC), tensor cores, and tensor cores over fp8 codes; the ops run in the io dtype
 SPECS = {"cuda-cores": SPEC,
          "tensor-cores": cupykv.CacheSpec(n_layers=2, n_kv_heads=1, head_dim=64, max_seq=300, batch=2,

@@ -60,6 +60,9 @@
 //   vote finds a row whose max moved in the step (a multiply by exactly 1 skipped, so exact); the
 //   S loop is compiled for one q piece and for three, so unrotated 16-bit q issues no
 //   predicated-off mma. docs/performance.md counts the common path's instructions.
+// - A non-finite V element reaches only the rows that attend it: in a masked step of rows at several
+//   positions, where a weight of 0 would multiply it, the stage is checked, such elements zeroed, and
+//   each row that attends one (weight above 0) marked to return NaN (step 4).
 // - A row's result depends only on its own query and the split's keys (the mma sums each output
 //   element over its own row), so with split_keys a row is bit-identical for every q_len.
 //
@@ -169,28 +172,19 @@ template <int HEAD_DIM, int ROW_TILES> constexpr int attention_mma_row_groups() 
 }
 
 // Blocks per SM the design assumes (__launch_bounds__; `python -m cupykv check` holds every instance
-// to it). One row tile: 3 for 16-bit caches, whose stages bind shared memory; for fp8 caches, whose
-// stages are smaller, what shared memory fits at either head_dim: 4 on sm_80 (164 KB), 5 from sm_90 on
-// (228 KB). At head_dim 64 (128 threads) that caps registers at 128 or 96; at 128 (64 threads) it caps
-// nothing. Two row tiles: 2, what sm_80's shared memory gives at head_dim 128 (the registers may grow
-// to 255 for the second tile's accumulators). Four: 1, what sm_80's shared memory gives at head_dim
-// 128 (a warp's registers as with two tiles). Head_dim 256, whose q pieces and stage rows are twice
-// as wide, and one key warp: 2 with one tile and 1 with two, what sm_80 gives 16-bit caches (fp8
-// caches, sm_90: one more).
-// A block of its own: the first attention_mma_tiling block is read by cupykv.kernels.parse_constants,
-// which takes `constexpr int` statements only, not preprocessor lines.
-namespace attention_mma_tiling {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-constexpr int kFp8OneTileBlocks = 5;
-#else
-constexpr int kFp8OneTileBlocks = 4;
-#endif
-}  // namespace attention_mma_tiling
-
+// to it). One row tile: 3 for 16-bit caches, whose stages bind shared memory; 4 for fp8 caches, whose
+// stages are smaller: what sm_80's shared memory (164 KB) fits. At head_dim 64 (128 threads) that caps
+// registers at 128; at 128 (64 threads) it caps nothing. (It was 5 from sm_90 on, whose 228 KB fit
+// five, until the check for non-finite V in step 4 took fp8 head_dim 64 past the 96 registers five
+// allow: it spilled there.) Two row tiles: 2, what sm_80's shared memory gives at head_dim 128 (the
+// registers may grow to 255 for the second tile's accumulators). Four: 1, what sm_80's shared memory
+// gives at head_dim 128 (a warp's registers as with two tiles). Head_dim 256, whose q pieces and stage
+// rows are twice as wide, and one key warp: 2 with one tile and 1 with two, what sm_80 gives 16-bit
+// caches.
 template <typename T, int HEAD_DIM, int ROW_TILES> constexpr int attention_mma_min_blocks() {
     return HEAD_DIM == 256 ? (ROW_TILES == 1 ? 2 : 1)
          : ROW_TILES == 4 ? 1 : ROW_TILES == 2 ? 2
-         : cupykv::is_fp8<T>::value ? attention_mma_tiling::kFp8OneTileBlocks : 3;
+         : cupykv::is_fp8<T>::value ? 4 : 3;
 }
 
 namespace cupykv {
@@ -363,6 +357,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     };
     // The row's 2^-k, in the padding after its first piece (16 bytes no ldmatrix reads; 16-byte aligned).
     auto q_unscale = [&](int r) -> float& { return *reinterpret_cast<float*>(q_tile + r * kRow + HEAD_DIM); };
+    // Beside it, the row's mark: nonzero once a key warp found it attending a NaN or infinite V element (step 4).
+    auto row_mark = [&](int r) -> unsigned& { return *reinterpret_cast<unsigned*>(q_tile + r * kRow + HEAD_DIM + 2); };
+    for (int r = tid; r < kBlockRows; r += kThreads) row_mark(r) = 0;
     if constexpr (kHalfM) {   // a factor per row: 2^0 where q is exact in one half (half io, no rope)
         constexpr int kPairsPerLane = (HEAD_DIM / 2 + 31) / 32;   // rounded up: at head_dim 96 lanes 0-15 take two
         for (int r = warp; r < kBlockRows; r += kThreads / 32) {   // a warp per row: lanes over its pairs
@@ -405,6 +402,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     // Every live row attends every key of a step in [first_open, last_open]: no mask needed there.
     const int first_open = window > 0 ? length + (first_row + block_rows - 1) / group - window + 1 : 0;
     const int last_open = min(keys.end - 1, length + first_row / group);
+    // Whether the block's rows sit at more than one position: only then can a step hold a key that
+    // some rows attend and others do not (step 4).
+    const bool mixed_positions = first_row / group != (first_row + block_rows - 1) / group;
 
     const long long head_base = layer_offset + b * stride_batch + kv_head * stride_head;
     T* my_stages = stages + key_warp * kStageCount * 2 * kTile;
@@ -509,6 +509,11 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         const T* k_stage = my_stages + (n % kStageCount) * 2 * kTile;
         const T* v_stage = k_stage + kTile;
         const int first_key = keys.begin + step * kStepKeys;
+        // Whether a key of the step may be masked for some row (step 3), and, where rows at several
+        // positions may attend different keys of it, which of its V rows hold a NaN or an infinity (step 4).
+        const bool open = CUPYKV_COMMON_PATH(first_key >= first_open && first_key + kStepKeys - 1 <= last_open, true);
+        const unsigned non_finite_keys = CUPYKV_COMMON_PATH(
+            (!open && mixed_positions ? cupykv::stage_non_finite_keys<T, HEAD_DIM>(v_stage, kStageRow, lane) : 0u), 0u);
 
         // 2. S = Q K^T for each tile's 16 rows x 16 keys: s[tile][n8 block][c], rows quad_row (c < 2)
         //    and quad_row + 8. The K fragments are loaded once for every tile.
@@ -553,7 +558,6 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         if (pieces == 1) scores(cupykv::Count<1>{}); else scores(cupykv::Count<kQPieces>{});
 
         // 3. Scale, cap, mask (only in a step that can hold a masked key), online softmax per row.
-        const bool open = CUPYKV_COMMON_PATH(first_key >= first_open && first_key + kStepKeys - 1 <= last_open, true);
         unsigned p_hi[kWarpTiles][4], p_lo[kWarpTiles][4];   // P as the A fragments of P.V: S's fragments
 #pragma unroll
         for (int t = 0; t < kWarpTiles; ++t) {
@@ -605,7 +609,35 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         }
 
         // 4. O += P V, 16 dims (two n8 blocks) per V fragment, loaded once for every tile; V rows of
-        //    keys past the split are zeros.
+        //    keys past the split are zeros. A masked step of rows at several positions (a verification
+        //    tile's diagonal, a window's first keys) may hold a V row that some of its rows attend and
+        //    others do not (a pending row past a query). A weight of 0 times a NaN or infinite element
+        //    is NaN in an mma, so in those steps only the stage is checked, and where it holds such
+        //    elements (rare) the step runs on V with them as zeros, and each of the lane's rows that
+        //    gives one of their keys a weight above 0 is marked, to return NaN in every dim (step 5).
+        if (non_finite_keys != 0) {
+            // lane (quad_row, quad_col) holds the weights of keys 8 nb + 2 quad_col + e of its rows, as the
+            // pieces (element e) of pair 2 nb + half; a quad's four lanes hold a row's 16
+            for (int t = 0; t < kWarpTiles; ++t)
+                for (int half = 0; half < 2; ++half) {
+                    unsigned marked = 0;
+                    for (int nb = 0; nb < 2; ++nb)
+                        for (int e = 0; e < 2; ++e) {
+                            const unsigned weight_bits = (p_hi[t][2 * nb + half] | p_lo[t][2 * nb + half]) >> (16 * e);
+                            if ((non_finite_keys >> (8 * nb + 2 * quad_col + e) & 1u) && (weight_bits & 0xffffu)) marked = 1;
+                        }
+                    marked |= __shfl_xor_sync(0xffffffffu, marked, 1);
+                    marked |= __shfl_xor_sync(0xffffffffu, marked, 2);
+                    if (marked && quad_col == 0)
+                        atomicOr(&row_mark(warp_first_row + t * kTileRows + quad_row + 8 * half), 1u);
+                }
+            // the elements as zeros: in the stage where the warp has it to itself (and the next round's
+            // copies refill it only after the barrier that opens the round), else in each fragment below
+            if constexpr (kRowGroups == 1) {
+                cupykv::zero_non_finite_elements<T, HEAD_DIM>(const_cast<T*>(v_stage), kStageRow, lane);
+                __syncwarp();
+            }
+        }
 #pragma unroll
         for (int d0 = 0; d0 < HEAD_DIM; d0 += 16) {
             unsigned v_frag[4];   // columns d0..d0+7 (v_frag[0..1]) and d0+8..d0+15 (v_frag[2..3])
@@ -625,6 +657,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             } else {
                 cupykv::ldmatrix_x4_trans(v_frag, v_stage + (lane % 16) * kRow + d0 + (lane / 16) * 8);
             }
+            if constexpr (kRowGroups > 1)
+                if (non_finite_keys != 0)
+                    for (int i = 0; i < 4; ++i) v_frag[i] = cupykv::zero_non_finite_pair<M>(v_frag[i]);
             const unsigned dims_lo[2] = {v_frag[0], v_frag[1]}, dims_hi[2] = {v_frag[2], v_frag[3]};
 #pragma unroll
             for (int t = 0; t < kWarpTiles; ++t) {
@@ -644,6 +679,11 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             row_sum[t][half] += __shfl_xor_sync(0xffffffffu, row_sum[t][half], 2);
             row_sum[t][half] *= kPUnscale;   // exact: a power of two
         }
+    __syncthreads();   // every key warp has marked its rows (step 4)
+    unsigned marked_rows = 0;   // bit 2 t + half: the lane's row attends a NaN or infinite V element
+    for (int t = 0; t < kWarpTiles; ++t)
+        for (int half = 0; half < 2; ++half)
+            marked_rows |= (row_mark(warp_first_row + t * kTileRows + quad_row + 8 * half) != 0 ? 1u : 0u) << (2 * t + half);
     __syncthreads();   // every warp is done with the q pieces and its stages: they become the accumulators
     float* warp_acc = reinterpret_cast<float*>(smem_bytes);         // [key warps][kBlockRows][HEAD_DIM]
     float* warp_max = reinterpret_cast<float*>(smem_bytes + kAccBytes);   // [key warps][kBlockRows]
@@ -655,10 +695,12 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 warp_max[key_warp * kBlockRows + r] = row_max[t][half];
                 warp_sum[key_warp * kBlockRows + r] = row_sum[t][half];
             }
+            // a row marked in step 4 publishes NaN (its unscale), so its output is NaN in every dim
+            const float unscale = marked_rows >> (2 * t + half) & 1u ? __int_as_float(0x7fc00000) : kPUnscale;
             for (int n8 = 0; n8 < kDimBlocks; ++n8) {   // in column order (fp8 caches: fp8_v_column)
                 float* at = warp_acc + (key_warp * kBlockRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
-                at[0] = acc[t][n8][2 * half] * kPUnscale;
-                at[1] = acc[t][n8][2 * half + 1] * kPUnscale;
+                at[0] = acc[t][n8][2 * half] * unscale;
+                at[1] = acc[t][n8][2 * half + 1] * unscale;
             }
         }
     __syncthreads();

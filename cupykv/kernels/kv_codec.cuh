@@ -119,4 +119,62 @@ template <> __device__ __forceinline__ void widen_fp8_word<__half>(unsigned word
 #endif
 }
 
+// The bits that are all ones in a NaN or infinite element of T (E4M3: its NaN codes; it has no
+// infinity), and whether any element of a 32-bit word of T holds them.
+template <typename T> struct non_finite_bits;
+template <> struct non_finite_bits<__half> { static constexpr unsigned value = 0x7c00u; };
+template <> struct non_finite_bits<__nv_bfloat16> { static constexpr unsigned value = 0x7f80u; };
+template <> struct non_finite_bits<__nv_fp8_e4m3> { static constexpr unsigned value = 0x7fu; };
+template <typename T> __device__ __forceinline__ bool word_has_non_finite(unsigned word) {
+    constexpr unsigned kBits = non_finite_bits<T>::value;
+    bool found = false;
+    for (int element = 0; element < 4 / (int)sizeof(T); ++element)
+        found |= ((word >> (8 * (int)sizeof(T) * element)) & kBits) == kBits;
+    return found;
+}
+
+// The keys (bit k: row k) of a K/V stage's 16 rows (HEAD_DIM elements each, rows `stage_row` elements
+// apart, 16-byte aligned) that hold a NaN or infinite element; the warp reads it a word a lane at a
+// time and agrees on the mask.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ unsigned stage_non_finite_keys(const T* stage, int stage_row, int lane) {
+    constexpr int kWordsPerRow = HEAD_DIM * (int)sizeof(T) / 4;
+    unsigned keys = 0;
+#pragma unroll 1   // a word at a time: in the key loop, beside the accumulators
+    for (int e = lane; e < 16 * kWordsPerRow; e += 32) {
+        const int key = e / kWordsPerRow;
+        if (word_has_non_finite<T>(reinterpret_cast<const unsigned*>(stage + key * stage_row)[e % kWordsPerRow]))
+            keys |= 1u << key;
+    }
+    for (int offset = 16; offset > 0; offset /= 2) keys |= __shfl_xor_sync(0xffffffffu, keys, offset);
+    return keys;
+}
+
+// A word of T with each NaN or infinite element zeroed (M: __half or __nv_bfloat16, or fp8 codes).
+template <typename T> __device__ __forceinline__ unsigned zero_non_finite_word(unsigned word) {
+    constexpr unsigned kBits = non_finite_bits<T>::value, kElementBits = 8 * sizeof(T);
+    constexpr unsigned kMask = kElementBits == 32 ? 0xffffffffu : (1u << kElementBits) - 1;
+    unsigned kept = word;
+    for (unsigned shift = 0; shift < 32; shift += kElementBits)
+        if ((word >> shift & kBits) == kBits) kept &= ~(kMask << shift);
+    return kept;
+}
+
+// The elements of a K/V stage's 16 rows (as stage_non_finite_keys reads them) that are NaN or
+// infinite, set to zero; each lane rewrites the words it reads.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void zero_non_finite_elements(T* stage, int stage_row, int lane) {
+    constexpr int kWordsPerRow = HEAD_DIM * (int)sizeof(T) / 4;
+#pragma unroll 1
+    for (int e = lane; e < 16 * kWordsPerRow; e += 32) {
+        unsigned* word = reinterpret_cast<unsigned*>(stage + (e / kWordsPerRow) * stage_row) + e % kWordsPerRow;
+        *word = zero_non_finite_word<T>(*word);
+    }
+}
+
+// A pair of 16-bit mma operands (M: __half or __nv_bfloat16) with each NaN or infinite element zeroed.
+template <typename M> __device__ __forceinline__ unsigned zero_non_finite_pair(unsigned pair) {
+    return zero_non_finite_word<M>(pair);
+}
+
 }  // namespace cupykv
