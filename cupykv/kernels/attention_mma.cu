@@ -659,7 +659,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             }
             if constexpr (kRowGroups > 1)
                 if (non_finite_keys != 0)
-                    for (int i = 0; i < 4; ++i) v_frag[i] = cupykv::zero_non_finite_pair<M>(v_frag[i]);
+                    for (int i = 0; i < 4; ++i) v_frag[i] = cupykv::zero_non_finite_word<M>(v_frag[i]);
             const unsigned dims_lo[2] = {v_frag[0], v_frag[1]}, dims_hi[2] = {v_frag[2], v_frag[3]};
 #pragma unroll
             for (int t = 0; t < kWarpTiles; ++t) {

@@ -150,7 +150,7 @@ __device__ __forceinline__ unsigned stage_non_finite_keys(const T* stage, int st
     return keys;
 }
 
-// A word of T with each NaN or infinite element zeroed (M: __half or __nv_bfloat16, or fp8 codes).
+// A word of T (__half, __nv_bfloat16 or fp8 codes) with each NaN or infinite element zeroed.
 template <typename T> __device__ __forceinline__ unsigned zero_non_finite_word(unsigned word) {
     constexpr unsigned kBits = non_finite_bits<T>::value, kElementBits = 8 * sizeof(T);
     constexpr unsigned kMask = kElementBits == 32 ? 0xffffffffu : (1u << kElementBits) - 1;
@@ -170,11 +170,6 @@ __device__ __forceinline__ void zero_non_finite_elements(T* stage, int stage_row
         unsigned* word = reinterpret_cast<unsigned*>(stage + (e / kWordsPerRow) * stage_row) + e % kWordsPerRow;
         *word = zero_non_finite_word<T>(*word);
     }
-}
-
-// A pair of 16-bit mma operands (M: __half or __nv_bfloat16) with each NaN or infinite element zeroed.
-template <typename M> __device__ __forceinline__ unsigned zero_non_finite_pair(unsigned pair) {
-    return zero_non_finite_word<M>(pair);
 }
 
 }  // namespace cupykv
