@@ -120,17 +120,25 @@ template <> __device__ __forceinline__ void widen_fp8_word<__half>(unsigned word
 }
 
 // The bits that are all ones in a NaN or infinite element of T (E4M3: its NaN codes; it has no
-// infinity), and whether any element of a 32-bit word of T holds them.
+// infinity).
 template <typename T> struct non_finite_bits;
 template <> struct non_finite_bits<__half> { static constexpr unsigned value = 0x7c00u; };
 template <> struct non_finite_bits<__nv_bfloat16> { static constexpr unsigned value = 0x7f80u; };
 template <> struct non_finite_bits<__nv_fp8_e4m3> { static constexpr unsigned value = 0x7fu; };
+
+// A word of T (__half, __nv_bfloat16 or fp8 codes) with each NaN or infinite element zeroed.
+template <typename T> __device__ __forceinline__ unsigned zero_non_finite_word(unsigned word) {
+    constexpr unsigned kBits = non_finite_bits<T>::value, kElementBits = 8 * sizeof(T);
+    constexpr unsigned kMask = kElementBits == 32 ? 0xffffffffu : (1u << kElementBits) - 1;
+    unsigned kept = word;
+    for (unsigned shift = 0; shift < 32; shift += kElementBits)
+        if ((word >> shift & kBits) == kBits) kept &= ~(kMask << shift);
+    return kept;
+}
+
+// Whether any element of a 32-bit word of T is NaN or infinite (such an element is never all zeros).
 template <typename T> __device__ __forceinline__ bool word_has_non_finite(unsigned word) {
-    constexpr unsigned kBits = non_finite_bits<T>::value;
-    bool found = false;
-    for (int element = 0; element < 4 / (int)sizeof(T); ++element)
-        found |= ((word >> (8 * (int)sizeof(T) * element)) & kBits) == kBits;
-    return found;
+    return zero_non_finite_word<T>(word) != word;
 }
 
 // The keys (bit k: row k) of a K/V stage's 16 rows (HEAD_DIM elements each, rows `stage_row` elements
@@ -148,16 +156,6 @@ __device__ __forceinline__ unsigned stage_non_finite_keys(const T* stage, int st
     }
     for (int offset = 16; offset > 0; offset /= 2) keys |= __shfl_xor_sync(0xffffffffu, keys, offset);
     return keys;
-}
-
-// A word of T (__half, __nv_bfloat16 or fp8 codes) with each NaN or infinite element zeroed.
-template <typename T> __device__ __forceinline__ unsigned zero_non_finite_word(unsigned word) {
-    constexpr unsigned kBits = non_finite_bits<T>::value, kElementBits = 8 * sizeof(T);
-    constexpr unsigned kMask = kElementBits == 32 ? 0xffffffffu : (1u << kElementBits) - 1;
-    unsigned kept = word;
-    for (unsigned shift = 0; shift < 32; shift += kElementBits)
-        if ((word >> shift & kBits) == kBits) kept &= ~(kMask << shift);
-    return kept;
 }
 
 // The elements of a K/V stage's 16 rows (as stage_non_finite_keys reads them) that are NaN or
