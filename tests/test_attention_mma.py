@@ -456,7 +456,7 @@ def test_a_padded_head_reads_and_writes_only_its_own_dims(backend, dtype, io_dty
     wrong rows. Rope rotates at the cache's head size, whose pairs are (d, d + head_dim / 2). A padded
     copy that reads anything (even a live byte of its row, harmless to the result) shows in the bytes
     the launch loads: exactly the attended rows' once."""
-    max_seq, lengths = 160, [77, 160]
+    max_seq, length_0 = 160, 77   # sequence 0's live rows; sequence 1's queries end at the buffer's end
     spec = cupykv.CacheSpec(n_layers=2, n_kv_heads=1, head_dim=head_dim, max_seq=max_seq, batch=2, dtype=dtype,
                             io_dtype=io_dtype, layout=layout)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
@@ -465,10 +465,10 @@ def test_a_padded_head_reads_and_writes_only_its_own_dims(backend, dtype, io_dty
     # q_len falling, so that each call's pending rows are below the NaN an earlier call wrote
     for q_len, group, options in ((5, 8, dict(softcap=30.0, split_keys=128)),
                                   (3, 2, dict(rope=cupykv.Rope(), num_splits=2)), (1, 4, dict(num_splits=1))):
-        committed = [lengths[0], max_seq - q_len]   # sequence 1's last query attends key max_seq - 1
+        committed = [length_0, max_seq - q_len]   # sequence 1's last query attends key max_seq - 1
         cache.set_lengths(committed)
         oracle.set_lengths(committed)
-        testing.poison_tail(cache, [lengths[0] + q_len, max_seq])
+        testing.poison_tail(cache, [length_0 + q_len, max_seq])
         plan = cupykv.AttentionPlan(cache, q_len, group, **options)
         assert plan.kernel.tensor_cores and f", {instance}, " in plan.kernel.instance
         q = testing.random_rows(rng, spec, (2, q_len, group, head_dim))
