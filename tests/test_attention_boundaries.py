@@ -437,3 +437,58 @@ def boundary_cases(draw):
 def test_boundary_cases_match_the_reference(backend, case):
     spec, lengths, q_len, group, options = case
     attend(backend, spec, lengths, q_len, group, **options)
+
+
+# -- 9. a non-finite value in an attended row is never hidden -----------------------------------------------
+# (dtype, io_dtype, head_dim): CUDA cores for float32 and for a 16-bit head that is not whole 16-byte
+# copies, tensor cores at one and two m16 tiles' heads, and both fp8 kernels.
+NON_FINITE_KERNELS = [("float32", "", 8), ("float16", "", 36), ("bfloat16", "", 64), ("float16", "", 128),
+                      ("float8_e4m3", "float16", 64), ("float8_e4m3", "bfloat16", 72)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, io_dtype, head_dim", NON_FINITE_KERNELS, ids=lambda v: str(v) or "-")
+@pytest.mark.parametrize("where, value", [("k", NAN), ("k", INF), ("k", -INF), ("v", NAN), ("v", INF)],
+                         ids=["k-nan", "k-inf", "k--inf", "v-nan", "v-inf"])   # -inf in V behaves as +inf
+def test_a_non_finite_attended_row_is_never_hidden(backend, dtype, io_dtype, head_dim, where, value):
+    """A NaN or infinity in an attended K or V row reaches the output wherever the reference's does.
+
+    Rows of kv head 0 hold ``value`` in half their dims: sequence 0's committed rows 37, which every
+    query attends in a step of its own, and CHUNK - 1, the last key of the first chunk, which with
+    ``window=11`` is query 0's first key, alone in its chunk and step before finite ones; sequence
+    1's pending row 38, which queries 0 and 1 share a 16-key step with but do not attend; and sequence
+    2's last pending row, which with ``window=1`` its query attends alone. Wherever the reference is
+    non-finite the kernel must be too (a NaN logit or weight sum once came out as zeros, as if nothing
+    were attended, or was dropped beside finite ones); the rows where the reference is finite must
+    match it. With 1 and 3 splits: the split merge meets a non-finite split beside finite ones.
+    """
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=2 * CHUNK + 32, batch=3,
+                            dtype=dtype, io_dtype=io_dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(head_dim)
+    lengths, q_len, group = [CHUNK + 9, 36, 70], 4, 2
+    testing.fill(cache, oracle, [n + q_len for n in lengths], rng)
+    for c in (cache, oracle):
+        c.set_lengths(lengths)
+    scale = testing.value_scale(oracle, 0)          # over the finite rows, before the poison
+    poisoned = {0: [37, CHUNK - 1], 1: [lengths[1] + 2], 2: [lengths[2] + q_len - 1]}
+    stored = np.array(testing.to_numpy(getattr(cache, where), spec))
+    for b, rows in poisoned.items():
+        for array in (stored, getattr(oracle, where)):
+            _nhd(array, spec)[0, b, rows, 0, : head_dim // 2] = value
+    getattr(cache, where)[...] = cache.to_device(stored.astype(getattr(cache, where).dtype))
+    q = testing.random_rows(rng, spec, (spec.batch, q_len, 2 * group, head_dim))
+    for window in (None, 1, lengths[0] - (CHUNK - 1) + 1):
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = reference.attention(q, oracle, 0, window=window)
+        reached = ~np.isfinite(want)
+        assert reached[:, :, :group].any() and not reached[:, :, group:].any()   # kv head 0 only
+        finite_rows = ~reached.any(axis=-1)
+        for num_splits in (1, 3):
+            got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, window=window,
+                                                    num_splits=num_splits), spec, io=True).astype(np.float64)
+            context = f"({spec}, {where} = {value} in half the dims, window {window}, {num_splits} splits)"
+            hidden = reached & np.isfinite(got)
+            assert not hidden.any(), f"finite output where the reference is not, at {np.argwhere(hidden)[:4].tolist()} {context}"
+            assert np.isfinite(got[finite_rows]).all(), context
+            assert_attention_close(got[finite_rows], want[finite_rows], spec.io_dtype, scale, context=context)

@@ -189,7 +189,8 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
             const bool any = new_max != cupykv::neg_infinity();
             float chunk_sum = 0.0f;
             for (int c = lane; c < kChunk; c += 32) {
-                const float p = any ? expf(row[c] - new_max) : 0.0f;
+                // masked: exp(-inf) = 0; a NaN logit stays NaN even as the only one so far (see step 4)
+                const float p = expf(row[c] - (any ? new_max : 0.0f));
                 row[c] = p;
                 chunk_sum += p;
             }
@@ -253,19 +254,20 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     if constexpr (kFp8) v_scale = v_scales[(long long)layer * n_kv + kv_head];
     const int row_group = tid / kDimStride, dim0 = tid % kDimStride;
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
-    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows};
+    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows, length, max_seq, window};
     for (int m = 0; m < kRowsPerThread; ++m) {
         const int r = row_group + m * kRowGroups;
         if (r >= tile_rows) continue;
         const long long out_row = tile.out_row(r);
         const float sum = row_sum[r];
+        const bool attends_a_key = tile.attends_a_key(r);
         for (int k = 0; k < kDimsPerThread; ++k) {
             const int d = dim0 + k * kDimStride;
             if (d >= head_dim) continue;
             float value = acc[m][k];
             if constexpr (kFp8) value *= v_scale;
             if (num_splits == 1) {
-                out[out_row * head_dim + d] = cupykv::from_float<TI>(sum > 0.0f ? value / sum : 0.0f);
+                out[out_row * head_dim + d] = cupykv::from_float<TI>(cupykv::normalised_output(value, sum, attends_a_key));
             } else {
                 partial_out[(split * rows_total + out_row) * head_dim + d] = value;
             }

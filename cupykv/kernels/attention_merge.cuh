@@ -5,8 +5,9 @@
 // unnormalised output relative to the split's row max, the max, and the sum of weights), then
 // counts itself on the tile's device counter. The block that counts last merges the tile's rows
 // over every split and writes `out`:
-//     M = max over splits with sum > 0 of max_s,   out = sum_s e^(max_s - M) acc_s / sum_s e^(max_s - M) sum_s
-// (zeros when no split attended anything), the reduction of cupykv.reference in split order.
+//     M = max over splits with sum != 0 of max_s,   out = sum_s e^(max_s - M) acc_s / sum_s e^(max_s - M) sum_s
+// the reduction of cupykv.reference in split order (normalised_output: zeros for a row that attends
+// nothing). A split whose sum is NaN (a NaN or +inf logit) takes part, so the row comes out NaN.
 // The hand-off is the CUDA programming guide's "last block" pattern: a fence, then the count
 // (release); the count, then a fence (acquire), and a barrier for the rest of the block. The
 // count is atomicInc with wrap-around at num_splits - 1, so it returns to 0 as the last block
@@ -20,13 +21,27 @@ namespace cupykv {
 // h = kv_head * group + (first_row + r) % group of sequence b.
 struct QueryTile {
     int b, q_len, n_heads, group, kv_head, first_row, rows;
+    int length, max_seq, window;   // the sequence's length (query i sits at length + i) and the mask's bounds
 
     // Row of [batch * q_len * n_heads] that tile row r writes.
     __device__ __forceinline__ long long out_row(int r) const {
         const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
         return ((long long)b * q_len + i) * n_heads + h;
     }
+
+    // Whether tile row r attends any key: its first key, position - window + 1, lies below max_seq.
+    __device__ __forceinline__ bool attends_a_key(int r) const {
+        return window <= 0 || (long long)length + (first_row + r) / group - window + 1 < max_seq;
+    }
 };
+
+// A row's output from its weighted sum of values and its sum of weights. A sum of 0 means no weight
+// was summed: zeros for a row that attends nothing (the contract), NaN for one whose every attended
+// logit was -inf (a non-finite q or K), as the reference's softmax e^(-inf - (-inf)) is. A NaN sum
+// (a NaN or +inf logit) gives NaN through the division.
+__device__ __forceinline__ float normalised_output(float value, float sum, bool attends_a_key) {
+    return sum != 0.0f ? value / sum : attends_a_key ? quiet_nan() : 0.0f;
+}
 
 // Whether this block is the last of its tile's num_splits to finish; every thread gets the
 // answer. Call after the block's partial writes, from every thread (it holds barriers).
@@ -51,18 +66,18 @@ __device__ __forceinline__ void attention_merge_splits(T* out, const float* part
         const long long row = tile.out_row(r);
         float top = neg_infinity();
         for (int s = 0; s < num_splits; ++s)
-            if (partial_sum[s * rows_total + row] > 0.0f) top = fmaxf(top, partial_max[s * rows_total + row]);
+            if (partial_sum[s * rows_total + row] != 0.0f) top = fmaxf(top, partial_max[s * rows_total + row]);
         float total = 0.0f, value = 0.0f;
         for (int s = 0; s < num_splits; ++s) {
             const long long part = s * rows_total + row;
             const float sum = partial_sum[part];
-            if (sum > 0.0f) {
+            if (sum != 0.0f) {
                 const float weight = expf(partial_max[part] - top);
                 total += sum * weight;
                 value += partial_out[part * head_dim + d] * weight;
             }
         }
-        out[row * head_dim + d] = from_float<T>(total > 0.0f ? value / total : 0.0f);
+        out[row * head_dim + d] = from_float<T>(normalised_output(value, total, tile.attends_a_key(r)));
     }
 }
 

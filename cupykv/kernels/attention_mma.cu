@@ -696,7 +696,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
                 warp_sum[key_warp * kBlockRows + r] = row_sum[t][half];
             }
             // a row marked in step 4 publishes NaN (its unscale), so its output is NaN in every dim
-            const float unscale = marked_rows >> (2 * t + half) & 1u ? __int_as_float(0x7fc00000) : kPUnscale;
+            const float unscale = marked_rows >> (2 * t + half) & 1u ? cupykv::quiet_nan() : kPUnscale;
             for (int n8 = 0; n8 < kDimBlocks; ++n8) {   // in column order (fp8 caches: fp8_v_column)
                 float* at = warp_acc + (key_warp * kBlockRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
                 at[0] = acc[t][n8][2 * half] * unscale;
@@ -707,18 +707,22 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
 
     // 6. Write out (normalised) or the split's partial result, as cupykv_attention does.
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
-    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, block_rows};
+    // the length is read again rather than held through the key loop: at head_dim 256 that register
+    // is the one spill NVRTC 13.0 would make
+    const int tile_length = min(max(cupykv::read_again(lengths + b), 0), max_seq);
+    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, block_rows, tile_length, max_seq,
+                                    window};
     for (int e = tid; e < kBlockRows * HEAD_DIM; e += kThreads) {
         const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
         if (r >= block_rows || d >= head_dim) continue;   // past the block, or a smaller head's padded dim
         const int column = kFp8 ? cupykv::fp8_v_column(d) : d;   // where the warps left dim d
         float top = cupykv::neg_infinity();
         for (int w = 0; w < kWarps; ++w)
-            if (warp_sum[w * kBlockRows + r] > 0.0f) top = fmaxf(top, warp_max[w * kBlockRows + r]);
+            if (warp_sum[w * kBlockRows + r] != 0.0f) top = fmaxf(top, warp_max[w * kBlockRows + r]);
         float sum = 0.0f, value = 0.0f;
         for (int w = 0; w < kWarps; ++w) {
             const float part = warp_sum[w * kBlockRows + r];
-            if (part > 0.0f) {
+            if (part != 0.0f) {   // NaN too: a non-finite logit's sum is never dropped
                 const float weight = expf(warp_max[w * kBlockRows + r] - top);
                 sum += part * weight;
                 value += warp_acc[(w * kBlockRows + r) * HEAD_DIM + column] * weight;
@@ -727,7 +731,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         if constexpr (kFp8) value *= v_scale;   // the codes' sum times the head's scale
         const long long out_row = tile.out_row(r);
         if (num_splits == 1) {
-            out[out_row * head_dim + d] = cupykv::from_float<TI>(sum > 0.0f ? value / sum : 0.0f);
+            out[out_row * head_dim + d] = cupykv::from_float<TI>(cupykv::normalised_output(value, sum, tile.attends_a_key(r)));
         } else {
             partial_out[(split * rows_total + out_row) * head_dim + d] = value;
             if (d == 0) {

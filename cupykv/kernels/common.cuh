@@ -30,6 +30,12 @@ namespace cupykv {
 __device__ __forceinline__ bool gated_off(const int* __restrict__ run_if) { return *run_if == 0; }
 
 __device__ __forceinline__ float neg_infinity() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
+
+// A device-resident argument read once more where it is needed, instead of held in a register from
+// an earlier read through a long loop (volatile: the compiler may not reuse that read). Only for
+// words that no thread writes during the launch, such as the lengths attention reads.
+__device__ __forceinline__ int read_again(const int* word) { return *static_cast<const volatile int*>(word); }
 
 // A compile-time count as a value: a generic lambda called with Count<1>{} or Count<3>{} is
 // compiled once for each, with decltype(arg)::value a constant (NVRTC has no <type_traits>).
