@@ -454,19 +454,19 @@ def test_a_non_finite_attended_row_is_never_hidden(backend, dtype, io_dtype, hea
     """A NaN or infinity in an attended K or V row reaches the output wherever the reference's does.
 
     Rows of kv head 0 hold ``value`` in half their dims: sequence 0's committed rows 37, which every
-    query attends in a step of its own, and CHUNK - 1, the last key of the first chunk, which with
-    ``window=11`` is query 0's first key, alone in its chunk and step before finite ones; sequence
-    1's pending row 38, which queries 0 and 1 share a 16-key step with but do not attend; and sequence
-    2's last pending row, which with ``window=1`` its query attends alone. Wherever the reference is
-    non-finite the kernel must be too (a NaN logit or weight sum once came out as zeros, as if nothing
-    were attended, or was dropped beside finite ones); the rows where the reference is finite must
-    match it. With 1 and 3 splits: the split merge meets a non-finite split beside finite ones.
+    query attends in a step of its own, and CHUNK - 1, which with ``window=11`` is query 0's first key
+    and no other query's; sequence 1's pending row 38, which queries 0 and 1 share a 16-key step with
+    but do not attend; and sequence 2's last pending row, at position CHUNK: with 3 splits it is alone
+    in the second split, the only key there its query attends, and with ``window=1`` the only key it
+    attends at all. Wherever the reference is non-finite the kernel must be too (a NaN logit or weight
+    sum once came out as zeros, as if nothing were attended, or was dropped beside finite ones, as a
+    split or chunk with no finite logit); the rows where the reference is finite must match it.
     """
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=2 * CHUNK + 32, batch=3,
                             dtype=dtype, io_dtype=io_dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(head_dim)
-    lengths, q_len, group = [CHUNK + 9, 36, 70], 4, 2
+    lengths, q_len, group = [CHUNK + 9, 36, CHUNK - 3], 4, 2
     testing.fill(cache, oracle, [n + q_len for n in lengths], rng)
     for c in (cache, oracle):
         c.set_lengths(lengths)

@@ -23,15 +23,18 @@ struct QueryTile {
     int b, q_len, n_heads, group, kv_head, first_row, rows;
     int length, max_seq, window;   // the sequence's length (query i sits at length + i) and the mask's bounds
 
+    // Query (index in q_len) of tile row r.
+    __device__ __forceinline__ int query(int r) const { return (first_row + r) / group; }
+
     // Row of [batch * q_len * n_heads] that tile row r writes.
     __device__ __forceinline__ long long out_row(int r) const {
-        const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
-        return ((long long)b * q_len + i) * n_heads + h;
+        const int h = kv_head * group + (first_row + r) % group;
+        return ((long long)b * q_len + query(r)) * n_heads + h;
     }
 
     // Whether tile row r attends any key: its first key, position - window + 1, lies below max_seq.
     __device__ __forceinline__ bool attends_a_key(int r) const {
-        return window <= 0 || (long long)length + (first_row + r) / group - window + 1 < max_seq;
+        return window <= 0 || (long long)length + query(r) - window + 1 < max_seq;
     }
 };
 
