@@ -526,7 +526,8 @@ def test_non_finite_attended_values_are_never_hidden_in_any_boundary_case(backen
     poisoned = set()
     n_heads = group * spec.n_kv_heads
     may_be_nan = np.zeros((spec.batch, q_len, n_heads), bool)
-    pieces = options["rope"] is not None and attention_plan.attention_kernel(spec.dtype, spec.head_dim).tensor_cores
+    tensor_cores = attention_plan.attention_kernel(spec.dtype, spec.head_dim).tensor_cores
+    pieces = options["rope"] is not None and tensor_cores
     for _ in range(data.draw(st.integers(1, 3), label="poisoned rows")):
         b = data.draw(st.integers(0, spec.batch - 1), label="sequence")
         if tail[b] == 0:
@@ -554,6 +555,6 @@ def test_non_finite_attended_values_are_never_hidden_in_any_boundary_case(backen
     with np.errstate(invalid="ignore", over="ignore"):
         want = reference.attention(q, oracle, 0, **reference_options)
     event("the poison reaches the reference's output" if not np.isfinite(want).all() else "no query attends the poison")
-    event("tensor cores" if attention_plan.attention_kernel(spec.dtype, spec.head_dim).tensor_cores else "CUDA cores")
+    event("tensor cores" if tensor_cores else "CUDA cores")
     assert_non_finite_kept(got, want, spec.dtype, scale, f"({spec}, lengths {lengths}, q_len {q_len}, {options})",
                            may_be_nan)
