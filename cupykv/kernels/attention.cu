@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     float* row_sum = row_max + kTileRows;                            // [kTileRows]
     float* row_rescale = row_sum + kTileRows;                        // [kTileRows]
 
-    const int length = min(max(lengths[b], 0), max_seq);
+    const int length = cupykv::live_length(lengths[b], max_seq);
     // q rows of this tile, pre-multiplied by scale (fp8: by scale * k_scale, so that the dot
     // product with raw codes is the logit), rotated at their position.
     float q_scale = scale;

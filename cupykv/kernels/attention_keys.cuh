@@ -12,9 +12,16 @@
 //                    without a window a query row is summed in the same order whatever the
 //                    query shape (what speculative verification needs to equal greedy decoding).
 // The range is uniform across the block and may be empty (begin == end).
+//
+// The length a block attends with is the stored one clamped to [0, max_seq] (live_length): the
+// cache's own ops keep it there, but a device word written by anything else must still not move a
+// read outside the cache.
 #pragma once
 
 namespace cupykv {
+
+// Sequence b's live length as attention reads it: `stored` (its lengths[b]) clamped to [0, max_seq].
+__device__ __forceinline__ int live_length(int stored, int max_seq) { return min(max(stored, 0), max_seq); }
 
 struct KeyRange {
     int begin;   // first key of this block's split

@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     const int first_row = (blockIdx.x - head_of_batch * tiles) * kBlockRows;
     const int block_rows = min(kBlockRows, q_len * group - first_row);
     const int warp_first_row = row_group * kWarpRows;                 // the warp's first row in the block
-    const int length = min(max(lengths[b], 0), max_seq);
+    const int length = cupykv::live_length(lengths[b], max_seq);
     const int pieces = CUPYKV_COMMON_PATH(use_rope, false) || cupykv::same_type<TI, float>::value ? kQPieces : 1;
     // P's weights as mma operands: with half operands they are taken times 2^15. A half is subnormal
     // below 2^-14, in steps of 2^-24, so unscaled a weight under 2^-25 rounded to zero in both pieces
@@ -709,7 +709,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
     // the length is read again rather than held through the key loop: at head_dim 256 that register
     // is the one spill NVRTC 13.0 would make
-    const int tile_length = min(max(cupykv::read_again(lengths + b), 0), max_seq);
+    const int tile_length = cupykv::live_length(cupykv::read_again(lengths + b), max_seq);
     const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, block_rows, tile_length, max_seq,
                                     window};
     for (int e = tid; e < kBlockRows * HEAD_DIM; e += kThreads) {
