@@ -558,3 +558,52 @@ def test_non_finite_attended_values_are_never_hidden_in_any_boundary_case(backen
     event("tensor cores" if tensor_cores else "CUDA cores")
     assert_non_finite_kept(got, want, spec.dtype, scale, f"({spec}, lengths {lengths}, q_len {q_len}, {options})",
                            may_be_nan)
+
+
+# -- 10. a scale near float32's limit, with logits that fit it --------------------------------------------
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, io_dtype, head_dim", NON_FINITE_KERNELS, ids=lambda v: str(v) or "-")
+def test_a_scale_whose_product_with_q_overflows_still_gives_the_logits(backend, dtype, io_dtype, head_dim):
+    """A logit is ``scale * (q . k)``: the kernels multiply the float32 dot product by the scale, so a
+    scale that would overflow ``scale * q`` works wherever the logits fit float32.
+
+    - Zero keys, ``scale`` = float32's largest: every logit is 0 and each query averages its V rows.
+      The CUDA-core kernel once multiplied q by the scale first: ``inf * 0`` made those queries NaN.
+    - Keys times 2^-12 (fp8: a k_scale of 2^-20), ``scale`` = 2^127, q of a few units (so ``scale *
+      q`` is past float32's range): one marked key per sequence, which every query leans on, has a
+      logit at least 2^100 above every other, so each query returns that key's V row bit for bit.
+    """
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=2 * CHUNK + 32, batch=2,
+                            dtype=dtype, io_dtype=io_dtype)
+    lengths, q_len, group, marked = [CHUNK + 9, 37], 3, 2, [CHUNK + 2, 5]
+    oracle, q = _oracle(spec, q_len, group, np.random.default_rng(head_dim), layer=0,
+                        marked={b: [position] for b, position in enumerate(marked)})
+    q = (4 * q.astype(np.float64)).astype(spec.io_np_dtype)
+    quantized = spec.dtype == "float8_e4m3"
+    zero_keys = np.zeros_like(oracle.k)
+    small_keys = oracle.k.copy() if quantized else (oracle.k.astype(np.float64) * 2.0**-12).astype(oracle.k.dtype)
+    for keys, scale, k_scale in ((zero_keys, FLOAT32_MAX, 1.0), (small_keys, 2.0**127, 2.0**-20)):
+        oracle.k[...] = keys
+        if quantized:
+            oracle.set_scales(k_scale=k_scale)
+        oracle.set_lengths(lengths)
+        cache = cupykv.KVCache(spec, backend=backend, **({"k_scale": k_scale} if quantized else {}))
+        cache.k[...], cache.v[...] = cache.to_device(oracle.k), cache.to_device(oracle.v)
+        cache.set_lengths(lengths)
+        assert np.abs(q.astype(np.float64)).max() * scale > FLOAT32_MAX   # scale * q alone would overflow
+        want = reference.attention(q, oracle, 0, scale=scale)
+        for num_splits in (1, 3):
+            got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, scale=scale, num_splits=num_splits),
+                                   spec, io=True).astype(np.float64)
+            context = f"({spec}, scale {scale}, {num_splits} splits)"
+            if scale == FLOAT32_MAX:
+                assert_attention_close(got, want, spec.io_dtype, testing.value_scale(oracle, 0), context=context)
+                continue
+            for b, position in enumerate(marked):
+                row = _nhd(oracle.v, spec)[0, b, position].astype(np.float64)   # [n_kv, hd]
+                expected = np.broadcast_to(np.repeat(row, group, axis=0), got[b].shape)
+                assert np.array_equal(want[b], expected), f"the reference does not pick the marked key {context}"
+                assert np.array_equal(got[b], expected), f"not the marked key's V row, bit for bit {context}"

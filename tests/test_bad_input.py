@@ -8,6 +8,7 @@ turned into inf or 0.
 """
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import cupykv
 from cupykv import ops, reference, testing
@@ -280,6 +281,18 @@ def test_a_mask_written_over_the_cache_lengths_is_refused():
     assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(cache)))
 
 
+def test_a_mask_over_shared_lengths_names_the_calling_cache_first():
+    # two caches share one lengths array: the message must name the call's own cache ("the cache's"),
+    # not whichever of the two the registry happens to list first
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=2, max_seq=1, batch=2)
+    first = cupykv.KVCache(spec, backend="emulator")
+    second = cupykv.KVCache(spec, backend="emulator", lengths=first.lengths)
+    for cache in (first, second):
+        with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap the cache's lengths, "
+                                             r"got one that shares 8 bytes with it$"):
+            cache.additive_mask(1, out=cache.lengths.view(np.float32).reshape(2, 1, 1, 1))
+
+
 def read_only(array):
     array.flags.writeable = False
     return array
@@ -320,3 +333,50 @@ def test_no_op_writes_into_any_cache(backend):
     with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap a KVCache's v"):
         cupykv.attention(d(rows()), other, 0, out=cache_view(cache.v, (2, 1, 2, 8)))
     assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(cache)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_output_that_only_touches_its_inputs_is_taken(backend):
+    # one buffer cut into a | out | b: out begins where a ends and ends where b begins, sharing no byte
+    from cupykv.backends import get_backend
+    buffer = get_backend(backend).asarray(np.arange(96, dtype=np.float32))
+    a, out, b = (buffer[i * 32:(i + 1) * 32].reshape(4, 8) for i in range(3))
+    assert ops.add(a, b, out=out) is out
+    host = get_backend(backend).to_host(buffer)
+    assert host[32:64].tolist() == (np.arange(32) + np.arange(64, 96)).astype(np.float32).tolist()
+    assert host[:32].tolist() == list(range(32)) and host[64:].tolist() == list(range(64, 96))
+
+
+class _Owner:
+    """A stand-in for a KVCache or AttentionPlan: it owns the ``(what, first, last)`` byte ranges it is given."""
+
+    def __init__(self, ranges):
+        self._ranges = tuple(ranges)
+
+    def owned_ranges(self):
+        return self._ranges
+
+
+# fake addresses far above any real allocation, so that no live cache of another test is among the hits
+_FAR = 1 << 62
+_SPANS = st.tuples(st.integers(0, 96), st.integers(1, 48))
+
+
+@settings(deadline=None)
+@given(owners=st.lists(st.lists(_SPANS, min_size=1, max_size=3), min_size=1, max_size=6),
+       query=st.tuples(st.integers(0, 150), st.integers(0, 48)))
+def test_the_buffer_registry_finds_exactly_the_ranges_a_scan_finds(owners, query):
+    """``check_apart_from_caches`` asks a sorted index (``cupykv._args.overlap._index``), not every owner in
+    turn. Ranges here nest, repeat and touch (a cache may share its lengths, or part of another's): the index
+    must return every range sharing a byte with the query, with the bytes shared, and nothing else."""
+    from cupykv._args import overlap
+    fakes = [_Owner((f"buffer {j}", _FAR + start, _FAR + start + size) for j, (start, size) in enumerate(spans))
+             for spans in owners]
+    for owner in fakes:
+        overlap.register_buffers(owner)
+    first, last = _FAR + query[0], _FAR + query[0] + query[1]
+    found = sorted((fakes.index(owner), what, common) for owner, what, common in overlap._index.overlapping(first, last)
+                   if any(owner is fake for fake in fakes))
+    scan = sorted((i, what, min(last, end) - max(first, start)) for i, owner in enumerate(fakes)
+                  for what, start, end in owner.owned_ranges() if min(last, end) - max(first, start) > 0)
+    assert found == scan

@@ -16,9 +16,12 @@
 // __half or float; HEAD_DIM = 0 only) holds codes that stand for code * scale, one fp32
 // scale per layer and kv head in k_scales / v_scales [n_layers, n_kv] (device-resident,
 // read at run time; kv_codec.cuh). Its K and V are read as raw codes and the scales applied
-// once instead: q is pre-multiplied by scale * k_scale (s_j = scale * k_scale * q . code_j),
-// and the output by v_scale before it is normalised or written as a split's partial, so the
-// merge is that of any cache. Caches with T == TI never read the scales.
+// once instead: the dot product is multiplied by scale * k_scale (s_j = (scale * k_scale) *
+// (q . code_j)), and the output by v_scale before it is normalised or written as a split's
+// partial, so the merge is that of any cache. Caches with T == TI never read the scales.
+// A logit is the float32 dot product q . k times one float32 factor (scale, or scale * k_scale),
+// as on the tensor cores: q is not pre-multiplied, which would overflow for a large scale (and a
+// q of a few units) where the logit itself fits float32.
 //
 // Launch geometry of cupykv_attention: block (128); grid (batch * n_kv * tiles,
 // num_splits) where group = n_heads / n_kv and tiles = ceil(q_len * group / 16):
@@ -57,10 +60,9 @@ constexpr int kWarps = kThreads / 32;
 
 // Minimum resident blocks per SM (ptxas's register budget), keyed on the storage type: 4 (<= 128
 // registers) for 16-bit and fp8 storage (NVRTC 13.5 allocates the fp8 instances, HEAD_DIM = 0
-// with any io type, at 93 registers on sm_80 and 95 on sm_90, within one of the 16-bit ones);
-// 3 (<= 168) for float, where NVRTC 13.5 allocates <float, float, 64> on sm_80 at 164 to 168
-// registers (168 since the in-launch split merge; 13.0.88: 162 before it) and spilled 16 bytes
-// under the 128 cap. `python -m cupykv check` prints every instance's registers.
+// with any io type, at 96 registers on sm_80 and sm_90, within 5 of the 16-bit ones);
+// 3 (<= 168) for float, where both pinned NVRTCs allocate <float, float, 64> on sm_80 at 162
+// registers (168 at one time) and 13.5 spilled 16 bytes under the 128 cap. `python -m cupykv check` prints every instance's registers.
 template <typename T> constexpr int attention_min_blocks() { return sizeof(T) == 4 ? 3 : 4; }
 
 template <typename T, typename TI, int HEAD_DIM>
@@ -112,10 +114,10 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     float* row_rescale = row_sum + kTileRows;                        // [kTileRows]
 
     const int length = cupykv::live_length(lengths[b], max_seq);
-    // q rows of this tile, pre-multiplied by scale (fp8: by scale * k_scale, so that the dot
-    // product with raw codes is the logit), rotated at their position.
-    float q_scale = scale;
-    if constexpr (kFp8) q_scale = scale * k_scales[(long long)layer * n_kv + kv_head];
+    // The logit factor: scale (fp8: scale * k_scale, so that it turns the dot product with raw codes
+    // into the logit). The q rows of this tile, rotated at their position, are kept unscaled.
+    float logit_scale = scale;
+    if constexpr (kFp8) logit_scale = scale * k_scales[(long long)layer * n_kv + kv_head];
     const int half_dim = head_dim / 2;
     for (int e = tid; e < kTileRows * head_dim; e += kThreads) {
         const int r = e / head_dim, d = e - r * head_dim;
@@ -127,10 +129,10 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
             if (use_rope) {
                 float partner = cupykv::to_float<TI>(q[base + d + half_dim]);
                 cupykv::rope_rotate_pair(&value, &partner, length + i, d, head_dim, rope_theta);
-                q_tile[r * head_dim + d + half_dim] = partner * q_scale;
+                q_tile[r * head_dim + d + half_dim] = partner;
             }
         }
-        if (!use_rope || d < half_dim || r >= tile_rows) q_tile[e] = value * q_scale;
+        if (!use_rope || d < half_dim || r >= tile_rows) q_tile[e] = value;
     }
     if (tid < kTileRows) {
         row_max[tid] = cupykv::neg_infinity();
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
             const int position = length + (first_row + r) / group;
             const bool attended = r < tile_rows && j < split_end && j <= position &&
                                   (window <= 0 || j > position - window);
-            float s = dot[r];
+            float s = dot[r] * logit_scale;
             if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
             scores[r * kChunk + tid] = attended ? s : cupykv::neg_infinity();
         }
