@@ -6,7 +6,8 @@ With a usable GPU (:func:`cupykv.backends.cuda_available`) the parts are, in ord
   (``Backend.warm_up``: a cold machine pays for the largest module, not for all of them in
   turn), then every kernel instance in :data:`cupykv.kernels.KERNELS` launched once at small
   shapes (:mod:`cupykv.validate_launches`), failing on a missed instance;
-- ``gpu_suite``: ``pytest -m gpu tests`` (the notebooks and the stateful machine left out);
+- ``gpu_suite``: ``pytest -m gpu tests`` on :data:`GPU_SUITE_WORKERS` pytest-xdist workers (the notebooks and
+  the stateful machine left out), then the CUDA-event timing tests (:data:`SERIAL_GPU_TESTS`) alone;
 - ``stateful``: the stateful machine on CuPy (``tests/test_stateful.py::TestCupyCache``);
 - ``memcheck``, ``racecheck``, ``synccheck``, ``initcheck``: the ``launches`` workload
   under ``compute-sanitizer --tool X --error-exitcode 1``;
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -61,6 +63,12 @@ _NOT_FOUND = "not found on PATH or in /usr/local/cuda*/bin"
 MIN_COMMAND_S = 5.0
 #: the source tree: tests/ lives beside the cupykv package in a checkout.
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
+#: pytest-xdist workers of the gpu suite (the H200 machine has 16 cores; the tests' NumPy references
+#: and hypothesis draws are host work, which one process would run for far longer than the part's budget).
+GPU_SUITE_WORKERS = 8
+#: gpu tests run alone after the parallel ones: they time CUDA-event windows, into which other workers'
+#: kernels on the same GPU would fall.
+SERIAL_GPU_TESTS = ("tests/test_timing.py",)
 #: (label, kernel-name regex on demangled names) of the kernels Nsight Compute profiles once each.
 NCU_KERNELS = (("decode attention", r".*cupykv_attention(_mma)?<.*"), ("linear", r".*cupykv_linear(_mma)?<.*"))
 #: DRAM throughput, sectors per request, achieved occupancy and warp stall reasons.
@@ -81,7 +89,8 @@ class Budgets:
 
 
 #: An H200 must finish within 10 minutes: the budgets add up to the total, 9 min 45 s. The bench runs its
-#: quick plan (decode loops and peers included, peers within 60 s); the gpu suite holds about 800 tests.
+#: quick plan (decode loops and peers included, peers within 60 s); the gpu suite holds about 1700 tests,
+#: whose host work (NumPy references, hypothesis) runs on 8 workers.
 GPU_BUDGETS = Budgets(total_s=585, launches_s=60, stateful_s=40, bench_s=180, gpu_suite_s=150,
                       sanitizer_s=(("memcheck", 30), ("racecheck", 40), ("synccheck", 25), ("initcheck", 30)),
                       ncu_s=30)
@@ -104,7 +113,8 @@ class Part:
     commands: tuple = ()                     # argv tuples
     skip_reason: Optional[str] = None
     log_file: str = LOG_FILE
-    junit_xml: Optional[str] = None          # pytest's --junitxml path: tests are counted from it
+    junit_xmls: tuple = ()                   # pytest's --junitxml paths: tests are counted from them
+    keep_going: bool = False                 # run every command even after one fails (the first failure counts)
     fail_patterns: tuple = ()                # output text that fails the part whatever the exit status
     required_outputs: tuple = ()             # files in DIR the part must leave
     details: Optional[Callable[[Path], dict]] = None   # extra summary fields, read from DIR after a pass
@@ -176,15 +186,20 @@ def build_plan(out, scratch, backend: str, gpu_reason: str, tools: dict, budgets
     parts = [Part("launches", f"every kernel instance in KERNELS launched once on {backend}", budgets.launches_s,
                   ((*launches, "--warm-up"),))]
     if gpu:
-        junit = str(scratch / "gpu_suite.xml")
-        suite = _pytest("-m", "gpu", "tests", "--deselect", "tests/test_stateful.py::TestCupyCache", junit_xml=junit)
-        parts.append(Part("gpu_suite", f"pytest -m gpu tests, stateful machine and notebooks left out ({dev_profile})",
-                          budgets.gpu_suite_s, (suite,), junit_xml=junit))
+        junit, serial_junit = str(scratch / "gpu_suite.xml"), str(scratch / "gpu_suite_serial.xml")
+        workers = ("-n", str(GPU_SUITE_WORKERS)) if importlib.util.find_spec("xdist") is not None else ()
+        suite = _pytest("-m", "gpu", "tests", *workers, "--deselect", "tests/test_stateful.py::TestCupyCache",
+                        *(f"--ignore={path}" for path in SERIAL_GPU_TESTS), junit_xml=junit)
+        serial = _pytest("-m", "gpu", *SERIAL_GPU_TESTS, junit_xml=serial_junit)
+        on = f"{GPU_SUITE_WORKERS} workers" if workers else "one process (no pytest-xdist)"
+        parts.append(Part("gpu_suite", f"pytest -m gpu tests on {on}, then {', '.join(SERIAL_GPU_TESTS)} alone; "
+                                       f"stateful machine and notebooks left out ({dev_profile})",
+                          budgets.gpu_suite_s, (suite, serial), junit_xmls=(junit, serial_junit), keep_going=True))
     else:
         parts.append(Part("gpu_suite", "pytest -m gpu tests", skip_reason=gpu_reason))
     junit = str(scratch / "stateful.xml")
     parts.append(Part("stateful", f"the stateful machine on {backend}: {stateful_test} ({dev_profile})",
-                      budgets.stateful_s, (_pytest(stateful_test, junit_xml=junit),), junit_xml=junit))
+                      budgets.stateful_s, (_pytest(stateful_test, junit_xml=junit),), junit_xmls=(junit,)))
     sanitizer = tools.get("compute-sanitizer")
     for tool, seconds in budgets.sanitizer_s or [(tool, 0.0) for tool in SANITIZER_TOOLS]:
         what = f"compute-sanitizer --tool {tool} over the launches workload"
@@ -253,13 +268,13 @@ def run_part(part: Part, out: Path, deadline: float) -> dict:
         return dict(record, reason=part.skip_reason)
     log_path, started = out / part.log_file, time.monotonic()
     record.update(log=part.log_file, commands=[" ".join(command) for command in part.commands])
-    failure, output, timed_out = None, "", False
+    failure, output = None, ""
     with open(log_path, "ab") as log:
         log.write(f"\n==== {part.name}: {part.what} ====\n".encode())
         for command in part.commands:
             left = min(part.budget_s - (time.monotonic() - started), deadline - time.monotonic())
             if left < MIN_COMMAND_S:
-                failure = f"not run: {max(left, 0):.0f} s left of the part's or the run's budget"
+                failure = failure or f"not run: {max(left, 0):.0f} s left of the part's or the run's budget"
                 break
             log.flush()
             start = log.tell()
@@ -267,16 +282,18 @@ def run_part(part: Part, out: Path, deadline: float) -> dict:
             output = _read_from(log_path, start)
             found = [pattern for pattern in part.fail_patterns if pattern in output]
             if timed_out:
-                failure = f"timed out after {left:.0f} s (part budget {part.budget_s:.0f} s): {command[0]}"
+                failure = failure or f"timed out after {left:.0f} s (part budget {part.budget_s:.0f} s): {command[0]}"
             elif status != 0:
-                failure = f"exit status {status}"
+                failure = failure or f"exit status {status}"
             elif found:
-                failure = f"output contains {found[0]!r}"
-            if failure is not None:
+                failure = failure or f"output contains {found[0]!r}"
+            if failure is not None and not part.keep_going:
                 break
     record["duration_s"] = round(time.monotonic() - started, 2)
-    if part.junit_xml is not None and os.path.exists(part.junit_xml) and not timed_out:
-        record["tests"] = junit_counts(part.junit_xml)
+    written = [path for path in part.junit_xmls if os.path.exists(path)]   # pytest writes one as it exits
+    if written:
+        counts = [junit_counts(path) for path in written]
+        record["tests"] = {key: sum(count[key] for count in counts) for key in counts[0]}
         if failure is None and record["tests"]["passed"] == 0:
             failure = "no test passed"
     missing = [name for name in part.required_outputs if not (out / name).is_file()]

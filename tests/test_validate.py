@@ -200,10 +200,27 @@ def test_a_test_part_in_which_no_test_passed_fails(tmp_path, tests, skipped, sta
     xml = tmp_path / "suite.xml"
     suite = f'<testsuite name="pytest" tests="{tests}" failures="0" errors="0" skipped="{skipped}"/>'
     part = Part("gpu_suite", "writes its junit XML", 30, (_python(f"open({str(xml)!r}, 'w').write({suite!r})"),),
-                junit_xml=str(xml))
+                junit_xmls=(str(xml),))
     record = _execute(_plan(part), tmp_path / "out")["parts"]["gpu_suite"]
     assert record["status"] == status and record["tests"]["passed"] == tests - skipped
     assert record["reason"].startswith("no test passed") == (status == "failed")
+
+
+@pytest.mark.parametrize("keep_going", [True, False])
+def test_a_part_that_keeps_going_runs_every_command_and_counts_every_suite(tmp_path, keep_going):
+    """The gpu suite's second command (the tests run alone) runs after the first one failed, and the
+    part reports the first failure with the tests of both; a part that does not keep going stops."""
+    xmls = [tmp_path / "first.xml", tmp_path / "second.xml"]
+    suites = ['<testsuite name="pytest" tests="9" failures="2" errors="0" skipped="1"/>',
+              '<testsuite name="pytest" tests="3" failures="0" errors="0" skipped="0"/>']
+    commands = (_python(f"open({str(xmls[0])!r}, 'w').write({suites[0]!r}); raise SystemExit(1)"),
+                _python(f"open({str(xmls[1])!r}, 'w').write({suites[1]!r}); raise SystemExit(2)"))
+    part = Part("gpu_suite", "two suites", 30, commands, junit_xmls=tuple(map(str, xmls)), keep_going=keep_going)
+    record = _execute(_plan(part), tmp_path / "out")["parts"]["gpu_suite"]
+    assert record["status"] == "failed" and record["reason"].startswith("exit status 1")
+    assert xmls[1].exists() == keep_going
+    # the first suite: 9 tests, 2 failed, 1 skipped; the second: 3 passed
+    assert record["tests"] == {"passed": 9 if keep_going else 6, "failed": 2, "errors": 0, "skipped": 1}
 
 
 def test_junit_counts(tmp_path):
@@ -236,12 +253,28 @@ def test_gpu_plan_runs_the_gpu_suite_and_the_stateful_machine_apart(tmp_path):
     plan, parts = _gpu_plan(tmp_path)
     assert plan.label == "GPU: NVIDIA H200" and plan.backend == "cupy"
     assert all(part.skip_reason is None for part in plan.parts)
-    (suite,), (stateful,) = parts["gpu_suite"].commands, parts["stateful"].commands
+    (suite, alone), (stateful,) = parts["gpu_suite"].commands, parts["stateful"].commands
     assert suite[:3] == (PY, "-m", "pytest") and ("-m", "gpu", "tests") == suite[3:6]
+    assert suite[suite.index("-n") + 1] == str(validate.GPU_SUITE_WORKERS)   # pytest-xdist is in the test extra
     assert "--ignore=tests/test_notebooks.py" in suite        # nbclient is not on the GPU machine
     assert suite[suite.index("--deselect") + 1] == "tests/test_stateful.py::TestCupyCache"
+    # the CUDA-event timing tests run alone, after the parallel ones, and only there
+    assert validate.SERIAL_GPU_TESTS == ("tests/test_timing.py",)
+    assert "--ignore=tests/test_timing.py" in suite and "-n" not in alone
+    assert alone[:6] == (PY, "-m", "pytest", "-m", "gpu", "tests/test_timing.py")
     assert "tests/test_stateful.py::TestCupyCache" in stateful
-    assert parts["gpu_suite"].junit_xml and parts["stateful"].junit_xml
+    xmls = parts["gpu_suite"].junit_xmls
+    assert len(set(xmls)) == 2 and all(f"--junitxml={xml}" in command for xml, command in zip(xmls, (suite, alone)))
+    assert parts["gpu_suite"].keep_going and parts["stateful"].junit_xmls and not parts["stateful"].keep_going
+
+
+def test_gpu_plan_runs_the_suite_in_one_process_without_xdist(tmp_path, monkeypatch):
+    real_find_spec = validate.importlib.util.find_spec
+    monkeypatch.setattr(validate.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "xdist" else real_find_spec(name, *args))
+    _, parts = _gpu_plan(tmp_path)
+    suite, alone = parts["gpu_suite"].commands
+    assert "-n" not in suite and "--ignore=tests/test_timing.py" in suite and "one process" in parts["gpu_suite"].what
 
 
 def test_gpu_plan_runs_each_sanitizer_tool_over_the_launches(tmp_path):
