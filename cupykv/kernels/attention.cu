@@ -62,7 +62,8 @@ constexpr int kWarps = kThreads / 32;
 // registers) for 16-bit and fp8 storage (NVRTC 13.5 allocates the fp8 instances, HEAD_DIM = 0
 // with any io type, at 96 registers on sm_80 and sm_90, within 5 of the 16-bit ones);
 // 3 (<= 168) for float, where both pinned NVRTCs allocate <float, float, 64> on sm_80 at 162
-// registers (168 at one time) and 13.5 spilled 16 bytes under the 128 cap. `python -m cupykv check` prints every instance's registers.
+// registers (168 at one time) and 13.5 spilled 16 bytes under the 128 cap. `python -m cupykv
+// check` prints every instance's registers.
 template <typename T> constexpr int attention_min_blocks() { return sizeof(T) == 4 ? 3 : 4; }
 
 template <typename T, typename TI, int HEAD_DIM>
