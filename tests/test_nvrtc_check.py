@@ -123,6 +123,18 @@ def test_a_spilling_kernel_is_reported_as_spilling():
     assert report.registers <= 32
     assert report.spills and report.spill_store_bytes > 0 and report.spill_load_bytes > 0
     assert "spiller (sm_80)" in _failure_line([report])
+    code, _, stderr = _report_exit([report])
+    assert code == 1 and "FAILED, register spills in 1 instance(s): spiller (sm_80)" in stderr
+
+
+@pytest.mark.parametrize("stores, loads", [(4, 0), (0, 4)], ids=["stores", "loads"])
+def test_spill_stores_or_loads_alone_fail_the_check(stores, loads):
+    spilled = nvrtc_check.InstanceReport("sm_90", "cupykv_write<float, float>", registers=32, stack_bytes=8,
+                                         spill_store_bytes=stores, spill_load_bytes=loads, shared_bytes=0)
+    code, _, stderr = _report_exit([spilled])
+    assert spilled.spills and code == 1 and "cupykv_write<float, float> (sm_90)" in stderr
+    clean = nvrtc_check.InstanceReport("sm_90", "cupykv_write<float, float>", 32, 8, 0, 0, 0)
+    assert not clean.spills and _report_exit([clean])[0] == 0
 
 
 def _failure_line(reports):
@@ -155,6 +167,9 @@ SM80, SM90 = occupancy.LIMITS["sm_80"], occupancy.LIMITS["sm_90"]
     (SM90, 32, 128, 163 * 1024 + 1, 1, "shared"),  # sm_90 allows 227 KiB a block
     (SM80, 32, 100, 100, 16, "registers+threads"),  # 100 threads occupy 4 warps
     (SM80, 255, 1024, 0, 0, "registers"),         # 8192 per warp: 8 warps, a block needs 32
+    (SM80, 100, 128, 0, 4, "registers"),          # 3200 -> 3328 per warp: 19 warps (20 unrounded: 5 blocks)
+    (SM90, 132, 128, 0, 3, "registers"),          # 4224 -> 4352 per warp: 15 warps (15.5 unrounded: still 15)
+    (SM90, 60, 64, 0, 16, "registers"),           # 1920 -> 2048 per warp: 32 warps (34 unrounded: 17 blocks)
 ])
 def test_occupancy_arithmetic(limits, registers, threads, shared, blocks, limiter):
     result = occupancy.blocks_per_sm(limits, registers, threads, shared)
@@ -293,6 +308,18 @@ def test_a_planted_low_register_occupancy_fails():
             "__launch_bounds__ declares 4") in stderr
     fine = nvrtc_check.InstanceReport("sm_80", "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128>", 128, 0, 0, 0, 0, 128, 4)
     assert _report_exit([fine])[0] == 0
+
+
+def test_an_instance_that_does_not_fit_an_sm_fails_without_a_declared_minimum():
+    # 150 KB of static shared memory plus attention's 16576 dynamic bytes: past sm_80's 163 KB a block,
+    # so no block is ever resident there, whatever __launch_bounds__ says (here: nothing)
+    planted = nvrtc_check.InstanceReport("sm_80", "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128>", registers=64,
+                                         stack_bytes=0, spill_store_bytes=0, spill_load_bytes=0,
+                                         shared_bytes=150 * 1024, max_threads=None, min_blocks=None)
+    (row,) = occupancy.rows([planted])
+    assert row.occupancy.blocks == 0 and row.below_minimum
+    code, stdout, stderr = _report_exit([planted])
+    assert code == 1 and "BELOW MINIMUM" in stdout and "0 blocks/SM, limited by shared" in stderr
 
 
 def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
