@@ -281,12 +281,14 @@ def run_part(part: Part, out: Path, deadline: float) -> dict:
             status, timed_out = _run_command(command, left, log)
             output = _read_from(log_path, start)
             found = [pattern for pattern in part.fail_patterns if pattern in output]
+            problem = None
             if timed_out:
-                failure = failure or f"timed out after {left:.0f} s (part budget {part.budget_s:.0f} s): {command[0]}"
+                problem = f"timed out after {left:.0f} s (part budget {part.budget_s:.0f} s): {command[0]}"
             elif status != 0:
-                failure = failure or f"exit status {status}"
+                problem = f"exit status {status}"
             elif found:
-                failure = failure or f"output contains {found[0]!r}"
+                problem = f"output contains {found[0]!r}"
+            failure = failure or problem   # the first command's failure is the one reported
             if failure is not None and not part.keep_going:
                 break
     record["duration_s"] = round(time.monotonic() - started, 2)
