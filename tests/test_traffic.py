@@ -27,7 +27,7 @@ from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
 
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 TRAFFIC_NAMES = ["strided_copy", "vector_copy", "sum_rows", "uneven_trips", "realigned_trips",
-                 "count_and_copy", "realigned_by_barrier", "half_warp_collective", "add_pair"]
+                 "count_and_copy", "realigned_by_barrier", "half_warp_collective", "add_pair", "one_site_two_places"]
 EXAMPLES = max(8, settings.default.max_examples // 4)   # each example runs kernels on the emulator
 
 
@@ -103,6 +103,23 @@ def test_requests_do_not_depend_on_the_order_threads_run_in(kernels, monkeypatch
     assert counts == {(32, 2, 4)}
 
 
+def test_a_request_is_counted_in_each_array_and_each_kind_it_touches(kernels):
+    """One warp's load over two arrays is a request of each array, with that array's sectors; a
+    memcpy that loads and stores one array at one call site is a load request and a store request."""
+    a, b, out = E.zeros(16, np.float32), E.zeros(16, np.float32), E.zeros(32, np.float32)
+    buf = E.zeros(256, np.float32)
+    with E.traffic() as t:
+        kernels.get_function("one_site_two_places")(1, 32, (a, b, buf, out, np.int32(16)))
+    launch = only_launch(t)
+    for half in (a, b):
+        load = launch.of(half).counts("load")
+        assert (load.bytes, load.accesses, load.requests, load.request_sectors, load.sectors) == (64, 16, 1, 2, 2)
+    load, store = launch.of(buf).counts("load"), launch.of(buf).counts("store")
+    assert (load.bytes, load.accesses, load.requests, load.request_sectors) == (512, 32, 1, 16)
+    assert (store.bytes, store.accesses, store.requests, store.request_sectors) == (512, 32, 1, 16)
+    assert launch.of(buf).ranges("load").tolist() == [[0, 512]] and launch.of(buf).ranges("store").tolist() == [[512, 1024]]
+
+
 def test_coalescing_counts_the_ideal_in_whole_sectors(kernels):
     x, out = E.zeros(64, np.float32), E.zeros(64, np.float32)
     with E.traffic() as t:
@@ -125,6 +142,15 @@ def test_arguments_over_the_same_bytes_share_one_region_counted_once(kernels):
     assert (part.index, part.nbytes, part.shares_region) == (1, 128, (0,))
     assert launch.total("load", [base, prefix]).bytes == launch.total("load").bytes == 256   # 2 x 32 floats
     assert launch.total("load", [base, prefix]).sectors == 4
+    # a second argument 16 bytes into the region: its own phase, sectors and bytes
+    suffix = base[4:36]
+    with E.traffic() as t:
+        kernels.get_function("add_pair")(1, 32, (base, suffix, out, np.int32(32)))
+    launch = only_launch(t)
+    whole, part = launch.of(base), launch.of(suffix)
+    assert memory.find(memory.data_ptr(base)).start % 32 == 0 and (whole.phase, part.phase) == (0, 16)
+    assert list(part.sectors("load")) == list(range(5)) and part.touched("load").all()
+    assert whole.ranges("load").tolist() == [[0, 144]] and list(whole.sectors("load")) == list(range(5))
 
 
 def test_atomics_and_memcpy_are_counted(kernels):
@@ -139,10 +165,14 @@ def test_atomics_and_memcpy_are_counted(kernels):
     assert launch.of(x).touched("load").all() and launch.of(out).touched("store").all()
 
 
-def test_sectors_are_counted_from_the_allocation_start(kernels):
+@pytest.mark.parametrize("base_floats, start_phase", [(72, 0), (76, 16)])
+def test_sectors_are_counted_from_the_allocation_start(kernels, base_floats, start_phase):
     """A view that starts 16 bytes into its allocation: its first row shares a sector with the
-    bytes before it, as on a GPU, where allocations start on a sector boundary."""
-    base, out = E.zeros(72, np.float32), E.zeros(64, np.float32)
+    bytes before it, as on a GPU, where allocations start on a sector boundary. The emulator
+    starts an allocation on 16 bytes only: the view sits on a 32-byte address in one case and
+    not in the other, and its phase is 16 in both."""
+    base, out = E.zeros(base_floats, np.float32), E.zeros(64, np.float32)
+    assert memory.find(memory.data_ptr(base)).start % 32 == start_phase   # the case the parameters name
     x = base[4:68]
     with E.traffic() as t:
         kernels.get_function("strided_copy")(1, 64, (x, out, np.int32(1), np.int32(64)))

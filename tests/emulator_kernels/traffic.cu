@@ -93,3 +93,17 @@ extern "C" __global__ void add_pair(const float* a, const float* b, float* __res
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[i] = a[i] + b[i];
 }
+
+// One warp; each access below is one call site whose lanes touch two places:
+//  * lanes 0-15 read a[lane] and lanes 16-31 read b[lane - 16] through one pointer: one load
+//    instruction over two arrays, so one request of 2 sectors in each array;
+//  * each lane copies nbytes (16; an argument, so that memcpy stays a library call, one site)
+//    from buf[4 lane] to buf[128 + 4 lane]: a call that loads and stores buf at one site, so one
+//    load request and one store request of buf, 16 sectors each.
+extern "C" __global__ void one_site_two_places(const float* a, const float* b, float* buf, float* __restrict__ out,
+                                               int nbytes) {
+  const int lane = threadIdx.x;
+  const float* from = (lane < 16 ? a : b) + lane % 16;
+  out[lane] = *from;
+  memcpy(buf + 128 + 4 * lane, buf + 4 * lane, nbytes);
+}
