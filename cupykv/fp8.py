@@ -22,18 +22,13 @@ import numpy as np
 import numpy.typing as npt
 
 from cupykv.backends.capture import refuse_in_capture
+from cupykv.ftz import FLOAT32_TINY, flush_float32_subnormals
 from cupykv.spec import FP8_MAX
 
 __all__ = ["E4M3", "FP8_MAX", "quantize_e4m3", "dequantize_e4m3", "calibrate_scales"]
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _NAN_CODE = 0x7F
-_FLOAT32_TINY = np.float32(np.finfo(np.float32).tiny)
-
-
-def _flushed(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    """``x`` with float32 subnormals replaced by zeros of their sign."""
-    return np.where(np.abs(x) < _FLOAT32_TINY, np.copysign(np.float32(0), x), x).astype(np.float32)
 
 
 def quantize_e4m3(x: npt.ArrayLike, scale: npt.ArrayLike) -> npt.NDArray[Any]:
@@ -51,9 +46,9 @@ def quantize_e4m3(x: npt.ArrayLike, scale: npt.ArrayLike) -> npt.NDArray[Any]:
     numpy.ndarray of ``ml_dtypes.float8_e4m3fn``, the broadcast shape of ``x`` and ``scale``
     """
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        x32: npt.NDArray[np.float32] = _flushed(np.asarray(x).astype(np.float32))
+        x32: npt.NDArray[np.float32] = flush_float32_subnormals(np.asarray(x).astype(np.float32))
         divisor: npt.NDArray[np.float32] = np.asarray(scale, dtype=np.float32)
-        quotient = _flushed((x32 / divisor).astype(np.float32))
+        quotient = flush_float32_subnormals((x32 / divisor).astype(np.float32))
         clamped = np.clip(quotient, -FP8_MAX, FP8_MAX)   # NaN stays NaN
         bits = np.asarray(clamped.astype(E4M3)).view(np.uint8)
     bits = np.where(np.isnan(clamped), np.uint8(_NAN_CODE), bits).astype(np.uint8)
@@ -124,7 +119,7 @@ def calibrate_scales(samples: npt.ArrayLike) -> npt.NDArray[np.float32]:
     scales = (per_head / FP8_MAX).astype(np.float32)
     too_small = scales.astype(np.float64) * FP8_MAX < per_head
     scales = np.where(too_small, np.nextafter(scales, np.float32(np.inf)), scales)
-    return np.where(per_head > 0, np.maximum(scales, _FLOAT32_TINY), np.float32(1.0)).astype(np.float32)
+    return np.where(per_head > 0, np.maximum(scales, FLOAT32_TINY), np.float32(1.0)).astype(np.float32)
 
 
 def _host_array(samples: object) -> npt.NDArray[Any]:

@@ -44,6 +44,7 @@ from ._args.scalars import check_bool, check_int, got
 from ._typing import FloatLike, HostArray, IntLike
 from .errors import CacheOverflowError
 from .fp8 import dequantize_e4m3, quantize_e4m3
+from .ftz import flush_float32_subnormals
 from .rope import Rope, rope_angles
 from .spec import MASK_VALUE, CacheSpec
 
@@ -193,7 +194,10 @@ class KVCache:
             New rows, ``n_new >= 1``; float16, float32, float64 or bfloat16.
             Used as their float64 values and rounded once to the storage dtype.
         rope : Rope, optional
-            Rotate each key row at its position before rounding.
+            Rotate each key row at its position before rounding, as the kernels do
+            under CuPy's ``-ftz=true``: a key element whose float32 value is
+            subnormal is read as a zero of its sign, and a rotated element whose
+            float32 rounding is subnormal is stored as one (:mod:`cupykv.ftz`).
         return_positions : bool, default False
             Return where each row went.
         positions_out : numpy.ndarray, int32, shape ``[batch, n_new]``, optional
@@ -314,8 +318,8 @@ class KVCache:
                 self.overflow[b] = True
             where = positions[b, fits]  # [n_fit]
             keys = k64[b, fits]  # [n_fit, n_kv, hd]
-            if rope is not None:
-                keys = _rotate(keys, where[:, None], rope.theta)
+            if rope is not None:   # the kernels widen to double and narrow back to float32 with -ftz
+                keys = flush_float32_subnormals(_rotate(flush_float32_subnormals(keys), where[:, None], rope.theta))
             self._sequence(self.k, layer, b)[where] = self._rounded(keys, self.k_scales[layer])
             self._sequence(self.v, layer, b)[where] = self._rounded(v64[b, fits], self.v_scales[layer])
             written[b, fits] = where

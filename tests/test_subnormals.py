@@ -12,9 +12,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupykv import ops
+import cupykv
+from cupykv import fp8, ops, reference, testing
+from cupykv.ftz import flush_float32_subnormals
+from cupykv.rope import rope_angles
 from cupykv.backends import emulator as E
 from cupykv.backends import get_backend
+from backends import BACKENDS
 BUGS = Path(__file__).parent / "emulator_kernels" / "bugs.cu"
 SUBNORMAL = np.float32(1e-39)
 
@@ -78,3 +82,52 @@ def test_emulator_and_gpu_agree_bit_for_bit_on_subnormals(dtype):
     on_gpu = _add(a, b, "cupy").view(bits)
     emulated = _add(a, b, "emulator").view(bits)
     assert np.array_equal(on_gpu, emulated), np.flatnonzero(on_gpu != emulated)[:10]
+
+
+
+def _stored(values, spec, scale):
+    """float64 ``values`` as a cache of ``spec`` stores them (rounded once, fp8 as codes), as float64."""
+    if spec.quantized:
+        return fp8.quantize_e4m3(values, scale).astype(np.float64)
+    return reference.round_to_storage(values, spec.np_dtype).astype(np.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, io_dtype", [("float32", None), ("bfloat16", None), ("float8_e4m3", "float32")])
+def test_rope_reads_a_subnormal_key_as_zero_and_stores_a_subnormal_rotation_as_zero(backend, dtype, io_dtype):
+    """The kernels rotate a key in double, widening each float32 element with cvt.ftz.f64.f32 and
+    narrowing the result with cvt.rn.ftz.f32.f64 (CuPy's -ftz=true); the reference does the same.
+
+    The row is stored at position 1 (angle 1 for the pair of dims 0 and 2, 0.01 for dims 1 and 3).
+    Dim 0 is a float32 subnormal, read as 0: the pair stores (-y sin 1, y cos 1). Dims 1 and 3 are
+    normal, but the rotated dim 1 (1.1 cos 0.01 - 30 sin 0.01, in units of float32's smallest
+    normal) is subnormal: it is stored as 0. fp8 uses that smallest normal as its scale, so that
+    both show as codes.
+    """
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4, max_seq=2, batch=1, dtype=dtype, io_dtype=io_dtype)
+    tiny = float(np.finfo(np.float32).tiny)
+    scale = np.float32(tiny) if spec.quantized else np.float32(1.0)
+    x, y = -0.5 * tiny, 3.0 * tiny
+    keys = np.array([x, 1.1 * tiny, y, 30.0 * tiny]).astype(np.float32).astype(spec.io_np_dtype).reshape(1, 1, 1, 4)
+    read = keys.astype(np.float64).ravel()
+    assert 0 < abs(read[0]) < tiny and read[2] == y   # dim 0 is a float32 subnormal, as the docstring says
+    rope = cupykv.Rope(theta=10000.0)
+    cache, oracle = cupykv.KVCache(spec, backend=backend, k_scale=scale), reference.KVCache(spec, k_scale=scale)
+    cache.set_lengths([1])
+    oracle.set_lengths([1])
+    cache.append(0, cache.to_device(keys), cache.to_device(keys), rope=rope)
+    oracle.append(0, keys, keys, rope=rope)
+
+    angles = rope_angles(np.array([1]), 4, rope.theta).ravel()     # [2]: the two pairs' angles at position 1
+    def rotate(row):
+        lo, hi = row[:2], row[2:]
+        return np.concatenate([lo * np.cos(angles) - hi * np.sin(angles), hi * np.cos(angles) + lo * np.sin(angles)])
+    flushed = read.copy()
+    flushed[0] = -0.0
+    want = _stored(flush_float32_subnormals(rotate(flushed)), spec, scale)
+    unflushed = _stored(rotate(read), spec, scale)
+    assert want[0] != unflushed[0] and want[2] != unflushed[2]   # the flushed input shows in its pair
+    assert want[1] == 0 and want[3] != 0                          # and the flushed result
+    assert spec.quantized or unflushed[1] != 0                    # (fp8's quantizer flushes it anyway)
+    got = testing.to_numpy(cache.k, spec).astype(np.float64)[0, 0, 1, 0]
+    assert got.tolist() == want.tolist() == oracle.k.astype(np.float64)[0, 0, 1, 0].tolist()
