@@ -5,6 +5,12 @@ to the storage dtype of the inputs (round to nearest even), so it is the
 exact answer as that dtype can hold it. The fast path never imports this
 module. Inputs are NumPy arrays of float32, float16 or ``ml_dtypes.bfloat16``
 (ids int32); a rejected argument raises ``TypeError`` or ``ValueError`` naming it.
+
+The kernels compute in fp32 under CuPy's ``-ftz=true``: a float32 (or bfloat16)
+operand, product or result that is subnormal counts as a zero of its sign
+(:mod:`cupykv.ftz`). This exact answer keeps them, so the ops' stated tolerances
+(``tests/test_ops.py``) hold where those values are normal; stored cache rows,
+whose contract is exact, are modelled with the flush instead (:mod:`cupykv.reference`).
 """
 from __future__ import annotations
 
