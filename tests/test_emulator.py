@@ -316,6 +316,24 @@ def test_a_numpy_scalar_of_another_size_is_refused(good):
         good.get_function("scalars")(1, 1, (out, np.int32(3), 2.5, True, np.float32(0.25)))
 
 
+@pytest.mark.parametrize("index, value, got", [
+    (4, 0.25, r"a Python float, packed as an 8-byte double.*'float' \(4 bytes.*pass numpy\.float32"),
+    (4, np.int32(1), r"a numpy int32 scalar \(4 bytes\).*'float' \(4 bytes"),   # the right size, the wrong kind
+    (4, True, r"a bool \(1 byte\).*'float'"),
+    (1, True, r"a bool \(1 byte\).*'long long int' \(8 bytes"),
+    (3, np.float32(1.0), r"a numpy float32 scalar \(4 bytes\).*'bool' \(1 bytes"),
+])
+def test_a_scalar_cupy_would_pack_as_other_bytes_is_refused(good, index, value, got):
+    """CuPy packs a Python float as a double, a NumPy scalar as its own bytes and a bool as one byte,
+    whatever the parameter: each of these would hand the kernel other bits than the value."""
+    args = [E.zeros(4, np.float64), np.int64(-3), 2.5, True, np.float32(0.25)]
+    args[index] = value
+    with pytest.raises(E.LaunchError, match=rf"argument {index} is {got}"):
+        good.get_function("scalars")(1, 1, tuple(args))
+    good.get_function("scalars")(1, 1, (args[0], np.int64(-3), 2.5, True, np.float32(0.25)))
+    assert np.asarray(args[0]).tolist() == [-3.0, 2.5, 1.0, 0.25]
+
+
 @pytest.fixture
 def plain_bugs(monkeypatch):
     """bugs.cu built without instrumentation, as where the race checker's shadow memory cannot be
@@ -722,6 +740,20 @@ def test_q_misaligned_atomic(good, bugs):
             rf"\(byte offset 2\) \(2 bytes past a multiple of 4; .*\) at bugs.cu:{line}\b")):
         bugs.get_function("misaligned_atomic")(1, 4, (E.zeros(4, np.int32),))
     assert_still_works(good)
+
+
+def test_a_block_of_1024_threads_runs_and_one_of_1025_is_refused():
+    source = "__global__ void thread_ids(int* y) { y[threadIdx.z * blockDim.x + threadIdx.x] = threadIdx.x; }"
+    fn = E.Module(source, ["thread_ids"], filename="thread_ids.cu").get_function("thread_ids")
+    y = E.zeros(1025, np.int32)
+    fn(1, 1024, (y,))
+    assert np.asarray(y).tolist() == list(range(1024)) + [0]
+    fn(1, (512, 1, 2), (y,))   # 1024 threads over two dimensions
+    assert np.asarray(y).tolist() == list(range(512)) * 2 + [0]
+    with pytest.raises(E.LaunchError, match=r"block dimension x is 1025, above CUDA's limit 1024"):
+        fn(1, 1025, (y,))
+    with pytest.raises(E.LaunchError, match=r"block \(205, 1, 5\) has 1025 threads, above CUDA's limit of 1024"):
+        fn(1, (205, 1, 5), (y,))
 
 
 def test_g_block_above_launch_bounds(good, bugs):

@@ -491,6 +491,10 @@ def test_protected_checks_its_range():
     with pytest.raises(ValueError, match="not inside"):
         with E.protected(a, 0, 20480):
             pass
+    b = E.zeros(2046, np.float32)   # 8184 bytes: the buffer starts on a page, its 8 bytes of padding end on one
+    with pytest.raises(ValueError, match="not inside"):
+        with E.protected(b, 4096, 8192):
+            pass
     with E.protected(a, 8192):
         a[0, 0] = 1.0   # the live part stays usable
     a[3, 0] = 2.0       # and the tail again after the block
