@@ -196,8 +196,9 @@ class KVCache:
         rope : Rope, optional
             Rotate each key row at its position before rounding, as the kernels do
             under CuPy's ``-ftz=true``: a key element whose float32 value is
-            subnormal is read as a zero of its sign, and a rotated element whose
-            float32 rounding is subnormal is stored as one (:mod:`cupykv.ftz`).
+            subnormal is read as a zero of its sign, and a rotated element that is
+            below float32's smallest normal after rounding is stored as one
+            (:mod:`cupykv.ftz`).
         return_positions : bool, default False
             Return where each row went.
         positions_out : numpy.ndarray, int32, shape ``[batch, n_new]``, optional

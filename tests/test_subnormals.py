@@ -131,3 +131,34 @@ def test_rope_reads_a_subnormal_key_as_zero_and_stores_a_subnormal_rotation_as_z
     assert spec.quantized or unflushed[1] != 0                    # (fp8's quantizer flushes it anyway)
     got = testing.to_numpy(cache.k, spec).astype(np.float64)[0, 0, 1, 0]
     assert got.tolist() == want.tolist() == oracle.k.astype(np.float64)[0, 0, 1, 0].tolist()
+
+
+NARROW = "__global__ void narrow(const double* x, float* y) { y[threadIdx.x] = (float)x[threadIdx.x]; }"
+
+
+def _narrow(values, backend):
+    """float32 of each float64 in ``values`` as a kernel converts it under -ftz=true (cvt.rn.ftz.f32.f64)."""
+    if backend == "emulator":
+        fn = E.Module(NARROW, ["narrow"], filename="narrow.cu").get_function("narrow")
+        x, y = E.asarray(values), E.zeros(len(values), np.float32)
+        fn(1, len(values), (x, y))
+        return np.asarray(y).copy()
+    import cupy
+    fn = cupy.RawModule(code=NARROW, options=("-std=c++17",), name_expressions=["narrow"]).get_function("narrow")
+    x, y = cupy.asarray(values), cupy.zeros(len(values), cupy.float32)
+    fn((1,), (len(values),), (x, y))
+    return cupy.asnumpy(y)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_host_flush_narrows_doubles_as_the_kernels_do(backend):
+    """cupykv.ftz's float64 rule against a kernel's narrowing: near float32's smallest normal, a
+    double that rounds up to it is kept, one whose 24-bit rounding stays below it (the midpoint under
+    it included, though it rounds to even, up) is flushed, with its sign; elsewhere the plain cast."""
+    tiny = float(np.finfo(np.float32).tiny)
+    near = np.array([1 - 2.0**-40, 1 - 2.0**-25, 1 - 2.0**-24, 1 - 2.0**-23, 1 - 2.0**-20, 0.5, 1.0, 1 + 2.0**-24])
+    values = np.concatenate([near * tiny, -near * tiny, [3.0, -2.5e-39, 0.0, -0.0, 1e-300]])
+    got = _narrow(values, backend)
+    want = flush_float32_subnormals(values).astype(np.float32)
+    assert got.tobytes() == want.tobytes(), (got.tolist(), want.tolist())
+    assert want[2] == 0 and np.signbit(want[10]) and want[10] == 0 and want[1] == np.float32(tiny)   # the cases named
