@@ -44,4 +44,3 @@ def flush_float32_subnormals(x: npt.ArrayLike) -> npt.NDArray[Any]:
         # times 2**64 (exact), float32's rounding near its smallest normal is that of 24 bits
         tiny_after_rounding = np.abs((x.astype(np.float64) * _LIFT).astype(np.float32)) < FLOAT32_TINY * _LIFT
     return np.where(tiny_after_rounding, np.copysign(x.dtype.type(0), x), x).astype(x.dtype)
-

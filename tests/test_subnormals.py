@@ -84,7 +84,6 @@ def test_emulator_and_gpu_agree_bit_for_bit_on_subnormals(dtype):
     assert np.array_equal(on_gpu, emulated), np.flatnonzero(on_gpu != emulated)[:10]
 
 
-
 def _stored(values, spec, scale):
     """float64 ``values`` as a cache of ``spec`` stores them (rounded once, fp8 as codes), as float64."""
     if spec.quantized:
@@ -119,6 +118,7 @@ def test_rope_reads_a_subnormal_key_as_zero_and_stores_a_subnormal_rotation_as_z
     oracle.append(0, keys, keys, rope=rope)
 
     angles = rope_angles(np.array([1]), 4, rope.theta).ravel()     # [2]: the two pairs' angles at position 1
+
     def rotate(row):
         lo, hi = row[:2], row[2:]
         return np.concatenate([lo * np.cos(angles) - hi * np.sin(angles), hi * np.cos(angles) + lo * np.sin(angles)])
