@@ -163,3 +163,53 @@ def test_module_still_runs_after_the_checks(fresh_cache):
     x = E.zeros(4, np.int32)
     mod.get_function("k")(1, 4, (x,))
     assert x.tolist() == [0, 3, 6, 9]
+
+
+# ---- what the cache keys cover ------------------------------------------------------------
+HEADER_USER = '#include "value.cuh"\n#ifndef OFFSET\n#define OFFSET 0\n#endif\n' \
+              '__global__ void k(int* x) { x[threadIdx.x] = VALUE + OFFSET; }\n'
+
+
+def _value(module):
+    x = E.zeros(1, np.int32)
+    module.get_function("k")(1, 1, (x,))
+    return int(x[0])
+
+
+def test_a_changed_header_or_define_builds_another_module(fresh_cache, tmp_path):
+    """A stale module would return the old value: the header's bytes and the -D options are in the key."""
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "value.cuh").write_text("#define VALUE 1\n")
+    assert _value(E.Module(HEADER_USER, ["k"], include_dirs=[include])) == 1
+    (include / "value.cuh").write_text("#define VALUE 2\n")
+    assert _value(E.Module(HEADER_USER, ["k"], include_dirs=[include])) == 2
+    assert _value(E.Module(HEADER_USER, ["k"], include_dirs=[include], options=("-DOFFSET=10",))) == 12
+    assert _value(E.Module(HEADER_USER, ["k"], include_dirs=[include], options=("-D", "OFFSET=20"))) == 22
+    assert len(list(fresh_cache.glob("mod-*.so"))) == 4
+
+
+def test_an_instrumented_and_a_plain_build_of_one_source_are_two_modules(fresh_cache, monkeypatch):
+    """Where shadow memory cannot be mapped, modules are built without the access hooks: such a build
+    must never be handed to a process that checks races, nor the other way round."""
+    source = _kernel("instrumented or plain")
+    assert E.Module(source, ["k"]).instrumented
+    monkeypatch.setattr(build, "instrumented", lambda: False)
+    assert not E.Module(source, ["k"]).instrumented
+    assert len(list(fresh_cache.glob("mod-*.so"))) == 2
+
+
+def test_the_keys_follow_the_runtime_sources_and_flags(tmp_path, monkeypatch):
+    """A runtime or module built before an edit of the runtime's sources or flags is not reused after it."""
+    text, before = _kernel("keys"), (build.runtime_key(), build.module_key(_kernel("keys"), [], []))
+    edited = tmp_path / build.RUNTIME_SOURCES[-1].name
+    edited.write_bytes(build.RUNTIME_SOURCES[-1].read_bytes() + b"\n// an edit\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(build, "RUNTIME_SOURCES", (*build.RUNTIME_SOURCES[:-1], edited))
+        assert build.runtime_key() != before[0] and build.module_key(text, [], []) != before[1]
+    with monkeypatch.context() as patch:
+        patch.setattr(build, "COMMON_FLAGS", (*build.COMMON_FLAGS, "-ffast-math"))
+        assert build.runtime_key() != before[0]
+    assert (build.runtime_key(), build.module_key(text, [], [])) == before
+    # each part is framed by its length: moving bytes from one part to the next changes the key
+    assert build.module_key(text + "-DA", ["=1"], []) != build.module_key(text, ["-DA=1"], [])

@@ -178,12 +178,21 @@ class _Entry(ctypes.Structure):
                 ("kinds", ctypes.c_char_p), ("type_names", ctypes.POINTER(ctypes.c_char_p))]
 
 
+def _runtime_flags():
+    return COMMON_FLAGS + ("-I", str(INCLUDE_DIR))
+
+
+def runtime_key():
+    """The runtime library's cache key: its sources, the headers it shares with modules, its flags and
+    the compiler."""
+    return _digest([*_runtime_parts(), *_dir_parts(INCLUDE_DIR), *_runtime_flags(), compiler_version()])
+
+
 @functools.lru_cache(maxsize=None)
 def runtime():
     """The loaded runtime library (built on first use)."""
-    flags = COMMON_FLAGS + ("-I", str(INCLUDE_DIR))
-    key = _digest([*_runtime_parts(), *_dir_parts(INCLUDE_DIR), *flags, compiler_version()])
-    path = cache_dir() / f"cuemu-runtime-{key[:32]}.so"
+    flags = _runtime_flags()
+    path = cache_dir() / f"cuemu-runtime-{runtime_key()[:32]}.so"
     if not diskcache.build_once(path, lambda: _compile(RUNTIME_SOURCES, flags, path, "the emulator runtime")):
         stats["disk_hits"] += 1
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
@@ -264,6 +273,16 @@ def _mirror_includes(include_dirs, work):
     return result
 
 
+def module_key(text, host_opts, include_dirs):
+    """A module's cache key: its rewritten source, its -D/-U/-I options, its compile and link flags (which
+    say whether it is instrumented), the compiler, the runtime's sources and every header it may include."""
+    key_parts = [text, *host_opts, *module_flags(), *module_link_flags(), compiler_version(),
+                 *_runtime_parts(), *_dir_parts(INCLUDE_DIR)]
+    for d in include_dirs:
+        key_parts += _dir_parts(d)
+    return _digest(key_parts)
+
+
 def load_module(code, name_expressions, include_dirs=(), options=(), filename="kernel.cu"):
     """Builds (or finds in a cache) and loads a module; returns ``(lib, entries)``
     where ``entries`` maps each name expression to its ``_Entry``."""
@@ -274,11 +293,7 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
     text = (f'#line 1 "{quoted}"\n' + source.rewrite_shared(code)
             + source.registry_source(list(name_expressions)))
     host_opts = _host_options(options)
-    key_parts = [text, *host_opts, *module_flags(), *module_link_flags(), compiler_version(),
-                 *_runtime_parts(), *_dir_parts(INCLUDE_DIR)]
-    for d in include_dirs:
-        key_parts += _dir_parts(d)
-    key = _digest(key_parts)
+    key = module_key(text, host_opts, include_dirs)
     with _lock:
         if key in _modules:
             stats["memory_hits"] += 1
