@@ -117,7 +117,8 @@ def test_a_request_is_counted_in_each_array_and_each_kind_it_touches(kernels):
     load, store = launch.of(buf).counts("load"), launch.of(buf).counts("store")
     assert (load.bytes, load.accesses, load.requests, load.request_sectors) == (512, 32, 1, 16)
     assert (store.bytes, store.accesses, store.requests, store.request_sectors) == (512, 32, 1, 16)
-    assert launch.of(buf).ranges("load").tolist() == [[0, 512]] and launch.of(buf).ranges("store").tolist() == [[512, 1024]]
+    assert launch.of(buf).ranges("load").tolist() == [[0, 512]]
+    assert launch.of(buf).ranges("store").tolist() == [[512, 1024]]
 
 
 def test_coalescing_counts_the_ideal_in_whole_sectors(kernels):
