@@ -32,14 +32,16 @@ from cupykv.spec import CacheSpec
 
 TILING = KERNELS["attention"].constants("attention_tiling")
 MMA_TILING = KERNELS["attention_mma"].constants("attention_mma_tiling")
+F32_TILING = KERNELS["attention_f32"].constants("attention_f32_tiling")
 THREADS = TILING["kThreads"]       # threads per block of the CUDA-core kernel
 TILE_ROWS = TILING["kTileRows"]    # query rows (query x head of one GQA group) per block, or per m16 tile
 CHUNK = TILING["kChunk"]           # keys a block scores at once; splits fall on multiples of it
 MIN_KEYS_PER_SPLIT = 256           # below this, a split's fixed cost outweighs its parallelism
 MAX_SPLITS = 65535                 # splits are grid y: CUDA's limit there
-if (MMA_TILING["kTileRows"], MMA_TILING["kSplitAlign"]) != (TILE_ROWS, CHUNK):   # one row tile, one split plan
-    raise ImportError(f"kernels: attention_mma.cu tiles {MMA_TILING['kTileRows']} rows and aligns splits to "
-                      f"{MMA_TILING['kSplitAlign']} keys, attention.cu {TILE_ROWS} and {CHUNK}: they must agree")
+for _file, _tiling in (("attention_mma.cu", MMA_TILING), ("attention_f32.cu", F32_TILING)):   # one split plan
+    if (_tiling["kTileRows"], _tiling["kSplitAlign"]) != (TILE_ROWS, CHUNK):
+        raise ImportError(f"kernels: {_file} tiles {_tiling['kTileRows']} rows and aligns splits to "
+                          f"{_tiling['kSplitAlign']} keys, attention.cu {TILE_ROWS} and {CHUNK}: they must agree")
 
 
 def shared_memory_bytes(head_dim: int) -> int:
@@ -99,12 +101,15 @@ def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, que
     """The kernel for a cache's storage dtype, head size and io dtype (``dtype`` by default): tensor
     cores for 16-bit and fp8 caches whose rows are whole 16-byte copies, up to head_dim 256
     (``attention_mma.cu``, compiled at 64, 96, 128 and 256; a smaller head runs padded on the next
-    size up, :func:`cupykv.kernels.attention_mma_head_dim`), CUDA cores otherwise
+    size up, :func:`cupykv.kernels.attention_mma_head_dim`); float32 caches at head_dim 64 and 128 on
+    CUDA cores with K/V staged by asynchronous copies (``attention_f32.cu``); CUDA cores otherwise
     (``attention.cu``). ``query_rows`` (``q_len * group``) picks the tensor-core kernel's rows per
     block (:func:`mma_row_tiles`)."""
     instance_head_dim = attention_mma_head_dim(dtype, head_dim)
     if instance_head_dim is None:
         op, instance = attention_instance(dtype, head_dim, io_dtype)
+        if op == "attention_f32":
+            return AttentionKernel(op, instance, F32_TILING["kThreads"], F32_TILING[f"kShared{head_dim}"])
         return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
     row_tiles = mma_row_tiles(query_rows, instance_head_dim)
     op, instance = attention_instance(dtype, head_dim, io_dtype, row_tiles)

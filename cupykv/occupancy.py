@@ -123,6 +123,10 @@ def launch_shape(instance: str) -> LaunchShape | None:
         note = f"head_dim {head_dim}" if head_dim else f"head_dim {GENERIC_HEAD_DIM} (generic: its largest)"
         return LaunchShape(attention_plan.THREADS, attention_plan.shared_memory_bytes(head_dim or GENERIC_HEAD_DIM),
                            note)
+    staged = re.fullmatch(r"cupykv_attention_f32<(\d+)>", instance)
+    if staged:
+        kernel = attention_plan.attention_kernel("float32", int(staged.group(1)))
+        return LaunchShape(kernel.threads, kernel.shared_mem_bytes, f"head_dim {staged.group(1)}, staged K/V")
     tensor_cores = re.fullmatch(r"cupykv_attention_mma<(.+), (.+), (\d+), (\d+)>", instance)
     if tensor_cores:
         dtype, io_dtype = (_DTYPE_OF[name] for name in tensor_cores.group(1, 2))

@@ -8,6 +8,7 @@ but the N most recent groups (empty groups count), wait_all commits first, src-s
 read and the rest zero-filled. The same source compiles with NVRTC for sm_80 and sm_90 without
 spills, so what runs here is what a GPU will run.
 """
+import re
 from pathlib import Path
 
 import numpy as np
@@ -249,6 +250,21 @@ def test_a_source_read_out_of_bounds_faults_like_a_load(module):
     src = E.asarray(np.ones(8, np.float32))
     with pytest.raises((E.EmulatorFault, E.AsyncCopyError), match="argument 0"):
         module.get_function("async_roundtrip<16>")(1, 32, (src, E.zeros(128, np.float32), np.int32(128), np.int32(0)))
+
+
+def test_a_source_read_of_protected_bytes_is_reported_at_the_copy_line(module):
+    # A copy whose source lies inside its array but on a protected page faults in the emulator's own
+    # copy routine; the report names the kernel line of the cp.async, as for a plain load (it once
+    # named an offset in the module instead).
+    src = E.zeros(2048, np.float32)
+    view = src[1024 - 64:]   # threads 16..31 read the second page of src
+    with E.protected(src, 4096), pytest.raises(E.EmulatorFault) as caught:
+        module.get_function("async_roundtrip<16>")(1, 32, (view, E.zeros(128, np.float32), np.int32(128), np.int32(0)))
+    message = str(caught.value)
+    found = re.search(r"thread \((\d+),0,0\): read of protected bytes of argument 0 at element (\d+) ", message)
+    assert found and int(found.group(2)) == 4 * int(found.group(1)) >= 64, message   # whichever thread ran first
+    assert re.search(rf" at async_copy.cuh:\d+ \(inlined into {ISSUE}\)", message), message
+    assert_still_works(module)
 
 
 # ---- the same source is real CUDA ----------------------------------------------------------------

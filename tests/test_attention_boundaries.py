@@ -40,9 +40,12 @@ SPIKE = 8.0                              # logit of a marked key: e**8 outweighs
 NAN, INF = float("nan"), float("inf")
 POISONS = [(NAN, NAN), (INF, -INF), (-INF, NAN), (NAN, INF)]   # (K, V) values written where nothing may read
 DTYPES = ["float32", "float16", "bfloat16"]
-# head sizes paired with DTYPES by index: a generic size on CUDA cores for float32, and the two
-# tensor-core sizes for the 16-bit caches (one m16 tile per block up to 16 query rows, two past that)
-HEAD_DIMS = [8, 64, 128]
+# (dtype, head_dim) of each attention kernel, which the tests below take in turn: the generic CUDA-core
+# kernel (float32 at 8), the two tensor-core sizes (float16 at 64, bfloat16 at 128: one m16 tile per
+# block up to 16 query rows, two past that), and the staged float32 kernel at both its sizes
+# (attention_f32.cu: 32-key steps, four rows per warp). With a dtype alone (head_dim 8), a 16-bit
+# cache runs padded on the tensor-core instance of 64.
+KERNEL_CASES = [("float32", 8), ("float16", 64), ("bfloat16", 128), ("float32", 64), ("float32", 128)]
 
 
 def straddling(tile, multiples=(1, 2, 3)):
@@ -152,7 +155,8 @@ def _boundary_marks(live, tile):
 # (q_len, group, num_splits, dtype, head_dim, layout): fp32 for the tightest tolerance, both 16-bit
 # dtypes, and the specialised head_dim 64 / 128 instances.
 VARIANTS = [(1, 1, 1, "float32", 8, "NHD"), (1, 4, 2, "bfloat16", 16, "HND"), (3, 2, 3, "float16", 8, "NHD"),
-            (2, 8, 4, "bfloat16", 128, "NHD"), (5, 1, 2, "float16", 64, "HND")]
+            (2, 8, 4, "bfloat16", 128, "NHD"), (5, 1, 2, "float16", 64, "HND"), (1, 1, 2, "float32", 64, "NHD"),
+            (4, 3, 3, "float32", 128, "HND")]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -195,7 +199,8 @@ def test_query_rows_straddle_every_row_tile(backend, tile, multiple):
         group = max(g for g in range(1, 9) if rows % g == 0)
         q_len = rows // group
         # float16 at head_dim 64 and bfloat16 at 128 run on tensor cores: blocks of 16, 32 or 64 rows
-        spec = _spec(CHUNK + q_len + 4, batch=2, n_kv=1 + rows % 2, head_dim=HEAD_DIMS[rows % 3], dtype=DTYPES[rows % 3])
+        dtype, head_dim = KERNEL_CASES[(rows + multiple) % len(KERNEL_CASES)]
+        spec = _spec(CHUNK + q_len + 4, batch=2, n_kv=1 + rows % 2, head_dim=head_dim, dtype=dtype)
         lengths = [CHUNK - q_len // 2, 0]           # seq 0's pending rows straddle a chunk edge
         marked = {b: _pending_marks(n, q_len) + [0, CHUNK - 1, CHUNK] for b, n in enumerate(lengths)}
         attend(backend, spec, lengths, q_len, group, num_splits=1 + rows % 2, marked=marked, seed=rows)
@@ -207,8 +212,8 @@ def test_query_rows_straddle_every_row_tile(backend, tile, multiple):
 def test_every_q_len_at_every_gqa_group(backend, q_len, group):
     # Sequence 0's pending rows straddle a chunk edge; sequence 1 has no history (lengths 0).
     index = q_len * 8 + group
-    spec = _spec(2 * CHUNK + 8, batch=2, head_dim=HEAD_DIMS[index % 3], dtype=DTYPES[index % 3],
-                 layout=("NHD", "HND")[(index // 2) % 2])
+    dtype, head_dim = KERNEL_CASES[index % len(KERNEL_CASES)]
+    spec = _spec(2 * CHUNK + 8, batch=2, head_dim=head_dim, dtype=dtype, layout=("NHD", "HND")[(index // 2) % 2])
     lengths = [CHUNK - q_len // 2 - 1, 0]
     marked = {b: [n + i for i in range(q_len)] + [0, CHUNK - 1, CHUNK] for b, n in enumerate(lengths)}
     attend(backend, spec, lengths, q_len, group, num_splits=1 + index % 2, marked=marked,
@@ -240,7 +245,8 @@ def _split_ranges(splits):
 def test_every_split_count_keeps_an_uneven_last_split(backend, splits):
     ranges = _split_ranges(splits)
     max_seq = max(max(ranges) + 4, splits * CHUNK)
-    spec = _spec(max_seq, batch=len(ranges), dtype=DTYPES[splits % 3], layout=("NHD", "HND")[splits % 2],
+    dtype, head_dim = KERNEL_CASES[splits % len(KERNEL_CASES)]
+    spec = _spec(max_seq, batch=len(ranges), dtype=dtype, head_dim=head_dim, layout=("NHD", "HND")[splits % 2],
                  n_layers=1)
     marked = {b: [0, r - 3, r - 2, r - 1] for b, r in enumerate(ranges)}    # q_len 1: the query sits at r - 1
     attend(backend, spec, [r - 1 for r in ranges], 1, 1, num_splits=splits, marked=marked,
@@ -289,7 +295,8 @@ def test_windows_start_at_tile_edges(backend, tile, edge, variant):
     starts = [m * tile + edge for m in (1, 2, 3)]
     lengths = [start + window - 1 for start in starts]
     max_seq = max(lengths) + q_len + 4
-    spec = _spec(max_seq, batch=3, dtype=DTYPES[(tile + edge) % 3], layout=("NHD", "HND")[edge % 2])
+    dtype, head_dim = KERNEL_CASES[(tile + edge + WINDOWS.index(variant)) % len(KERNEL_CASES)]
+    spec = _spec(max_seq, batch=3, dtype=dtype, head_dim=head_dim, layout=("NHD", "HND")[edge % 2])
     marked = {b: [s + i for i in range(q_len)] + [n + i for i in range(q_len)] + [s - 1 + tile]
               for b, (s, n) in enumerate(zip(starts, lengths))}
     attend(backend, spec, lengths, q_len, group, num_splits=_splits(splits, max_seq), window=window,
@@ -305,7 +312,8 @@ def test_pending_rows_past_a_query_never_reach_it(backend, q_len, group, values)
     # Pending row lengths[b] + m is poisoned: queries 0..m-1 read it (same tile, same chunk) but
     # may not attend it. Sequence 0's pending rows straddle a chunk edge; sequence 1 has no history.
     for m in sorted({1, q_len // 2, q_len - 1}):
-        spec = _spec(2 * CHUNK + 24, batch=2, dtype=DTYPES[(q_len + m) % 3], layout=("NHD", "HND")[m % 2])
+        dtype, head_dim = KERNEL_CASES[(q_len + m + group) % len(KERNEL_CASES)]
+        spec = _spec(2 * CHUNK + 24, batch=2, dtype=dtype, head_dim=head_dim, layout=("NHD", "HND")[m % 2])
         lengths = [CHUNK - q_len // 2, 0]
         marked = {b: [n + i for i in range(m)] + [CHUNK - 1] for b, n in enumerate(lengths)}
         attend(backend, spec, lengths, q_len, group, num_splits=1 + m % 2, marked=marked, values=values,
@@ -314,14 +322,14 @@ def test_pending_rows_past_a_query_never_reach_it(backend, q_len, group, values)
 
 # -- 6. empty history and rows that attend only themselves -----------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype, head_dim", KERNEL_CASES[:1] + KERNEL_CASES[3:] + [("float16", 8), ("bfloat16", 8)])
 @pytest.mark.parametrize("q_len, group", [(2, 8), (7, 3), (16, 1)])
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_rows_that_attend_only_themselves_are_exact(backend, dtype, q_len, group, num_splits):
+def test_rows_that_attend_only_themselves_are_exact(backend, dtype, head_dim, q_len, group, num_splits):
     # With window 1 each query attends its own row alone, so its output is that V row exactly; past
     # capacity (sequence 3's later queries) it attends nothing: zeros. Sequence 0 has no history.
     max_seq = 2 * CHUNK
-    spec = _spec(max_seq, batch=4, n_kv=2, dtype=dtype, layout="HND" if q_len % 2 else "NHD")
+    spec = _spec(max_seq, batch=4, n_kv=2, dtype=dtype, head_dim=head_dim, layout="HND" if q_len % 2 else "NHD")
     lengths = [0, CHUNK - q_len // 2, CHUNK, max_seq - q_len // 2]
     got, want = attend(backend, spec, lengths, q_len, group, num_splits=num_splits, window=1, seed=q_len)
     assert np.array_equal(got, want), "a query that attends only its own row must return that V row exactly"
@@ -333,8 +341,9 @@ def test_rows_that_attend_only_themselves_are_exact(backend, dtype, q_len, group
 @pytest.mark.parametrize("q_len, group", [(2, 1), (5, 4), (16, 8)])
 def test_empty_history_with_several_queries(backend, q_len, group):
     # lengths 0: query i attends rows 0..i, all of them pending; query 0 attends itself alone (exact).
-    for dtype, num_splits in [("float32", 1), ("bfloat16", 2), ("float16", 3)]:
-        spec = _spec(3 * CHUNK, batch=2, n_kv=2, dtype=dtype)
+    for dtype, head_dim, num_splits in [("float32", 8, 1), ("bfloat16", 8, 2), ("float16", 8, 3), ("float32", 64, 2),
+                                        ("float32", 128, 1)]:
+        spec = _spec(3 * CHUNK, batch=2, n_kv=2, dtype=dtype, head_dim=head_dim)
         marked = {b: range(q_len) for b in range(2)}
         got, want = attend(backend, spec, [0, 0], q_len, group, num_splits=num_splits, marked=marked,
                            values=POISONS[num_splits], seed=q_len + num_splits)
@@ -348,7 +357,8 @@ REPLAY_LENGTHS = [[CHUNK - 1, 0], [CHUNK, 1], [3 * CHUNK + 1, 2 * CHUNK], [3 * C
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("splits, q_len", [(2, 1), (3, 4), (8, 1), (5, 16)])
-@pytest.mark.parametrize("dtype, head_dim", [("float32", 8), ("bfloat16", 128)], ids=["cuda-cores", "tensor-cores"])
+@pytest.mark.parametrize("dtype, head_dim", [("float32", 8), ("float32", 128), ("bfloat16", 128)],
+                         ids=["cuda-cores", "cuda-cores-staged", "tensor-cores"])
 def test_the_split_combine_is_right_on_every_replay(backend, splits, q_len, dtype, head_dim):
     # A captured step attends over both layers with one split plan (one workspace), then advances by
     # a device array. Between replays the lengths change on the device (set_lengths from a device
@@ -440,10 +450,12 @@ def test_boundary_cases_match_the_reference(backend, case):
 
 
 # -- 9. a non-finite value in an attended row is never hidden -----------------------------------------------
-# (dtype, io_dtype, head_dim): CUDA cores for float32 and for a 16-bit head that is not whole 16-byte
-# copies, tensor cores at one and two m16 tiles' heads, and both fp8 kernels.
-NON_FINITE_KERNELS = [("float32", "", 8), ("float16", "", 36), ("bfloat16", "", 64), ("float16", "", 128),
-                      ("float8_e4m3", "float16", 64), ("float8_e4m3", "bfloat16", 72)]
+# (dtype, io_dtype, head_dim): CUDA cores for float32 (generic at 8, staged at 64 and 128) and for a
+# 16-bit head that is not whole 16-byte copies, tensor cores at one and two m16 tiles' heads, and both
+# fp8 kernels.
+NON_FINITE_KERNELS = [("float32", "", 8), ("float32", "", 64), ("float32", "", 128), ("float16", "", 36),
+                      ("bfloat16", "", 64), ("float16", "", 128), ("float8_e4m3", "float16", 64),
+                      ("float8_e4m3", "bfloat16", 72)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -197,6 +197,8 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
         r = row.report
         if r.instance.startswith("cupykv_attention<"):   # attention_min_blocks<T>(): 3 for float, else 4
             assert r.min_blocks == (3 if "<float," in r.instance else 4), r
+        elif r.instance.startswith("cupykv_attention_f32<"):   # attention_f32_min_blocks: sm_80's shared memory
+            assert r.min_blocks == (4 if r.instance.endswith("<64>") else 2), r
         elif r.instance.startswith("cupykv_attention_mma<") and ", 256, " in r.instance:
             # attention_mma_min_blocks<T, 256, tiles>(): 2 with one tile, 1 with two (sm_80's shared memory
             # for 16-bit caches)
@@ -236,6 +238,9 @@ def _docs_table():
         kernel, t, size, row_tiles, r80, b80, r90, b90 = match.groups()
         size = f"{size}, {row_tiles}" if row_tiles else size   # attention_mma: head_dim, row tiles
         rows.append((kernel, types[t], size, {"sm_80": (int(r80), int(b80)), "sm_90": (int(r90), int(b90))}))
+    for match in re.finditer(r"^\| attention_f32<(\d+)>[^|]*\| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", text, re.M):
+        size, r80, b80, r90, b90 = match.groups()   # float32 only: no type argument
+        rows.append(("attention_f32", "", size, {"sm_80": (int(r80), int(b80)), "sm_90": (int(r90), int(b90))}))
     return rows
 
 
@@ -244,12 +249,15 @@ def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
     assert len(rows) >= 17
     assert {size for kernel, _, size, _ in rows if kernel == "attention_mma"} == {
         f"{head_dim}, {tiles}" for head_dim in (64, 96, 128, 256) for tiles in (1, 2, 4) if tiles < 4 or head_dim < 256}
+    assert {size for kernel, _, size, _ in rows if kernel == "attention_f32"} == {"64", "128"}
     computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
                 for row in occupancy.rows(reports)}
     for kernel, cuda_type, size, by_arch in rows:
-        for cuda in ([cuda_type] if cuda_type else ["float", "__half", "__nv_bfloat16"]):
+        for cuda in ([cuda_type] if cuda_type is not None else ["float", "__half", "__nv_bfloat16"]):
             # attention kernels take the cache type and the io type (the same but for fp8 caches)
-            instance = f"cupykv_{kernel}<{cuda}, {size}>" if kernel.startswith("linear") else f"cupykv_{kernel}<{cuda}, {cuda}, {size}>"
+            instance = (f"cupykv_{kernel}<{size}>" if kernel == "attention_f32"
+                        else f"cupykv_{kernel}<{cuda}, {size}>" if kernel.startswith("linear")
+                        else f"cupykv_{kernel}<{cuda}, {cuda}, {size}>")
             for arch, documented in by_arch.items():
                 assert computed[(arch, instance)] == documented, (instance, arch)
 

@@ -190,6 +190,18 @@ def attention_without_barrier_before_pv(source):
     return "\n".join(lines)
 
 
+def staged_attention_without(barrier_comment):
+    """A patch of attention_f32.cu that removes the __syncthreads() whose comment starts so."""
+    def patch(source):
+        lines = source.split("\n")
+        found = [i for i, line in enumerate(lines) if line.strip().startswith("__syncthreads();")
+                 and line.split("//", 1)[-1].strip().startswith(barrier_comment)]
+        assert len(found) == 1, f"the barrier '{barrier_comment}' moved; update this patch"
+        lines[found[0]] = ""  # keeps every line number
+        return "\n".join(lines)
+    return patch
+
+
 def rmsnorm_without_barrier(source):
     """rmsnorm.cu without its only __syncthreads() (before the warp totals are read)."""
     lines = source.split("\n")
@@ -212,15 +224,16 @@ class PatchedBackend(EmulatorBackend):
         return super()._compile(filename, source, instances)
 
 
-def one_query_attention(backend):
-    """Attention of one query (q_len 1, one head, head_dim 64) over 5 cached float32 rows."""
+def one_query_attention(backend, head_dim=48, rows=5):
+    """Attention of one query (q_len 1, one head) over ``rows`` cached float32 rows: the generic
+    CUDA-core kernel (attention.cu) at head_dim 48, the staged one (attention_f32.cu) at 64 and 128."""
     rng = np.random.default_rng(0)
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=64, max_seq=16, batch=1, dtype="float32")
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=128, batch=1, dtype="float32")
     cache = cupykv.KVCache(spec, backend=backend)
-    k, v = (backend.asarray(rng.standard_normal((1, 5, 1, 64)).astype(np.float32)) for _ in "kv")
+    k, v = (backend.asarray(rng.standard_normal((1, rows, 1, head_dim)).astype(np.float32)) for _ in "kv")
     cache.append(0, k, v)
-    cache.advance(5)
-    q = backend.asarray(rng.standard_normal((1, 1, 1, 64)).astype(np.float32))
+    cache.advance(rows)
+    q = backend.asarray(rng.standard_normal((1, 1, 1, head_dim)).astype(np.float32))
     return cupykv.attention(q, cache, 0, num_splits=1)
 
 
@@ -229,7 +242,7 @@ def test_attention_without_the_barrier_before_pv_is_reported_at_q_len_1():
     with pytest.raises(E.RaceError) as caught:
         one_query_attention(PatchedBackend("attention", attention_without_barrier_before_pv))
     message = str(caught.value)
-    assert message.startswith("kernel 'cupykv_attention<float, float, 64>': data race in shared memory")
+    assert message.startswith("kernel 'cupykv_attention<float, float, 0>': data race in shared memory")
     softmax_writes = {line_of(path, "row[c] = p;"), line_of(path, "row_rescale[r] = rescale;")}
     pv_reads = {line_of(path, "const float rescale = row_rescale[row_group + m * kRowGroups];"),
                 line_of(path, "const float4 p = *reinterpret_cast<const float4*>(scores + r * kChunk + c);"),
@@ -243,6 +256,52 @@ def test_attention_without_the_barrier_before_pv_is_reported_at_q_len_1():
         assert_names_threads(message, h)
     # the real kernel, same call: no report
     one_query_attention(EmulatorBackend())
+
+
+K_READ = "const float4 k4 = *reinterpret_cast<const float4*>(k_row + d);"
+V_READ = "const float4 v4 = *reinterpret_cast<const float4*>(v_stage + key * kRow + lane_dim);"
+
+
+def assert_reports_an_early_stage_access(caught, head_dim, access_lines):
+    """A RaceError or AsyncCopyError (which one depends on the emulator's schedule: whether the copy's
+    own thread has reached its wait) naming the staged kernel, the line of the access and, for an
+    AsyncCopyError, the copy issued in load_step."""
+    path = Path(KERNEL_DIR) / "attention_f32.cu"
+    message = str(caught.value)
+    assert message.startswith(f"kernel 'cupykv_attention_f32<{head_dim}>'"), message
+    assert any(f"at {line_of(path, line)} " in message for line in access_lines), message
+    if isinstance(caught.value, E.AsyncCopyError):   # the copy: issued by load_step at one of its two calls
+        calls = {line_of(path, "if (steps > 0) load_step(0, 0);"),
+                 line_of(path, "if (n + 1 < steps) load_step(n + 1, (n + 1) % kStages);")}
+        issued = re.search(r"cp.async issued by thread \(\d+,0,0\) at async_copy.cuh:\d+ \(inlined into (\S+)\)", message)
+        assert issued and issued.group(1) in calls, message
+    else:
+        for hazard in caught.value.hazards:
+            assert hazard.memory == "shared" and hazard.first.thread != hazard.second.thread
+            assert_names_threads(message, hazard)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_staged_attention_reading_a_stage_before_every_copy_landed_is_reported(head_dim):
+    """Without the barrier after cp_async_wait, a warp reads K rows of a step that other threads copy:
+    their copies may still be pending (AsyncCopyError), or landed at a wait that nothing orders
+    before the read (RaceError)."""
+    patched = PatchedBackend("attention_f32", staged_attention_without("... and every thread's"))
+    with pytest.raises((E.RaceError, E.AsyncCopyError)) as caught:
+        one_query_attention(patched, head_dim, rows=40)
+    assert_reports_an_early_stage_access(caught, head_dim, [K_READ, V_READ])
+    one_query_attention(EmulatorBackend(), head_dim, rows=40)   # the real kernel: no report
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_staged_attention_refilling_a_stage_other_warps_still_read_is_reported(head_dim):
+    """Without the barrier at the end of a step, the copies of step n + 2 may be issued into the
+    stage while another warp still reads step n from it (three steps: 65 keys)."""
+    patched = PatchedBackend("attention_f32", staged_attention_without("every warp is done with the stage"))
+    with pytest.raises((E.RaceError, E.AsyncCopyError)) as caught:
+        one_query_attention(patched, head_dim, rows=65)
+    assert_reports_an_early_stage_access(caught, head_dim, [K_READ, V_READ])
+    one_query_attention(EmulatorBackend(), head_dim, rows=65)
 
 
 def test_rmsnorm_without_its_barrier_is_reported():

@@ -23,7 +23,7 @@ from cupykv.attention_plan import attention_kernel, max_splits
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import accounting, memory
 from cupykv.backends.emulator_backend import EmulatorBackend
-from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
+from cupykv.kernels import KERNEL_DIR, KERNELS
 
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 TRAFFIC_NAMES = ["strided_copy", "vector_copy", "sum_rows", "uneven_trips", "realigned_trips",
@@ -291,13 +291,6 @@ def tile_rows_read(spec, lengths, q_len, group, window):
     return total * spec.n_kv_heads
 
 
-# kernels/attention.cu with HEAD_DIM 64 splits the block into two row groups (threads 0-63 and
-# 64-127, kRowGroups = 2) and each group loads every V element of a chunk itself: V is loaded
-# twice per block (the same sectors, so an L1 hit on a GPU, but twice the load instructions).
-# Held exactly so that a change shows; the header comment says each row is read once. The tensor-core
-# kernel (attention_mma.cu, 16-bit caches at head_dim 64, 96, 128 and 256, and smaller heads padded onto
-# them) copies each K and V row once.
-V_LOADS_PER_ROW = {64: 2}
 
 
 def assert_reads_exactly_the_attended_rows(launch, cache, layer, lengths, q_len, group, window):
@@ -305,15 +298,13 @@ def assert_reads_exactly_the_attended_rows(launch, cache, layer, lengths, q_len,
     want = row_bytes(spec, layer, attended_rows(spec, lengths, q_len, window))
     row = spec.head_dim * spec.itemsize
     loads = tile_rows_read(spec, lengths, q_len, group, window) * row
-    head_dim = spec.head_dim if spec.head_dim in ATTENTION_HEAD_DIMS else 0
-    v_loads = 1 if attention_kernel(spec.dtype, spec.head_dim).tensor_cores else V_LOADS_PER_ROW.get(head_dim, 1)
-    for array, per_row in ((cache.k, 1), (cache.v, v_loads)):
+    for array in (cache.k, cache.v):   # every kernel reads each K and V row of a block's keys once
         arg = launch.of(array)
         got = arg.touched("load")
         extra, missing = np.flatnonzero(got & ~want), np.flatnonzero(want & ~got)
         assert extra.size == 0, f"read {extra.size} bytes outside the attended rows, from byte {extra[:1]}"
         assert missing.size == 0, f"{missing.size} bytes of attended rows unread, from byte {missing[:1]}"
-        assert arg.bytes_loaded == loads * per_row
+        assert arg.bytes_loaded == loads
         assert arg.bytes_stored == 0 and arg.counts("atomic").accesses == 0
 
 
@@ -473,13 +464,16 @@ def test_a_protected_tail_makes_a_whole_axis_read_fault():
             else:
                 results.append(np.asarray(cupykv.attention(q, cache, 0)))
     message = str(caught.value)
-    assert message.startswith("kernel 'cupykv_attention<float, float, 64>' block (0,0,0) thread (")
-    found = re.search(r"read of protected bytes of argument \d+ at element (\d+) \(0, 0, (\d+), 0, 0\) "
+    assert message.startswith("kernel 'cupykv_attention_f32<64>' block (0,0,0) thread (")
+    # the staged kernel reads K and V rows by cp.async: the fault is one lane's 16-byte copy, reported
+    # at the copy's call site
+    found = re.search(r"read of protected bytes of argument \d+ at element (\d+) \(0, 0, (\d+), 0, (\d+)\) "
                       r"\(byte offset \d+; bytes \[8192, 16384\) are protected by emulator.protected\(\); "
-                      r"float32 array of shape \(1, 1, 64, 1, 64\)", message)
+                      r"float32 array of shape \(1, 1, 64, 1, 64\).* at async_copy.cuh:\d+ \(inlined into "
+                      r"attention_f32.cu:\d+\)", message)
     assert found, message
-    row = int(found.group(2))
-    assert int(found.group(1)) == row * 64
+    row, column = int(found.group(2)), int(found.group(3))
+    assert int(found.group(1)) == row * 64 + column and column % 4 == 0
     assert row >= live
     assert np.isfinite(results[0]).all()
 
@@ -696,22 +690,25 @@ def test_decode_attention_sectors_per_request_bf16(head_dim, sectors_per_request
         assert c.sectors_per_request == pytest.approx(sectors_per_request) and c.requested_ratio == 1.0, c
 
 
-def test_decode_attention_sectors_per_request_float32():
-    """The design figures of the CUDA-core decode path (kernels/attention.cu, float32, head_dim 128,
-    301 live rows per sequence).
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 16.0), (64, 2408 / 151)])
+def test_decode_attention_sectors_per_request_float32(head_dim, sectors_per_request, layout):
+    """The design figures of the float32 decode path (kernels/attention_f32.cu, 301 live rows per
+    sequence), for K and V alike, in both layouts.
 
-    K: one key per thread, each lane loads 16 bytes of its own row, so a full warp's request
-    touches 32 sectors (a sector per lane); 301 rows in warps of 32 leave a partial warp, and the
-    average over the launch is (9 x 32 + 13) / 10 = 30.1. Each 32-byte sector is requested twice
-    (two 16-byte halves), so requested sectors are 2x the ideal.
-    V: one head dimension per thread, 4-byte loads, 32 lanes read 128 contiguous bytes of a row:
-    4 sectors per request, each one fully used.
+    The block copies a 32-key step with 16-byte cp.async, a warp instruction covering whole rows:
+    one 512-byte row at head_dim 128 (16 sectors), two 256-byte rows at 64. 301 rows are 9 full steps
+    and a last step of 13 rows; zero-filled rows read nothing.
+    head_dim 128: every request is one live row: 301 x 16 / 301 = 16.
+    head_dim 64: 16 requests a step; the last step has 6 full ones and one with one live row (8
+    sectors): (9 x 16 x 16 + 6 x 16 + 8) / (9 x 16 + 7) = 2408 / 151. (The kernel it replaced read
+    K a 16-byte piece of its own row per lane, 30.1 sectors a request, each sector requested twice,
+    and V 4 bytes a lane.)
     """
-    launch, cache, needed = decode_attention("float32", 128, "NHD")
-    k = launch.coalescing(arrays=[cache.k], needed_bytes=needed)
-    v = launch.coalescing(arrays=[cache.v], needed_bytes=needed)
-    assert k.sectors_per_request == pytest.approx(30.1) and k.requested_ratio == 2.0, k
-    assert v.sectors_per_request == 4.0 and v.requested_ratio == 1.0, v
+    launch, cache, needed = decode_attention("float32", head_dim, layout)
+    for array in (cache.k, cache.v):
+        c = launch.coalescing(arrays=[array], needed_bytes=needed)
+        assert c.sectors_per_request == pytest.approx(sectors_per_request) and c.requested_ratio == 1.0, c
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

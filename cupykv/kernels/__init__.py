@@ -29,8 +29,8 @@ FP8_IO_DTYPES = ("bfloat16", "float16", "float32")
 #: every (storage dtype, io dtype) a cache can have: 16- and 32-bit caches store their io dtype.
 CACHE_DTYPE_PAIRS = tuple((dtype, dtype) for dtype in CUDA_TYPES) + tuple(("float8_e4m3", io) for io in FP8_IO_DTYPES)
 
-#: head sizes with a compile-time specialisation of the CUDA-core attention (float32 caches);
-#: others use HEAD_DIM = 0.
+#: head sizes of the staged float32 attention (kernels/attention_f32.cu); float32 caches of other
+#: sizes use the generic CUDA-core attention (attention.cu, HEAD_DIM = 0).
 ATTENTION_HEAD_DIMS = (64, 128)
 
 #: head sizes the tensor-core attention (kernels/attention_mma.cu) is compiled for (its HEAD_DIM).
@@ -136,12 +136,12 @@ KERNELS: dict[str, KernelFile] = {
     "additive_mask": KernelFile("additive_mask.cu", ("cupykv_additive_mask",)),
     "attention": KernelFile(
         "attention.cu",
-        # float32 at every head size; 16-bit and fp8 caches at the sizes attention_mma.cu does not take
-        # (rows that are not whole 16-byte copies)
-        tuple(f"cupykv_attention<float, float, {hd}>" for hd in (0,) + ATTENTION_HEAD_DIMS)
-        + tuple(f"cupykv_attention<{cache_types(dtype, io)}, 0>" for dtype, io in CACHE_DTYPE_PAIRS
-                if dtype != "float32"),
+        # the generic path: float32 caches at the sizes attention_f32.cu does not take, 16-bit and fp8
+        # caches at those attention_mma.cu does not take (rows that are not whole 16-byte copies)
+        tuple(f"cupykv_attention<{cache_types(dtype, io)}, 0>" for dtype, io in CACHE_DTYPE_PAIRS),
     ),
+    # float32 caches at head_dim 64 and 128: K/V staged by cp.async, on CUDA cores
+    "attention_f32": KernelFile("attention_f32.cu", tuple(f"cupykv_attention_f32<{hd}>" for hd in ATTENTION_HEAD_DIMS)),
     # the tensor-core path of 16-bit and fp8 caches, compiled at head_dim 64, 96, 128 and 256 (smaller
     # sizes run padded on the next one up: attention_mma_head_dim)
     "attention_mma": KernelFile(
@@ -219,7 +219,8 @@ def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None, r
     """``(op, instance)`` of the attention kernel for a cache's storage and io dtypes and head size.
 
     16-bit and fp8 caches run on tensor cores (``attention_mma.cu``) at the instance
-    :func:`attention_mma_head_dim` gives; float32 caches and the other head sizes on CUDA cores
+    :func:`attention_mma_head_dim` gives; float32 caches at :data:`ATTENTION_HEAD_DIMS` on CUDA cores with
+    staged K/V (``attention_f32.cu``); the other head sizes on the generic CUDA-core kernel
     (``attention.cu``). ``io_dtype`` defaults to ``dtype`` (it must be given for an fp8 cache).
     ``row_tiles``: the tensor-core kernel's m16 row tiles per block, one of
     :func:`attention_mma_row_tiles` of that instance (``cupykv.attention_plan`` picks it from the
@@ -232,8 +233,9 @@ def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None, r
             raise ValueError(f"row_tiles: expected one of {attention_mma_row_tiles(instance_head_dim)} at head_dim "
                              f"{head_dim}, got {row_tiles!r}")
         return "attention_mma", f"cupykv_attention_mma<{types}, {instance_head_dim}, {row_tiles}>"
-    specialised = head_dim if head_dim in ATTENTION_HEAD_DIMS and dtype == "float32" else 0
-    return "attention", f"cupykv_attention<{types}, {specialised}>"
+    if dtype == "float32" and head_dim in ATTENTION_HEAD_DIMS:
+        return "attention_f32", f"cupykv_attention_f32<{head_dim}>"
+    return "attention", f"cupykv_attention<{types}, 0>"
 
 
 def cuda_paths(wheel_globs, toolkit_glob) -> list[str]:

@@ -223,6 +223,7 @@ CUEMU_EXPORT void cuemu_cp_async(void* dst_, const void* src_, unsigned cp_size,
   memset(c.data, 0, sizeof c.data);
   if (src_size) {
     trace_access(src, src_size, ACCESS_READ, ra);
+    cuemu::copy_site = site;  // a fault in the copy below is reported at the cp.async's call site
     cuemu_copy(c.data, src_, src_size);  // a fault here is an out-of-bounds load of the issuing thread
   }
   g.issuing = true;
