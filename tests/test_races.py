@@ -244,7 +244,7 @@ def test_attention_without_the_barrier_before_pv_is_reported_at_q_len_1():
     message = str(caught.value)
     assert message.startswith("kernel 'cupykv_attention<float, float, 0>': data race in shared memory")
     softmax_writes = {line_of(path, "row[c] = p;"), line_of(path, "row_rescale[r] = rescale;")}
-    pv_reads = {line_of(path, "const float rescale = row_rescale[row_group + m * kRowGroups];"),
+    pv_reads = {line_of(path, "const float rescale = row_rescale[r];"),
                 line_of(path, "const float4 p = *reinterpret_cast<const float4*>(scores + r * kChunk + c);"),
                 line_of(path, "const float p = scores[r * kChunk + c];")}
     pairs = [h for h in caught.value.hazards if {h.first.site, h.second.site} & softmax_writes

@@ -1,5 +1,6 @@
-// attention.cu: masked multi-query attention over one layer of the cache,
-// with split-KV (flash-decoding), merged inside the launch.
+// attention.cu: masked multi-query attention over one layer of the cache on CUDA cores, the generic
+// path for the head sizes the other two kernels do not take, with split-KV (flash-decoding), merged
+// inside the launch.
 //
 // Computes, for sequence b, query i (position p = lengths[b] + i) and head h
 // (kv head g = h / (n_heads / n_kv)):
@@ -9,11 +10,12 @@
 //     out[b,i,h] = sum_j softmax(s)_j * v[b,j,g], or zeros if no j is attended.
 // This is reference.attention, exactly; accumulation is fp32.
 //
-// Versions: cupykv_attention<T, TI, HEAD_DIM>: the cache stores T; q and out are of the io
-// type TI. Caches of float, __half and __nv_bfloat16 have T == TI, with HEAD_DIM = 64 or 128
-// (compile-time head size, 16-byte vector loads of K; instantiated for float) or 0 (any
-// head_dim in 1..256, scalar loads). An fp8 cache (T = __nv_fp8_e4m3; TI = __nv_bfloat16,
-// __half or float; HEAD_DIM = 0 only) holds codes that stand for code * scale, one fp32
+// Versions: cupykv_attention<T, TI, 0>: the cache stores T; q and out are of the io type TI; any
+// head_dim in 1..256, scalar loads (HEAD_DIM = 0 is the only instance). Caches of float, __half and
+// __nv_bfloat16 have T == TI. float32 caches at head_dim 64 and 128 run attention_f32.cu (staged
+// K/V), and 16-bit and fp8 caches whose rows are whole 16-byte copies attention_mma.cu (tensor
+// cores); this kernel takes the rest. An fp8 cache (T = __nv_fp8_e4m3; TI = __nv_bfloat16,
+// __half or float) holds codes that stand for code * scale, one fp32
 // scale per layer and kv head in k_scales / v_scales [n_layers, n_kv] (device-resident,
 // read at run time; kv_codec.cuh). Its K and V are read as raw codes and the scales applied
 // once instead: the dot product is multiplied by scale * k_scale (s_j = (scale * k_scale) *
@@ -58,13 +60,11 @@ constexpr int kTileRows = 16;     // query rows (query x head of one group) per 
 constexpr int kWarps = kThreads / 32;
 }  // namespace attention_tiling
 
-// Minimum resident blocks per SM (ptxas's register budget), keyed on the storage type: 4 (<= 128
-// registers) for 16-bit and fp8 storage (NVRTC 13.5 allocates the fp8 instances, HEAD_DIM = 0
-// with any io type, at 96 registers on sm_80 and sm_90, within 5 of the 16-bit ones);
-// 3 (<= 168) for float, where both pinned NVRTCs allocate <float, float, 64> on sm_80 at 162
-// registers (168 at one time) and 13.5 spilled 16 bytes under the 128 cap. `python -m cupykv
-// check` prints every instance's registers.
-template <typename T> constexpr int attention_min_blocks() { return sizeof(T) == 4 ? 3 : 4; }
+// Minimum resident blocks per SM (ptxas's register budget): 4 (<= 128 registers). NVRTC 13.5
+// allocates every instance at 92 to 96 registers on sm_80 and sm_90. (Float was 3, <= 168, while
+// <float, float, 64> was an instance here: 162 registers on sm_80.) `python -m cupykv check` prints
+// every instance's registers.
+template <typename T> constexpr int attention_min_blocks() { return 4; }
 
 template <typename T, typename TI, int HEAD_DIM>
 __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_blocks<T>()) cupykv_attention(
@@ -88,15 +88,9 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     using namespace attention_tiling;
     constexpr bool kFp8 = cupykv::is_fp8<T>::value;
     static_assert(kFp8 || cupykv::same_type<T, TI>::value, "a 16- or 32-bit cache attends in its own type");
-    static_assert(!kFp8 || HEAD_DIM == 0, "fp8 caches use the scalar-load path (HEAD_DIM = 0) only");
-    constexpr int kVec = (HEAD_DIM > 0 && HEAD_DIM % (16 / (int)sizeof(T)) == 0) ? 16 / (int)sizeof(T) : 1;
-    constexpr int kDimsPerThread = HEAD_DIM == 0 ? 2 : (HEAD_DIM + kThreads - 1) / kThreads;
-    constexpr int kRowGroups = (HEAD_DIM > 0 && HEAD_DIM < kThreads && kThreads % HEAD_DIM == 0)
-                                   ? kThreads / HEAD_DIM : 1;
-    constexpr int kRowsPerThread = kTileRows / kRowGroups;
-    constexpr int kDimStride = kThreads / kRowGroups;
-    static_assert(!kFp8 || kVec == 1, "no 16-byte vector loads of fp8 codes");
-    const int head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_runtime;
+    static_assert(HEAD_DIM == 0, "the generic kernel takes its head_dim at run time");
+    constexpr int kDimsPerThread = 2;   // P.V: dims tid and tid + kThreads of every row (head_dim <= 256)
+    const int head_dim = head_dim_runtime;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
     const int group = n_heads / n_kv;
@@ -139,8 +133,8 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
         row_max[tid] = cupykv::neg_infinity();
         row_sum[tid] = 0.0f;
     }
-    float acc[kRowsPerThread][kDimsPerThread];
-    for (int m = 0; m < kRowsPerThread; ++m)
+    float acc[kTileRows][kDimsPerThread];   // rows r of the tile, dims tid + k * kThreads
+    for (int m = 0; m < kTileRows; ++m)
         for (int k = 0; k < kDimsPerThread; ++k) acc[m][k] = 0.0f;
     __syncthreads();
 
@@ -157,18 +151,10 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
         for (int r = 0; r < kTileRows; ++r) dot[r] = 0.0f;
         if (j < split_end) {
             const T* k_row = k_cache + head_base + (long long)j * stride_seq;
-            for (int d = 0; d < head_dim; d += kVec) {
-                float k_val[kVec];
-                if constexpr (kVec > 1) {
-                    const uint4 packed = *reinterpret_cast<const uint4*>(k_row + d);
-                    const T* raw = reinterpret_cast<const T*>(&packed);
-                    for (int v = 0; v < kVec; ++v) k_val[v] = cupykv::load_kv<T>(raw[v]);
-                } else {
-                    k_val[0] = cupykv::load_kv<T>(k_row[d]);   // fp8: the raw code
-                }
+            for (int d = 0; d < head_dim; ++d) {
+                const float k_val = cupykv::load_kv<T>(k_row[d]);   // fp8: the raw code
                 for (int r = 0; r < kTileRows; ++r)
-                    if (r < tile_rows)
-                        for (int v = 0; v < kVec; ++v) dot[r] = fmaf(q_tile[r * head_dim + d + v], k_val[v], dot[r]);
+                    if (r < tile_rows) dot[r] = fmaf(q_tile[r * head_dim + d], k_val, dot[r]);
             }
         }
         for (int r = 0; r < kTileRows; ++r) {
@@ -207,11 +193,10 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
         }
         __syncthreads();
 
-        // 3. acc = acc * rescale + P . V for this thread's rows and dims.
-        const int row_group = tid / kDimStride, dim0 = tid % kDimStride;
-        for (int m = 0; m < kRowsPerThread; ++m) {
-            const float rescale = row_rescale[row_group + m * kRowGroups];
-            for (int k = 0; k < kDimsPerThread; ++k) acc[m][k] *= rescale;
+        // 3. acc = acc * rescale + P . V for every row and this thread's dims.
+        for (int r = 0; r < kTileRows; ++r) {
+            const float rescale = row_rescale[r];
+            for (int k = 0; k < kDimsPerThread; ++k) acc[r][k] *= rescale;
         }
         const int chunk_keys = min(kChunk, split_end - chunk);
         const T* v_chunk = v_cache + head_base + (long long)chunk * stride_seq;
@@ -220,33 +205,31 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
             float v_val[4][kDimsPerThread];
             for (int key = 0; key < 4; ++key)
                 for (int k = 0; k < kDimsPerThread; ++k) {
-                    const int d = dim0 + k * kDimStride;
+                    const int d = tid + k * kThreads;
                     v_val[key][k] =
                         d < head_dim ? cupykv::load_kv<T>(v_chunk[(long long)(c + key) * stride_seq + d]) : 0.0f;
                 }
-            for (int m = 0; m < kRowsPerThread; ++m) {
-                const int r = row_group + m * kRowGroups;
+            for (int r = 0; r < kTileRows; ++r) {   // r a compile-time index of acc: no local memory
                 if (r >= tile_rows) break;
                 const float4 p = *reinterpret_cast<const float4*>(scores + r * kChunk + c);
                 const float p_key[4] = {p.x, p.y, p.z, p.w};
                 // p == 0 (masked or underflowed) never touches v: a stale NaN row stays out.
                 for (int key = 0; key < 4; ++key)
                     for (int k = 0; k < kDimsPerThread; ++k)
-                        acc[m][k] = p_key[key] != 0.0f ? fmaf(p_key[key], v_val[key][k], acc[m][k]) : acc[m][k];
+                        acc[r][k] = p_key[key] != 0.0f ? fmaf(p_key[key], v_val[key][k], acc[r][k]) : acc[r][k];
             }
         }
         for (; c < chunk_keys; ++c) {
             float v_val[kDimsPerThread];
             for (int k = 0; k < kDimsPerThread; ++k) {
-                const int d = dim0 + k * kDimStride;
+                const int d = tid + k * kThreads;
                 v_val[k] = d < head_dim ? cupykv::load_kv<T>(v_chunk[(long long)c * stride_seq + d]) : 0.0f;
             }
-            for (int m = 0; m < kRowsPerThread; ++m) {
-                const int r = row_group + m * kRowGroups;
+            for (int r = 0; r < kTileRows; ++r) {   // r a compile-time index of acc: no local memory
                 if (r >= tile_rows) break;
                 const float p = scores[r * kChunk + c];
                 for (int k = 0; k < kDimsPerThread; ++k)
-                    acc[m][k] = p != 0.0f ? fmaf(p, v_val[k], acc[m][k]) : acc[m][k];
+                    acc[r][k] = p != 0.0f ? fmaf(p, v_val[k], acc[r][k]) : acc[r][k];
             }
         }
         __syncthreads();
@@ -255,19 +238,17 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     // 4. write out (normalised) or the split's partial result; fp8: acc sums p * code, times v_scale.
     float v_scale = 1.0f;
     if constexpr (kFp8) v_scale = v_scales[(long long)layer * n_kv + kv_head];
-    const int row_group = tid / kDimStride, dim0 = tid % kDimStride;
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
     const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows, length, max_seq, window};
-    for (int m = 0; m < kRowsPerThread; ++m) {
-        const int r = row_group + m * kRowGroups;
-        if (r >= tile_rows) continue;
+    for (int r = 0; r < kTileRows; ++r) {
+        if (r >= tile_rows) break;
         const long long out_row = tile.out_row(r);
         const float sum = row_sum[r];
         const bool attends_a_key = tile.attends_a_key(r);
         for (int k = 0; k < kDimsPerThread; ++k) {
-            const int d = dim0 + k * kDimStride;
+            const int d = tid + k * kThreads;
             if (d >= head_dim) continue;
-            float value = acc[m][k];
+            float value = acc[r][k];
             if constexpr (kFp8) value *= v_scale;
             if (num_splits == 1) {
                 out[out_row * head_dim + d] = cupykv::from_float<TI>(cupykv::normalised_output(value, sum, attends_a_key));
@@ -275,7 +256,7 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
                 partial_out[(split * rows_total + out_row) * head_dim + d] = value;
             }
         }
-        if (num_splits > 1 && dim0 == 0) {
+        if (num_splits > 1 && tid == 0) {
             partial_max[split * rows_total + out_row] = row_max[r];
             partial_sum[split * rows_total + out_row] = sum;
         }

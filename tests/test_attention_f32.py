@@ -1,0 +1,110 @@
+"""The staged float32 decode attention (kernels/attention_f32.cu): which caches run it, its launch, and
+the properties its design claims that the boundary suite does not pin by itself.
+
+The boundary suite (test_attention_boundaries.py) takes this kernel in turn with the others at every
+tile, step, split and row-count edge; test_traffic.py holds its coalescing figures and test_races.py
+its two stage barriers.
+"""
+import numpy as np
+import pytest
+
+import cupykv
+from cupykv import attention_plan, reference, testing
+from cupykv.kernels import KERNELS
+from cupykv.tolerances import assert_attention_close
+from backends import BACKENDS
+
+TILING = KERNELS["attention_f32"].constants("attention_f32_tiling")
+
+
+@pytest.mark.parametrize("head_dim, op", [(64, "attention_f32"), (128, "attention_f32"), (8, "attention"),
+                                          (96, "attention"), (256, "attention")])
+def test_float32_caches_at_64_and_128_run_the_staged_kernel(head_dim, op):
+    spec = cupykv.CacheSpec(n_layers=1, batch=1, max_seq=256, n_kv_heads=1, head_dim=head_dim, dtype="float32")
+    plan = cupykv.AttentionPlan(cupykv.KVCache(spec), 1, 4)
+    assert plan.kernel.op == op and not plan.kernel.tensor_cores
+    if op == "attention_f32":
+        assert plan.kernel.instance == f"cupykv_attention_f32<{head_dim}>"
+        assert plan.block == (TILING["kThreads"],) and plan.kernel.rows_per_block == TILING["kTileRows"]
+        # the q tile and two stages of K and V, rows padded by kRowPad floats
+        stages = TILING["kStages"] * 2 * TILING["kStepKeys"] * (head_dim + TILING["kRowPad"])
+        assert plan.shared_mem_bytes == (TILING["kTileRows"] * head_dim + stages) * 4
+        assert plan.kernel.opts_in_to_shared_memory == (head_dim == 128)   # 75776 bytes at 128
+        assert attention_plan.block_row_choices("float32", head_dim) == (16,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, head_dim):
+    # Query 0's rows (6 heads of GQA 6) sit in warps 0-3 at q_len 1; at larger q_len the same rows are
+    # the first of 12..96 rows, in two to six blocks: the same warp but other neighbours, and the same
+    # 32-key steps of each 256-key split. Their bits must not move.
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=600, batch=2, dtype="float32")
+    rng = np.random.default_rng(7)
+    cache = cupykv.KVCache(spec, backend=backend)
+    rows = testing.random_rows(rng, spec, (2, 420, 2, head_dim))
+    cache.append(0, cache.to_device(rows), cache.to_device(rows[:, ::-1].copy()))
+    cache.advance([300, 411])
+    q = testing.random_rows(rng, spec, (2, 16, 12, head_dim))
+    alone = testing.to_numpy(cupykv.AttentionPlan(cache, 1, 12, split_keys=256).run(cache.to_device(q[:, :1].copy()), 0),
+                             spec)
+    for q_len in (2, 3, 5, 16):
+        together = cupykv.AttentionPlan(cache, q_len, 12, split_keys=256).run(cache.to_device(q[:, :q_len].copy()), 0)
+        assert np.array_equal(testing.bits(testing.to_numpy(together, spec)[:, :1]), testing.bits(alone)), q_len
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+def test_every_count_of_live_rows_per_warp(backend, head_dim, rows):
+    # q_len x group = rows: warp w holds rows w, w + 4, ... so its live rows run 0..4; a warp with none
+    # only copies. Each row's query leans on a different key, so a row computed by the wrong warp or
+    # from another row's weights is far off.
+    group = rows if rows <= 8 else 1
+    q_len = rows // group
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=1, dtype="float32")
+    rng = np.random.default_rng(rows)
+    oracle = reference.KVCache(spec)
+    oracle.k[...] = (rng.standard_normal(spec.shape) * 0.3).astype(np.float32)
+    oracle.v[...] = rng.standard_normal(spec.shape).astype(np.float32)
+    q = (rng.standard_normal((1, q_len, group, head_dim)) * 0.3).astype(np.float32)
+    for r in range(rows):   # row r leans on key 18 r + 1, in one of the three splits, attended by its query
+        i, h = divmod(r, group)
+        q[0, i, h] += oracle.k[0, 0, 18 * r + 1, 0] * 8.0
+    oracle.set_lengths([297])
+    cache = cupykv.KVCache(spec, backend=backend)
+    cache.k[...], cache.v[...] = cache.to_device(oracle.k), cache.to_device(oracle.v)
+    cache.set_lengths([297])
+    for num_splits in (1, 3):
+        got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, num_splits=num_splits), spec)
+        want = reference.attention(q, oracle, 0)
+        assert_attention_close(got.astype(np.float64), want, "float32", float(np.abs(oracle.v).max()),
+                               context=f"rows {rows}, num_splits {num_splits}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", [dict(rope=cupykv.Rope(theta=500.0)), dict(softcap=2.0),
+                                     dict(rope=cupykv.Rope(theta=10000.0), softcap=5.0, window=40)],
+                         ids=["rope", "softcap", "rope-softcap-window"])
+def test_rope_softcap_and_window_match_the_reference(backend, head_dim, options):
+    # Queries at several positions (q_len 3, GQA 4: 12 rows in three warps' worth of rows), over two
+    # sequences whose live keys cross step and split edges; softcap 2 caps logits of about 8.
+    spec = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=head_dim, max_seq=300, batch=2, dtype="float32")
+    rng = np.random.default_rng(head_dim)
+    oracle = reference.KVCache(spec)
+    oracle.k[...] = rng.standard_normal(spec.shape).astype(np.float32)
+    oracle.v[...] = rng.standard_normal(spec.shape).astype(np.float32)
+    q = (rng.standard_normal((2, 3, 8, head_dim)) * 0.5).astype(np.float32)
+    lengths = [161, 30]
+    oracle.set_lengths(lengths)
+    cache = cupykv.KVCache(spec, backend=backend)
+    cache.k[...], cache.v[...] = cache.to_device(oracle.k), cache.to_device(oracle.v)
+    cache.set_lengths(lengths)
+    want = reference.attention(q, oracle, 1, **options)
+    # the options change the result: a kernel that ignored one would not match
+    assert np.abs(reference.attention(q, oracle, 1) - want).max() > 1e-2
+    for num_splits in (1, 2):
+        got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 1, num_splits=num_splits, **options), spec)
+        assert_attention_close(got.astype(np.float64), want, "float32", float(np.abs(oracle.v).max()),
+                               context=f"{options}, num_splits {num_splits}")
