@@ -2,8 +2,8 @@
 the properties its design claims that the boundary suite does not pin by itself.
 
 The boundary suite (test_attention_boundaries.py) takes this kernel in turn with the others at every
-tile, step, split and row-count edge; test_traffic.py holds its coalescing figures and test_races.py
-its two stage barriers.
+tile, step, split and row-count edge; test_traffic.py holds its coalescing figures, test_races.py
+its two stage barriers, and test_attention_mma.py's split_keys test its bit-identical rows.
 """
 import numpy as np
 import pytest
@@ -31,26 +31,6 @@ def test_float32_caches_at_64_and_128_run_the_staged_kernel(head_dim, op):
         assert plan.shared_mem_bytes == (TILING["kTileRows"] * head_dim + stages) * 4
         assert plan.kernel.opts_in_to_shared_memory == (head_dim == 128)   # 75776 bytes at 128
         assert attention_plan.block_row_choices("float32", head_dim) == (16,)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, head_dim):
-    # Query 0's rows (6 heads of GQA 6) sit in warps 0-3 at q_len 1; at larger q_len the same rows are
-    # the first of 12..96 rows, in two to six blocks: the same warp but other neighbours, and the same
-    # 32-key steps of each 256-key split. Their bits must not move.
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=600, batch=2, dtype="float32")
-    rng = np.random.default_rng(7)
-    cache = cupykv.KVCache(spec, backend=backend)
-    rows = testing.random_rows(rng, spec, (2, 420, 2, head_dim))
-    cache.append(0, cache.to_device(rows), cache.to_device(rows[:, ::-1].copy()))
-    cache.advance([300, 411])
-    q = testing.random_rows(rng, spec, (2, 16, 12, head_dim))
-    alone = testing.to_numpy(cupykv.AttentionPlan(cache, 1, 12, split_keys=256).run(cache.to_device(q[:, :1].copy()), 0),
-                             spec)
-    for q_len in (2, 3, 5, 16):
-        together = cupykv.AttentionPlan(cache, q_len, 12, split_keys=256).run(cache.to_device(q[:, :q_len].copy()), 0)
-        assert np.array_equal(testing.bits(testing.to_numpy(together, spec)[:, :1]), testing.bits(alone)), q_len
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -314,8 +314,8 @@ def test_pending_rows_past_the_query_in_its_own_step_are_never_read(backend, dty
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype, head_dim", EDGE_CASES)
-def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, dtype, head_dim):
+@pytest.mark.parametrize("dtype, head_dim", EDGE_CASES + [("float32", 64), ("float32", 128)])   # and the staged
+def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, dtype, head_dim):       # float32 kernel
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=600, batch=2, dtype=dtype)
     rng = np.random.default_rng(5)
     cache = cupykv.KVCache(spec, backend=backend)

@@ -113,22 +113,8 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     // into the logit). The q rows of this tile, rotated at their position, are kept unscaled.
     float logit_scale = scale;
     if constexpr (kFp8) logit_scale = scale * k_scales[(long long)layer * n_kv + kv_head];
-    const int half_dim = head_dim / 2;
-    for (int e = tid; e < kTileRows * head_dim; e += kThreads) {
-        const int r = e / head_dim, d = e - r * head_dim;
-        float value = 0.0f;
-        if (r < tile_rows && (!use_rope || d < half_dim)) {
-            const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
-            const long long base = (((long long)b * q_len + i) * n_heads + h) * head_dim;
-            value = cupykv::to_float<TI>(q[base + d]);
-            if (use_rope) {
-                float partner = cupykv::to_float<TI>(q[base + d + half_dim]);
-                cupykv::rope_rotate_pair(&value, &partner, length + i, d, head_dim, rope_theta);
-                q_tile[r * head_dim + d + half_dim] = partner;
-            }
-        }
-        if (!use_rope || d < half_dim || r >= tile_rows) q_tile[e] = value;
-    }
+    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows, length, max_seq, window};
+    tile.load_q<TI>(q_tile, q, kTileRows, head_dim, use_rope, rope_theta);
     if (tid < kTileRows) {
         row_max[tid] = cupykv::neg_infinity();
         row_sum[tid] = 0.0f;
@@ -239,7 +225,6 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     float v_scale = 1.0f;
     if constexpr (kFp8) v_scale = v_scales[(long long)layer * n_kv + kv_head];
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
-    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows, length, max_seq, window};
     for (int r = 0; r < kTileRows; ++r) {
         if (r >= tile_rows) break;
         const long long out_row = tile.out_row(r);

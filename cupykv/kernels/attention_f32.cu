@@ -115,22 +115,8 @@ cupykv_attention_f32(
 
     const int length = cupykv::live_length(lengths[b], max_seq);
     // 1. The tile's q rows, rotated at their position, unscaled; rows past the tile are zeros (never read).
-    constexpr int kHalf = HEAD_DIM / 2;
-    for (int e = tid; e < kTileRows * HEAD_DIM; e += kThreads) {
-        const int r = e / HEAD_DIM, d = e - r * HEAD_DIM;
-        float value = 0.0f;
-        if (r < tile_rows && (!use_rope || d < kHalf)) {
-            const int row = first_row + r, i = row / group, h = kv_head * group + row % group;
-            const long long base = (((long long)b * q_len + i) * n_heads + h) * HEAD_DIM;
-            value = q[base + d];
-            if (use_rope) {
-                float partner = q[base + d + kHalf];
-                cupykv::rope_rotate_pair(&value, &partner, length + i, d, HEAD_DIM, rope_theta);
-                q_tile[r * HEAD_DIM + d + kHalf] = partner;
-            }
-        }
-        if (!use_rope || d < kHalf || r >= tile_rows) q_tile[e] = value;
-    }
+    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows, length, max_seq, window};
+    tile.load_q<float>(q_tile, q, kTileRows, HEAD_DIM, use_rope, rope_theta);
 
     const cupykv::KeyRange keys = cupykv::attention_split_keys(length, first_row, tile_rows, group, max_seq, window,
                                                                split, num_splits, split_keys, kSplitAlign);
@@ -269,7 +255,6 @@ cupykv_attention_f32(
 
     // 6. Write out (normalised) or the split's partial result.
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
-    const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows, length, max_seq, window};
     const int lane_dim = lane * 4;
     for (int m = 0; m < warp_rows; ++m) {
         const int r = warp + kWarps * m;

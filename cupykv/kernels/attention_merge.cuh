@@ -1,5 +1,6 @@
-// attention_merge.cuh: the split-KV merge inside the attention launch, shared by attention.cu and
-// attention_mma.cu.
+// attention_merge.cuh: the split-KV merge inside the attention launch, shared by attention.cu,
+// attention_f32.cu and attention_mma.cu, and the query rows of a block (QueryTile), whose q tile the
+// two CUDA-core kernels load with it.
 //
 // With num_splits > 1, every block of a query tile writes its split's fp32 partial rows (the
 // unnormalised output relative to the split's row max, the max, and the sum of weights), then
@@ -35,6 +36,30 @@ struct QueryTile {
     // Whether tile row r attends any key: its first key, position - window + 1, lies below max_seq.
     __device__ __forceinline__ bool attends_a_key(int r) const {
         return window <= 0 || (long long)length + query(r) - window + 1 < max_seq;
+    }
+
+    // The CUDA-core kernels' q tile: q_tile[r][d] (capacity rows of head_dim floats) = row r's q in
+    // fp32, rotated at its position when use_rope, unscaled; rows past the tile are zeros. q is
+    // [batch, q_len, n_heads, head_dim] of the io type TI. Every thread of the block calls it; a
+    // barrier must follow before any thread reads the tile.
+    template <typename TI>
+    __device__ __forceinline__ void load_q(float* q_tile, const TI* q, int capacity, int head_dim, int use_rope,
+                                           double rope_theta) const {
+        const int half_dim = head_dim / 2;
+        for (int e = threadIdx.x; e < capacity * head_dim; e += blockDim.x) {
+            const int r = e / head_dim, d = e - r * head_dim;
+            float value = 0.0f;
+            if (r < rows && (!use_rope || d < half_dim)) {
+                const long long base = out_row(r) * head_dim;   // q and out share a layout
+                value = to_float<TI>(q[base + d]);
+                if (use_rope) {
+                    float partner = to_float<TI>(q[base + d + half_dim]);
+                    rope_rotate_pair(&value, &partner, length + query(r), d, head_dim, rope_theta);
+                    q_tile[r * head_dim + d + half_dim] = partner;
+                }
+            }
+            if (!use_rope || d < half_dim || r >= rows) q_tile[e] = value;
+        }
     }
 };
 
