@@ -11,8 +11,9 @@
   compile error, a register spill, or an instance resident at fewer blocks per
   SM than its ``__launch_bounds__`` minimum (no GPU needed). ``check --steps``
   counts instead what one warp issues per byte in the inner loops of the
-  tensor-core attention (a key step) and ``linear`` (an iteration of the
-  weight loop), in sm_90 SASS (see ``cupykv.step_instructions``).
+  tensor-core attention (a key step), the staged float32 attention (a block
+  step) and ``linear`` (an iteration of the weight loop), in sm_90 SASS (see
+  ``cupykv.step_instructions``).
 - ``bench``: the performance harness (see ``cupykv.bench``); writes
   ``bench.json`` and ``bench.png``. On the emulator it is a smoke run whose
   timings are CPU emulation, not GPU figures.
@@ -50,8 +51,9 @@ def main(argv=None) -> int:
                             "else a CUDA toolkit)")
     check.add_argument("--steps", action="store_true",
                        help="instead, count the instructions one warp issues per key step of the tensor-core "
-                            "attention and per weight-loop iteration of the tensor-core linear (sm_90 SASS "
-                            "through nvdisasm; see cupykv.step_instructions)")
+                            "attention (and a block per step of the staged float32 attention) and per "
+                            "weight-loop iteration of linear (sm_90 SASS through nvdisasm; see "
+                            "cupykv.step_instructions)")
     bench = commands.add_parser("bench", help="time copy, attention, linear and decode; write bench.json/.png")
     bench.add_argument("--backend", choices=("cupy", "emulator"), default=None,
                        help="default: cupy when a GPU is usable, else the emulator (a smoke run)")

@@ -9,10 +9,10 @@ by bit moves (no E4M3 conversion instruction before sm_89), against the
 :data:`A100_BYTES_PER_INSTRUCTION` an A100 needs, and the same for one
 iteration of the weight loop of each ``cupykv_linear_mma`` instance and of
 the vector loop of each float32 ``cupykv_linear`` instance. No GPU is
-involved; ``docs/performance.md`` holds the four tables ("Instructions per
-step on the common path", the fp8 load path and the two in the ``linear``
-design account), and ``tests/test_step_instructions.py`` holds them to this
-count.
+involved; ``docs/performance.md`` holds the five tables ("Instructions per
+step on the common path", the fp8 load path, the two in the ``linear``
+design account, and the float32 attention's block step), and
+``tests/test_step_instructions.py`` holds them to this count.
 
 How it counts:
 
@@ -48,6 +48,13 @@ its vector loop is the innermost loop (one holding no other) with the most ``FFM
 the ``LDG`` (kAhead 16-byte loads of each of the warp's two weight rows and of each row of x) and the
 ``FFMA`` (4 floats x 2 outputs per row of x and step) the tiling implies.
 
+The staged float32 attention (``attention_f32.cu``, :class:`StagedInstance`) is compiled once for each
+count of a warp's live rows (``-DCUPYKV_STEP_ROWS``, 0 to 4) and each rescale outcome; its key loop is
+the outermost loop holding barriers and ``LDGSTS``, two barriers a step (an iteration the compiler
+unrolled counts as its mean per step), its inner loops (the scores' dims, P.V's keys) as often as they
+run; the step must hold the copies and the scores' and P.V's FFMA the tiling implies. The table sums
+the four warps of a block for 1, 4, 8 and 16 query rows.
+
 A forward branch inside the loop that the common path skips (a step's
 copies past the last step, for instance) still counts, so each figure bounds
 the common path from above; no such branch holds an ``HMMA``.
@@ -67,7 +74,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from cupykv.attention_plan import mma_row_groups
-from cupykv.kernels import (ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, CACHE_ITEM_BYTES, CUDA_TYPES, KERNELS,
+from cupykv.kernels import (ATTENTION_HEAD_DIMS, ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, CACHE_ITEM_BYTES, CUDA_TYPES, KERNELS,
                              LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES, attention_mma_row_tiles,
                              cache_types)
 from cupykv.nvrtc_check import PINNED_NVRTC, Nvrtc, NvrtcError, compile_program, load_nvrtc
@@ -262,6 +269,60 @@ def linear_instances() -> list[LinearInstance]:
     return found
 
 
+# ------------------------------------------------------------------- attention on float32 caches
+_F32_TILING = KERNELS["attention_f32"].constants("attention_f32_tiling")   # attention_f32.cu
+#: The count's define of a warp's live rows in attention_f32.cu (``CUPYKV_STEP_ROWS``, 0 to kRowsPerWarp).
+STEP_ROWS_OPTION = "-DCUPYKV_STEP_ROWS"
+#: Query rows per block (q_len x group) the float32 table shows: decode at GQA 1, 4 and 8, and a full tile.
+STAGED_TILE_ROWS = (1, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class StagedInstance:
+    """One ``cupykv_attention_f32`` instance (float32 caches on CUDA cores, K/V staged): its head_dim."""
+
+    head_dim: int
+
+    @property
+    def name(self) -> str:
+        return f"cupykv_attention_f32<{self.head_dim}>"
+
+    @property
+    def step_bytes(self) -> int:
+        """K and V bytes of one block step: kStepKeys rows of each, float32."""
+        return _F32_TILING["kStepKeys"] * self.head_dim * 4 * 2
+
+    @property
+    def step_copies(self) -> int:
+        """16-byte cp.async (LDGSTS) one thread issues a step: its share of the step's K and V rows."""
+        return 2 * _F32_TILING["kStepKeys"] * (self.head_dim // 4) // _F32_TILING["kThreads"]
+
+    def step_ffma(self, rows: int) -> int:
+        """The FFMA of a warp's scores and P.V in one step: for each live row, one per head dim and key in
+        each (the scores' 32 keys are the warp's lanes; P.V's 32 keys are the warp's passes)."""
+        return 2 * rows * self.head_dim
+
+    @staticmethod
+    def warp_rows(tile_rows: int) -> list[int]:
+        """Live rows of each warp for a tile of ``tile_rows`` rows (warp w holds rows w, w + kWarps, ...)."""
+        warps, most = _F32_TILING["kWarps"], _F32_TILING["kRowsPerWarp"]
+        return [min(most, max(0, -(-(tile_rows - w) // warps))) for w in range(warps)]
+
+
+@dataclass(frozen=True)
+class StagedStepCount:
+    """What the block of ``instance`` issues for one step with ``tile_rows`` query rows: the sum over its
+    warps, with every live row's max settled and with each one moved."""
+
+    instance: StagedInstance
+    tile_rows: int
+    settled: int
+    moved: int
+
+    def bytes_per_instruction(self, moved: bool = False) -> float:
+        return self.instance.step_bytes / (self.moved if moved else self.settled)
+
+
 # ---------------------------------------------------------------------------------------------- SASS
 @dataclass(frozen=True)
 class Instruction:
@@ -355,6 +416,89 @@ def count_key_loop(instructions: list[Instruction], labels: dict[str, int], inst
         raise StepCountError(f"{instance.name}: the key loop issues {total['HMMA']} HMMA a step, the tiling "
                              f"implies {expected}")
     return total
+
+
+#: Block barriers of one step of attention_f32.cu's key loop: its copies landed; the stage released.
+STAGED_STEP_BARRIERS = 2
+
+
+def count_staged_step(instructions: list[Instruction], labels: dict[str, int], instance: StagedInstance,
+                      rows: int) -> tuple[Counter, int]:
+    """The instructions one warp with ``rows`` live rows issues for one iteration of ``instance``'s key
+    loop, by opcode, and the steps an iteration runs (the compiler may unroll the loop: 2 at 0 rows).
+
+    The key loop is the outermost loop holding a barrier (``BAR``) and copies (``LDGSTS``); its steps
+    are its barriers over :data:`STAGED_STEP_BARRIERS`. A loop inside it (the scores' dims or P.V's
+    keys, which ``#pragma unroll`` leaves partly rolled) counts as often as it runs: each of the two
+    does ``rows x head_dim`` FFMA a step in all. Each step must then hold
+    :attr:`StagedInstance.step_copies` LDGSTS and the :meth:`StagedInstance.step_ffma` of scores and
+    P.V, plus at most three per row for the softmax (its two exponentials' products, and the rescaled
+    sum of weights).
+    """
+    spans = [span for span in loops(instructions, labels)
+             if _body(instructions, *span)["BAR"] and _body(instructions, *span)["LDGSTS"]]
+    if not spans:
+        raise StepCountError(f"{instance.name}: no loop with barriers and copies in the SASS")
+    first, last = max(spans, key=lambda span: span[1] - span[0])
+    total = _body(instructions, first, last)
+    steps, rest = divmod(total["BAR"], STAGED_STEP_BARRIERS)
+    if rest or steps < 1:
+        raise StepCountError(f"{instance.name}: {total['BAR']} barriers in the key loop, not whole steps of "
+                             f"{STAGED_STEP_BARRIERS}")
+    for span in loops(instructions, labels):
+        if span == (first, last) or not (first <= span[0] and span[1] <= last):
+            continue
+        once = _body(instructions, *span)
+        trips, rest = divmod(rows * instance.head_dim, once["FFMA"]) if once["FFMA"] else (0, 1)
+        if rest or trips < 1:
+            raise StepCountError(f"{instance.name}: an inner loop of {once['FFMA']} FFMA does not divide the "
+                                 f"{rows * instance.head_dim} of the scores or of P.V")
+        for _ in range(trips - 1):
+            total.update(once)
+    if total["LDGSTS"] != steps * instance.step_copies or not (
+            instance.step_ffma(rows) <= total["FFMA"] / steps <= instance.step_ffma(rows) + 3 * rows):
+        raise StepCountError(f"{instance.name}: the key loop issues {total['LDGSTS']} LDGSTS and {total['FFMA']} "
+                             f"FFMA in {steps} step(s) at {rows} rows, the tiling implies {instance.step_copies} and "
+                             f"{instance.step_ffma(rows)} (plus the softmax's) a step")
+    return total, steps
+
+
+def count_staged_instance(nvrtc: Nvrtc, nvdisasm: str, instance: StagedInstance) -> list[StagedStepCount]:
+    """Compile ``instance`` for each count of a warp's live rows (0 to kRowsPerWarp) and both ways (max
+    settled, max moved), and sum its warps' steps for each of :data:`STAGED_TILE_ROWS`."""
+    per_warp = {}
+    for rows in range(_F32_TILING["kRowsPerWarp"] + 1):
+        for rescales in (0, 1):
+            options = (COUNT_OPTION, f"-DCUPYKV_STEP_RESCALES={rescales}", f"{STEP_ROWS_OPTION}={rows}")
+            counted, steps = count_staged_step(*compiled_sass(nvrtc, nvdisasm, "attention_f32", instance.name,
+                                                              extra_options=options), instance, rows)
+            per_warp[rows, rescales] = round(sum(counted.values()) / steps)   # an unrolled loop's mean
+    return [StagedStepCount(instance, tile_rows, *(sum(per_warp[rows, rescales] for rows in
+                                                       StagedInstance.warp_rows(tile_rows)) for rescales in (0, 1)))
+            for tile_rows in STAGED_TILE_ROWS]
+
+
+def staged_instances() -> list[StagedInstance]:
+    """Every ``cupykv_attention_f32`` instance the library compiles."""
+    found = [StagedInstance(head_dim) for head_dim in ATTENTION_HEAD_DIMS]
+    assert {i.name for i in found} == set(KERNELS["attention_f32"].instances)
+    return found
+
+
+def count_all_staged(nvrtc: Nvrtc | None = None, nvdisasm: str | None = None) -> list[StagedStepCount]:
+    return [count for counts in _count_each(count_staged_instance, staged_instances(), nvrtc, nvdisasm)
+            for count in counts]
+
+
+def format_staged_table(counts: list[StagedStepCount]) -> str:
+    """The markdown table of docs/performance.md's float32 attention section."""
+    lines = ["| head_dim, rows per block | warps' live rows | bytes per block step | max settled (bytes/instr) "
+             "| max moved (bytes/instr) |", "|---|---|---|---|---|"]
+    for c in counts:
+        rows = ", ".join(map(str, StagedInstance.warp_rows(c.tile_rows)))
+        lines.append(f"| {c.instance.head_dim}, {c.tile_rows} | {rows} | {c.instance.step_bytes} | {c.settled} "
+                     f"({c.bytes_per_instruction():.1f}) | {c.moved} ({c.bytes_per_instruction(True):.1f}) |")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------- the tools
@@ -529,6 +673,7 @@ def main(nvrtc_path: str | None = None) -> int:
         fp8_counts = count_all(fp8_instances(), nvrtc, nvdisasm, FP8_BIT_WIDEN_ARCH)
         linear_counts = count_all_linear(nvrtc, nvdisasm)
         cuda_core_counts = count_all_cuda_core_linear(nvrtc, nvdisasm)
+        staged_counts = count_all_staged(nvrtc, nvdisasm)
     except (NvrtcError, StepCountError) as exc:
         print(f"cupykv check --steps: FAILED\n{exc}", file=sys.stderr)
         return 1
@@ -546,4 +691,7 @@ def main(nvrtc_path: str | None = None) -> int:
     print("\nThe CUDA-core linear (float32 weights), per warp and iteration of its vector loop (kAhead steps "
           "of its two weight rows):")
     print(format_cuda_core_linear_table(cuda_core_counts))
+    print(f"\nThe staged float32 attention, per block and {_F32_TILING['kStepKeys']}-key step on the common path "
+          f"(the sum over its {_F32_TILING['kWarps']} warps, each with its live rows):")
+    print(format_staged_table(staged_counts))
     return 0

@@ -2,8 +2,8 @@
 
 - docs/performance.md's tables (a key step of the tensor-core attention on sm_90, and of its fp8
   instances on sm_80, whose codes widen by bit moves; an iteration of the tensor-core linear's
-  weight loop, and of the float32 CUDA-core linear's vector loop) are the count, row for row, under
-  the pinned NVRTC and nvdisasm;
+  weight loop, and of the float32 CUDA-core linear's vector loop; a block step of the staged float32
+  attention) are the count, row for row, under the pinned NVRTC and nvdisasm;
 - the count's parsing of SASS (labels, loops, the nested S loop, the HMMA check) on listings
   written here, so that a counting bug shows apart from any compiler;
 - CUPYKV_COMMON_PATH fixes the tests only in the count: a real build keeps the rescale vote.
@@ -115,6 +115,31 @@ def test_the_documented_cuda_core_linear_rows_are_the_count(tools):
     assert {rows: row[:2] for rows, row in counted.items()} == {r: (4096, 32 * r) for r in (1, 2, 4, 8, 16)}
 
 
+_STAGED_ROW = re.compile(r"^\| (64|128), (\d+) \| ([\d, ]+) \| (\d+) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \|$", re.M)
+
+
+def documented_staged_rows() -> dict[tuple[int, int], tuple]:
+    """The staged float32 attention's table: (head_dim, rows per block) -> (bytes, settled, moved)."""
+    section = DOC.read_text().split("## Decode attention on float32 caches", 1)[1].split("\n## ", 1)[0]
+    rows = {(int(m.group(1)), int(m.group(2))): (int(m.group(4)), int(m.group(5)), int(m.group(7)))
+            for m in _STAGED_ROW.finditer(section)}
+    assert sorted(rows) == [(hd, t) for hd in (64, 128) for t in steps.STAGED_TILE_ROWS], \
+        "the float32 attention table of docs/performance.md lost rows"
+    return rows
+
+
+def test_the_documented_staged_attention_rows_are_the_count(tools):
+    nvrtc, nvdisasm = tools
+    counted = {(c.instance.head_dim, c.tile_rows): (c.instance.step_bytes, c.settled, c.moved)
+               for c in steps.count_all_staged(nvrtc, nvdisasm)}
+    assert counted == documented_staged_rows()
+    # a 32-key step of K and V rows, float32; more live rows, more instructions
+    assert {key: row[0] for key, row in counted.items()} == {(hd, t): 32 * hd * 8 for hd, t in counted}
+    for hd in (64, 128):
+        settled = [counted[hd, t][1] for t in steps.STAGED_TILE_ROWS]
+        assert settled == sorted(settled) and len(set(settled)) == len(settled)
+
+
 def test_the_tools_are_the_pinned_ones(tools):
     nvrtc, nvdisasm = tools
     assert nvrtc.wheel_version == PINNED_NVRTC
@@ -152,6 +177,9 @@ def test_the_command_line_prints_the_table(monkeypatch, capsys):
     assert len(cuda_core) == 5 and all(_CUDA_CORE_ROW.match(line) for line in cuda_core)
     linear = [line for line in out.splitlines() if re.match(r"\| (bf16|half), (8|16) \|", line)]
     assert len(linear) == 4 and all(_LINEAR_ROW.match("  " + line) for line in linear)
+    staged = [line for line in out.splitlines() if _STAGED_ROW.match(line)]
+    assert len(staged) == 2 * len(steps.STAGED_TILE_ROWS)
+    assert out.index("The staged float32 attention") < out.index(staged[0])
 
 
 def test_a_missing_nvdisasm_says_how_to_install_it(monkeypatch, tmp_path):
@@ -226,6 +254,49 @@ def test_an_inner_loop_that_is_not_the_s_loop_fails():
                    *["HMMA.16816.F32.BF16 R4, R8, R12, R4"] * 32, "@P1 BRA `(.L_x_0)")
     with pytest.raises(steps.StepCountError, match="not the S loop"):
         steps.count_key_loop(*steps.parse_sass(text), TWO_TILES)
+
+
+STAGED_64 = steps.StagedInstance(64)   # 8 LDGSTS a thread and step; 2 x rows x 64 FFMA
+
+
+def staged_listing(steps_per_iteration, ldgsts=8, score_trips=2, pv_trips=4, rows=1, bars=2):
+    """A key loop of the staged kernel at head_dim 64, ``steps_per_iteration`` steps an iteration, each
+    with its copies, ``bars`` barriers, a score loop run ``score_trips`` times and a P.V loop (with its
+    shuffles) run ``pv_trips`` times, each loop holding its share of the step's rows x 64 FFMA, and 2
+    FFMA a row of softmax."""
+    body = []
+    for n in range(steps_per_iteration):
+        body += ["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]"] * ldgsts + ["BAR.SYNC.DEFER_BLOCKING 0x0"] * (bars - 1)
+        body += [f".L_x_{10 + 2 * n}:", "LDS.128 R4, [R3]", *["FFMA R5, R6, R7, R5"] * (rows * 64 // score_trips),
+                 f"@P0 BRA `(.L_x_{10 + 2 * n})", *["FFMA R5, R6, R7, R5"] * (2 * rows),
+                 f".L_x_{11 + 2 * n}:", "SHFL.IDX PT, R8, R9, R10, 0x1f", *["FFMA R5, R6, R7, R5"] * (rows * 64 // pv_trips),
+                 f"@P1 BRA `(.L_x_{11 + 2 * n})", "BAR.SYNC.DEFER_BLOCKING 0x0"]
+    return listing("MOV R0, R1", ".L_x_0:", *body, "@P2 BRA `(.L_x_0)", "EXIT")
+
+
+def test_a_staged_key_loop_counts_its_inner_loops_per_run_and_its_steps_per_iteration():
+    counted, steps_run = steps.count_staged_step(*steps.parse_sass(staged_listing(1)), STAGED_64, rows=1)
+    assert steps_run == 1
+    # the score loop (32 FFMA, 2 trips) and the P.V loop (16 FFMA, 4 trips) as often as they run
+    assert counted == {"LDGSTS": 8, "BAR": 2, "LDS": 2, "FFMA": 130, "SHFL": 4, "BRA": 7}
+    unrolled, steps_run = steps.count_staged_step(*steps.parse_sass(staged_listing(2)), STAGED_64, rows=1)
+    assert steps_run == 2 and unrolled["FFMA"] == 2 * 130 and unrolled["LDGSTS"] == 16
+
+
+@pytest.mark.parametrize("changes, message", [(dict(ldgsts=7), "7 LDGSTS and 130 FFMA in 1 step"),
+                                              (dict(bars=3), "3 barriers in the key loop, not whole steps"),
+                                              (dict(score_trips=3), "an inner loop of 21 FFMA does not divide"),
+                                              (dict(rows=2), "implies 8 and 128")])
+def test_a_staged_key_loop_of_another_shape_fails(changes, message):
+    with pytest.raises(steps.StepCountError, match=message):
+        steps.count_staged_step(*steps.parse_sass(staged_listing(1, **changes)), STAGED_64, rows=1)
+
+
+def test_the_staged_tiles_rows_per_warp():
+    assert [steps.StagedInstance.warp_rows(t) for t in (1, 4, 5, 8, 13, 16)] == [
+        [1, 0, 0, 0], [1, 1, 1, 1], [2, 1, 1, 1], [2, 2, 2, 2], [4, 3, 3, 3], [4, 4, 4, 4]]
+    assert (STAGED_64.step_bytes, STAGED_64.step_copies, STAGED_64.step_ffma(3)) == (16384, 8, 384)
+    assert steps.StagedInstance(128).step_copies == 16
 
 
 LINEAR_8 = steps.LinearInstance("bfloat16", 8)   # 16 HMMA an iteration

@@ -185,7 +185,7 @@ cupykv_attention_f32(
 #pragma unroll
         for (int m = 0; m < ROWS; ++m) {
             float s = ((dot[m][0] + dot[m][1]) + (dot[m][2] + dot[m][3])) * scale;
-            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            if (CUPYKV_COMMON_PATH(softcap > 0.0f, false)) s = softcap * tanhf(s / softcap);
             if constexpr (MASKED) {
                 const int j = first_key + lane;
                 const bool attended = j < keys.end && j <= position[m] && (window <= 0 || j > position[m] - window);
@@ -196,7 +196,8 @@ cupykv_attention_f32(
             // a NaN logit stays NaN (its weight, the sum, the row) even as the only one so far
             p[m] = cupykv::exp_shifted(s, any ? new_max : 0.0f);
             const float step_sum = cupykv::warp_sum(p[m]);
-            if (new_max != row_max[m]) {   // warp-uniform; NaN compares unequal, so a NaN max rescales
+            // warp-uniform; NaN compares unequal, so a NaN max rescales
+            if (CUPYKV_COMMON_PATH(new_max != row_max[m], CUPYKV_STEP_RESCALES)) {
                 const float rescale = any ? cupykv::exp_shifted(row_max[m], new_max) : 1.0f;
                 for (int c = 0; c < 4; ++c) acc[m][c] *= rescale;
                 row_sum[m] *= rescale;
@@ -223,7 +224,7 @@ cupykv_attention_f32(
         }
     };
     auto compute_rows = [&](auto masked_flag, const float* k_stage, int first_key) {
-        switch (warp_rows) {
+        switch (CUPYKV_COMMON_PATH(warp_rows, CUPYKV_STEP_ROWS)) {   // the count fixes the rows
             case 1: compute_step(cupykv::Count<1>{}, masked_flag, k_stage, first_key); break;
             case 2: compute_step(cupykv::Count<2>{}, masked_flag, k_stage, first_key); break;
             case 3: compute_step(cupykv::Count<3>{}, masked_flag, k_stage, first_key); break;

@@ -46,7 +46,8 @@ template <int N> struct Count { static constexpr int value = N; };
 // --steps`) defines CUPYKV_COUNT_COMMON_PATH and compiles `common_outcome` instead, a constant, so
 // that the loop it disassembles is the one a step on the common path issues, without the branches
 // it does not take. `common_outcome` may name CUPYKV_STEP_RESCALES (0 or 1), which the count also
-// defines, for a test whose outcome it counts both ways.
+// defines, for a test whose outcome it counts both ways, or CUPYKV_STEP_ROWS (attention_f32.cu: a
+// warp's live rows, 0 to 4), which it defines for each count.
 #ifdef CUPYKV_COUNT_COMMON_PATH
 #define CUPYKV_COMMON_PATH(test, common_outcome) (common_outcome)
 #else
