@@ -26,7 +26,8 @@ from cupykv.backends.base import Backend
 from cupykv.backends.capture import active_capture, refuse_in_capture
 from cupykv.cache import KVCache
 from cupykv.cache import KernelView
-from cupykv.kernels import CUDA_TYPES, KERNELS, attention_instance, attention_mma_head_dim, attention_mma_row_tiles
+from cupykv.kernels import (CUDA_TYPES, KERNELS, attention_f32_head_dim, attention_instance, attention_mma_head_dim,
+                            attention_mma_row_tiles)
 from cupykv.rope import Rope
 from cupykv.spec import CacheSpec
 
@@ -101,15 +102,17 @@ def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, que
     """The kernel for a cache's storage dtype, head size and io dtype (``dtype`` by default): tensor
     cores for 16-bit and fp8 caches whose rows are whole 16-byte copies, up to head_dim 256
     (``attention_mma.cu``, compiled at 64, 96, 128 and 256; a smaller head runs padded on the next
-    size up, :func:`cupykv.kernels.attention_mma_head_dim`); float32 caches at head_dim 64 and 128 on
-    CUDA cores with K/V staged by asynchronous copies (``attention_f32.cu``); CUDA cores otherwise
+    size up, :func:`cupykv.kernels.attention_mma_head_dim`); float32 caches at head_dim 64 and 128 (and
+    other multiples of 4 from 36, padded: :func:`cupykv.kernels.attention_f32_head_dim`) on CUDA cores
+    with K/V staged by asynchronous copies (``attention_f32.cu``); CUDA cores otherwise
     (``attention.cu``). ``query_rows`` (``q_len * group``) picks the tensor-core kernel's rows per
     block (:func:`mma_row_tiles`)."""
     instance_head_dim = attention_mma_head_dim(dtype, head_dim)
     if instance_head_dim is None:
         op, instance = attention_instance(dtype, head_dim, io_dtype)
-        if op == "attention_f32":
-            return AttentionKernel(op, instance, F32_TILING["kThreads"], F32_TILING[f"kShared{head_dim}"])
+        staged_head_dim = attention_f32_head_dim(dtype, head_dim)
+        if staged_head_dim is not None:
+            return AttentionKernel(op, instance, F32_TILING["kThreads"], F32_TILING[f"kShared{staged_head_dim}"])
         return AttentionKernel(op, instance, THREADS, shared_memory_bytes(head_dim))
     row_tiles = mma_row_tiles(query_rows, instance_head_dim)
     op, instance = attention_instance(dtype, head_dim, io_dtype, row_tiles)

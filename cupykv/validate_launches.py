@@ -35,10 +35,11 @@ from cupykv.bench.arrays import fill_random, random_array
 from cupykv.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, KERNELS, LINEAR_ROW_TILES
 from cupykv.spec import IO_DTYPES
 
-#: head sizes launched: the specialised ones (of either attention kernel) and one that takes the
-#: generic (HEAD_DIM = 0) instance of every cache dtype: 36, whose 16-bit rows are not whole
-#: 16-byte copies (a multiple of 8 would run padded on a tensor-core instance).
-HEAD_DIMS = (*sorted({*ATTENTION_HEAD_DIMS, *ATTENTION_MMA_HEAD_DIMS}), 36)
+#: head sizes launched: the specialised ones (of the staged and the tensor-core kernels) and one that
+#: takes the generic (HEAD_DIM = 0) instance of every cache dtype: 30, whose 16-bit rows are not whole
+#: 16-byte copies (a multiple of 8 would run padded on a tensor-core instance) and whose float32 rows
+#: are too short to pad onto the staged kernel (ATTENTION_F32_PADDED_ABOVE).
+HEAD_DIMS = (*sorted({*ATTENTION_HEAD_DIMS, *ATTENTION_MMA_HEAD_DIMS}), 30)
 #: split-KV factors launched: 1 and 2 (the last block of each query block merges the splits).
 NUM_SPLITS = (1, 2)
 #: max_seq of the small caches: split-KV needs max_seq > 128 * (num_splits - 1).

@@ -10,6 +10,7 @@ import pytest
 
 import cupykv
 from cupykv import attention_plan, reference, testing
+from cupykv import kernels
 from cupykv.kernels import KERNELS
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
@@ -17,13 +18,22 @@ from backends import BACKENDS
 TILING = KERNELS["attention_f32"].constants("attention_f32_tiling")
 
 
-@pytest.mark.parametrize("head_dim, op", [(64, "attention_f32"), (128, "attention_f32"), (8, "attention"),
-                                          (96, "attention"), (256, "attention")])
-def test_float32_caches_at_64_and_128_run_the_staged_kernel(head_dim, op):
+# head_dim -> the staged instance (None: the generic kernel): 64 and 128, and other multiples of 4 above 32
+# padded onto the next of them; 32 and below, other sizes and heads past 128 stay generic
+STAGED = {64: 64, 128: 128, 36: 64, 48: 64, 60: 64, 68: 128, 80: 128, 96: 128, 124: 128,
+          8: None, 32: None, 50: None, 126: None, 132: None, 256: None}
+
+
+@pytest.mark.parametrize("head_dim, instance", sorted(STAGED.items()))
+def test_float32_caches_run_the_staged_kernel_at_its_sizes_and_padded_onto_them(head_dim, instance):
     spec = cupykv.CacheSpec(n_layers=1, batch=1, max_seq=256, n_kv_heads=1, head_dim=head_dim, dtype="float32")
     plan = cupykv.AttentionPlan(cupykv.KVCache(spec), 1, 4)
-    assert plan.kernel.op == op and not plan.kernel.tensor_cores
-    if op == "attention_f32":
+    assert plan.kernel.op == ("attention" if instance is None else "attention_f32") and not plan.kernel.tensor_cores
+    assert kernels.attention_f32_head_dim("float32", head_dim) == instance
+    for dtype in ("float16", "bfloat16", "float8_e4m3"):
+        assert kernels.attention_f32_head_dim(dtype, head_dim) is None
+    if instance is not None:
+        head_dim = instance   # a padded head's launch is its instance's
         assert plan.kernel.instance == f"cupykv_attention_f32<{head_dim}>"
         assert plan.block == (TILING["kThreads"],) and plan.kernel.rows_per_block == TILING["kTileRows"]
         # the q tile and two stages of K and V, rows padded by kRowPad floats

@@ -224,9 +224,9 @@ class PatchedBackend(EmulatorBackend):
         return super()._compile(filename, source, instances)
 
 
-def one_query_attention(backend, head_dim=48, rows=5):
+def one_query_attention(backend, head_dim=30, rows=5):
     """Attention of one query (q_len 1, one head) over ``rows`` cached float32 rows: the generic
-    CUDA-core kernel (attention.cu) at head_dim 48, the staged one (attention_f32.cu) at 64 and 128."""
+    CUDA-core kernel (attention.cu) at head_dim 30, the staged one (attention_f32.cu) at 64 and 128."""
     rng = np.random.default_rng(0)
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=128, batch=1, dtype="float32")
     cache = cupykv.KVCache(spec, backend=backend)

@@ -29,9 +29,15 @@ FP8_IO_DTYPES = ("bfloat16", "float16", "float32")
 #: every (storage dtype, io dtype) a cache can have: 16- and 32-bit caches store their io dtype.
 CACHE_DTYPE_PAIRS = tuple((dtype, dtype) for dtype in CUDA_TYPES) + tuple(("float8_e4m3", io) for io in FP8_IO_DTYPES)
 
-#: head sizes of the staged float32 attention (kernels/attention_f32.cu); float32 caches of other
-#: sizes use the generic CUDA-core attention (attention.cu, HEAD_DIM = 0).
+#: head sizes the staged float32 attention (kernels/attention_f32.cu) is compiled for (its HEAD_DIM).
+#: float32 caches of these sizes run on them, and of other multiples of 4 above
+#: :data:`ATTENTION_F32_PADDED_ABOVE` on the next one up, padded (:func:`attention_f32_head_dim`); the
+#: rest runs on the generic CUDA-core attention (attention.cu, HEAD_DIM = 0).
 ATTENTION_HEAD_DIMS = (64, 128)
+
+#: float32 heads of at most this many dims keep the generic kernel: padded onto the 64 instance, a row
+#: of 32 floats or fewer would leave more than half of each copy, stage row and FMA to zeros.
+ATTENTION_F32_PADDED_ABOVE = 32
 
 #: head sizes the tensor-core attention (kernels/attention_mma.cu) is compiled for (its HEAD_DIM).
 #: 16-bit and fp8 caches of these sizes run on them, and caches of a smaller size on the next one up,
@@ -40,6 +46,21 @@ ATTENTION_MMA_HEAD_DIMS = (64, 96, 128, 256)
 
 #: bytes of one element of a cache's storage dtype.
 CACHE_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1}
+
+
+def attention_f32_head_dim(dtype: str, head_dim: int) -> int | None:
+    """The HEAD_DIM of the staged float32 instance that attends over a ``dtype`` cache of ``head_dim``, or
+    None where the cache runs elsewhere.
+
+    float32 caches whose rows are whole 16-byte copies (``head_dim`` a multiple of 4) above
+    :data:`ATTENTION_F32_PADDED_ABOVE` and up to 128 run on the smallest of :data:`ATTENTION_HEAD_DIMS`
+    that holds them: at their own size, or padded (head_dim 80 and 96 on the 128 instance, 48 on 64).
+    Padded dims are zeros in q and in the K/V stages, copied from nothing, so the cache bytes read are
+    the same; only the arithmetic grows, by ``HEAD_DIM / head_dim``.
+    """
+    if dtype != "float32" or head_dim % 4 or not ATTENTION_F32_PADDED_ABOVE < head_dim <= ATTENTION_HEAD_DIMS[-1]:
+        return None
+    return next(size for size in ATTENTION_HEAD_DIMS if size >= head_dim)
 
 
 def attention_mma_head_dim(dtype: str, head_dim: int) -> int | None:
@@ -219,9 +240,9 @@ def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None, r
     """``(op, instance)`` of the attention kernel for a cache's storage and io dtypes and head size.
 
     16-bit and fp8 caches run on tensor cores (``attention_mma.cu``) at the instance
-    :func:`attention_mma_head_dim` gives; float32 caches at :data:`ATTENTION_HEAD_DIMS` on CUDA cores with
-    staged K/V (``attention_f32.cu``); the other head sizes on the generic CUDA-core kernel
-    (``attention.cu``). ``io_dtype`` defaults to ``dtype`` (it must be given for an fp8 cache).
+    :func:`attention_mma_head_dim` gives; float32 caches on CUDA cores with staged K/V
+    (``attention_f32.cu``) at the instance :func:`attention_f32_head_dim` gives; the other head sizes on
+    the generic CUDA-core kernel (``attention.cu``). ``io_dtype`` defaults to ``dtype`` (it must be given for an fp8 cache).
     ``row_tiles``: the tensor-core kernel's m16 row tiles per block, one of
     :func:`attention_mma_row_tiles` of that instance (``cupykv.attention_plan`` picks it from the
     query shape; the CUDA-core kernel has no such choice).
@@ -233,8 +254,9 @@ def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None, r
             raise ValueError(f"row_tiles: expected one of {attention_mma_row_tiles(instance_head_dim)} at head_dim "
                              f"{head_dim}, got {row_tiles!r}")
         return "attention_mma", f"cupykv_attention_mma<{types}, {instance_head_dim}, {row_tiles}>"
-    if dtype == "float32" and head_dim in ATTENTION_HEAD_DIMS:
-        return "attention_f32", f"cupykv_attention_f32<{head_dim}>"
+    staged_head_dim = attention_f32_head_dim(dtype, head_dim)
+    if staged_head_dim is not None:
+        return "attention_f32", f"cupykv_attention_f32<{staged_head_dim}>"
     return "attention", f"cupykv_attention<{types}, 0>"
 
 

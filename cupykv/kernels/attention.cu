@@ -12,8 +12,8 @@
 //
 // Versions: cupykv_attention<T, TI, 0>: the cache stores T; q and out are of the io type TI; any
 // head_dim in 1..256, scalar loads (HEAD_DIM = 0 is the only instance). Caches of float, __half and
-// __nv_bfloat16 have T == TI. float32 caches at head_dim 64 and 128 run attention_f32.cu (staged
-// K/V), and 16-bit and fp8 caches whose rows are whole 16-byte copies attention_mma.cu (tensor
+// __nv_bfloat16 have T == TI. float32 caches whose head_dim is a multiple of 4 from 36 to 128 run
+// attention_f32.cu (staged K/V), and 16-bit and fp8 caches whose rows are whole 16-byte copies attention_mma.cu (tensor
 // cores); this kernel takes the rest. An fp8 cache (T = __nv_fp8_e4m3; TI = __nv_bfloat16,
 // __half or float) holds codes that stand for code * scale, one fp32
 // scale per layer and kv head in k_scales / v_scales [n_layers, n_kv] (device-resident,
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     float logit_scale = scale;
     if constexpr (kFp8) logit_scale = scale * k_scales[(long long)layer * n_kv + kv_head];
     const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows, length, max_seq, window};
-    tile.load_q<TI>(q_tile, q, kTileRows, head_dim, use_rope, rope_theta);
+    tile.load_q<TI>(q_tile, q, kTileRows, head_dim, head_dim, use_rope, rope_theta);
     if (tid < kTileRows) {
         row_max[tid] = cupykv::neg_infinity();
         row_sum[tid] = 0.0f;

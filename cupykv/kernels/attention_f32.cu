@@ -1,5 +1,6 @@
 // attention_f32.cu: masked multi-query attention over one layer of a float32 cache at head_dim 64 or
-// 128, on CUDA cores, with K/V tiles staged through shared memory by asynchronous copies.
+// 128 (or a multiple of 4 from 36 up, padded onto the next of those), on CUDA cores, with K/V tiles
+// staged through shared memory by asynchronous copies.
 //
 // The same contract, arguments, launch grid and split-KV workspace as cupykv_attention
 // (attention.cu). For sequence b, query i (position p = lengths[b] + i) and head h of kv head
@@ -7,8 +8,11 @@
 //     s_j = scale * q[b,i,h] . k[b,j,g]    (q rotated at p when use_rope; softcap when > 0)
 //     attended j: j <= p, j < max_seq, and j > p - window (when window > 0)
 //     out[b,i,h] = sum_j softmax(s)_j * v[b,j,g], or zeros if no j is attended.
-// The plan (cupykv/attention_plan.py) picks this kernel for float32 caches of those sizes; other
-// float32 head sizes run attention.cu. With num_splits > 1 the last block of a tile to finish merges
+// The plan (cupykv/attention_plan.py) picks this kernel for float32 caches of those sizes
+// (cupykv.kernels.attention_f32_head_dim); other float32 head sizes run attention.cu. A smaller head
+// runs on the instance of the next size up: the cache's head_dim (head_dim_runtime) sets every stride
+// and what is read and written, the instance's the tiling; its extra dims are zeros in q and in the
+// stages (copies that read nothing), so they add arithmetic, never bytes. With num_splits > 1 the last block of a tile to finish merges
 // the splits into `out` (attention_merge.cuh). fp32 throughout; the k_scales, v_scales and layer
 // arguments (fp8 caches) are not read.
 //
@@ -91,7 +95,8 @@ cupykv_attention_f32(
     if (cupykv::gated_off(run_if)) return;
     using namespace attention_f32_tiling;
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "attention_f32: head_dim 64 or 128");
-    (void)k_scales, (void)v_scales, (void)layer, (void)head_dim_runtime;
+    (void)k_scales, (void)v_scales, (void)layer;
+    const int head_dim = head_dim_runtime;            // <= HEAD_DIM, a multiple of 4: the cache's rows
     constexpr int kRow = HEAD_DIM + kRowPad;          // floats per stage row
     constexpr int kTile = kStepKeys * kRow;           // floats per K (or V) stage
     constexpr int kPieces = HEAD_DIM / 4;             // 16-byte copies per row
@@ -116,7 +121,7 @@ cupykv_attention_f32(
     const int length = cupykv::live_length(lengths[b], max_seq);
     // 1. The tile's q rows, rotated at their position, unscaled; rows past the tile are zeros (never read).
     const cupykv::QueryTile tile = {b, q_len, n_heads, group, kv_head, first_row, tile_rows, length, max_seq, window};
-    tile.load_q<float>(q_tile, q, kTileRows, HEAD_DIM, use_rope, rope_theta);
+    tile.load_q<float>(q_tile, q, kTileRows, head_dim, HEAD_DIM, use_rope, rope_theta);
 
     const cupykv::KeyRange keys = cupykv::attention_split_keys(length, first_row, tile_rows, group, max_seq, window,
                                                                split, num_splits, split_keys, kSplitAlign);
@@ -125,15 +130,18 @@ cupykv_attention_f32(
 
     // Copies the K and V rows of step `step` into stage `stage`: thread t issues copies t, t + kThreads,
     // ... of the step's kStepKeys x kPieces, so its column is fixed and its keys kThreads / kPieces apart.
+    // A column past a smaller head_dim is zero-filled, reading nothing (its source: the row's start).
     const int copy_key = tid / kPieces, copy_column = (tid % kPieces) * 4;
+    const bool column_live = copy_column < head_dim;
+    const int source_column = column_live ? copy_column : 0;
     auto load_step = [&](int step, int stage) {
         float* k_stage = stages + stage * 2 * kTile + copy_key * kRow + copy_column;
         const int first_key = keys.begin + step * kStepKeys + copy_key;
 #pragma unroll
         for (int i = 0; i < kCopiesPerThread; ++i) {
             const int key = first_key + i * (kThreads / kPieces);
-            const bool live = key < keys.end;
-            const long long offset = head_base + (long long)(live ? key : keys.begin) * stride_seq + copy_column;
+            const bool live = key < keys.end && column_live;
+            const long long offset = head_base + (long long)(live ? key : keys.begin) * stride_seq + source_column;
             cupykv::cp_async_16(k_stage + i * (kThreads / kPieces) * kRow, k_cache + offset, live ? 16 : 0);
             cupykv::cp_async_16(k_stage + kTile + i * (kThreads / kPieces) * kRow, v_cache + offset, live ? 16 : 0);
         }
@@ -260,13 +268,13 @@ cupykv_attention_f32(
     for (int m = 0; m < warp_rows; ++m) {
         const int r = warp + kWarps * m;
         const long long out_row = tile.out_row(r);
-        if (lane_dim < HEAD_DIM) {
+        if (lane_dim < head_dim) {   // head_dim is a multiple of 4: a lane's four dims are all live or none
             for (int c = 0; c < 4; ++c) {
                 if (num_splits == 1)
-                    out[out_row * HEAD_DIM + lane_dim + c] =
+                    out[out_row * head_dim + lane_dim + c] =
                         cupykv::normalised_output(acc[m][c], row_sum[m], tile.attends_a_key(r));
                 else
-                    partial_out[(split * rows_total + out_row) * HEAD_DIM + lane_dim + c] = acc[m][c];
+                    partial_out[(split * rows_total + out_row) * head_dim + lane_dim + c] = acc[m][c];
             }
         }
         if (num_splits > 1 && lane == 0) {
@@ -278,5 +286,5 @@ cupykv_attention_f32(
     __shared__ int is_last_split;
     if (num_splits > 1 && cupykv::attention_last_split(split_counters + blockIdx.x, num_splits, &is_last_split))
         cupykv::attention_merge_splits(out, partial_out, partial_max, partial_sum, tile, rows_total, num_splits,
-                                       HEAD_DIM);
+                                       head_dim);
 }

@@ -38,27 +38,28 @@ struct QueryTile {
         return window <= 0 || (long long)length + query(r) - window + 1 < max_seq;
     }
 
-    // The CUDA-core kernels' q tile: q_tile[r][d] (capacity rows of head_dim floats) = row r's q in
-    // fp32, rotated at its position when use_rope, unscaled; rows past the tile are zeros. q is
+    // The CUDA-core kernels' q tile: q_tile[r * row_floats + d] (capacity rows; row_floats >= head_dim)
+    // = row r's q in fp32, rotated at its position when use_rope, unscaled; rows past the tile, and dims
+    // from head_dim to row_floats (a head padded onto a larger instance), are zeros. q is
     // [batch, q_len, n_heads, head_dim] of the io type TI. Every thread of the block calls it; a
     // barrier must follow before any thread reads the tile.
     template <typename TI>
-    __device__ __forceinline__ void load_q(float* q_tile, const TI* q, int capacity, int head_dim, int use_rope,
-                                           double rope_theta) const {
+    __device__ __forceinline__ void load_q(float* q_tile, const TI* q, int capacity, int head_dim, int row_floats,
+                                           int use_rope, double rope_theta) const {
         const int half_dim = head_dim / 2;
-        for (int e = threadIdx.x; e < capacity * head_dim; e += blockDim.x) {
-            const int r = e / head_dim, d = e - r * head_dim;
+        for (int e = threadIdx.x; e < capacity * row_floats; e += blockDim.x) {
+            const int r = e / row_floats, d = e - r * row_floats;
             float value = 0.0f;
-            if (r < rows && (!use_rope || d < half_dim)) {
+            if (r < rows && d < head_dim && (!use_rope || d < half_dim)) {
                 const long long base = out_row(r) * head_dim;   // q and out share a layout
                 value = to_float<TI>(q[base + d]);
                 if (use_rope) {
                     float partner = to_float<TI>(q[base + d + half_dim]);
                     rope_rotate_pair(&value, &partner, length + query(r), d, head_dim, rope_theta);
-                    q_tile[r * head_dim + d + half_dim] = partner;
+                    q_tile[r * row_floats + d + half_dim] = partner;
                 }
             }
-            if (!use_rope || d < half_dim || r >= rows) q_tile[e] = value;
+            if (!use_rope || d < half_dim || d >= head_dim || r >= rows) q_tile[e] = value;
         }
     }
 };
