@@ -74,9 +74,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from cupykv.attention_plan import mma_row_groups
-from cupykv.kernels import (ATTENTION_HEAD_DIMS, ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, CACHE_ITEM_BYTES, CUDA_TYPES, KERNELS,
-                             LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES, attention_mma_row_tiles,
-                             cache_types)
+from cupykv.kernels import (ATTENTION_HEAD_DIMS, ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, CACHE_ITEM_BYTES,
+                             CUDA_TYPES, KERNELS, LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES,
+                             attention_mma_row_tiles, cache_types)
 from cupykv.nvrtc_check import PINNED_NVRTC, Nvrtc, NvrtcError, compile_program, load_nvrtc
 
 #: K/V bytes per issued warp instruction that keep an H200's HBM busy: 4.8 TB/s over 132 SMs x 4
@@ -464,10 +464,10 @@ def count_staged_step(instructions: list[Instruction], labels: dict[str, int], i
 
 
 def count_staged_instance(nvrtc: Nvrtc, nvdisasm: str, instance: StagedInstance) -> list[StagedStepCount]:
-    """Compile ``instance`` for each count of a warp's live rows (0 to kRowsPerWarp) and both ways (max
-    settled, max moved), and sum its warps' steps for each of :data:`STAGED_TILE_ROWS`."""
+    """Compile ``instance`` for each count of a warp's live rows that :data:`STAGED_TILE_ROWS` take (0, 1,
+    2 and 4) and both ways (max settled, max moved), and sum its warps' steps for each of those tiles."""
     per_warp = {}
-    for rows in range(_F32_TILING["kRowsPerWarp"] + 1):
+    for rows in sorted({rows for tile_rows in STAGED_TILE_ROWS for rows in StagedInstance.warp_rows(tile_rows)}):
         for rescales in (0, 1):
             options = (COUNT_OPTION, f"-DCUPYKV_STEP_RESCALES={rescales}", f"{STEP_ROWS_OPTION}={rows}")
             counted, steps = count_staged_step(*compiled_sass(nvrtc, nvdisasm, "attention_f32", instance.name,

@@ -338,7 +338,8 @@ def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
     (row,) = occupancy.rows(reports)
     assert row.report.shared_bytes >= 16384 and row.occupancy.limiter == "shared" and row.occupancy.blocks == 3
     code, _, stderr = _report_exit(reports)
-    assert code == 1 and "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 0> (sm_80): 3 blocks/SM, limited by shared" in stderr
+    assert code == 1
+    assert "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 0> (sm_80): 3 blocks/SM, limited by shared" in stderr
 
 
 def test_the_two_and_four_row_tile_bytes_in_flight_in_the_docs_follow_the_check(reports):

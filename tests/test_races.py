@@ -273,7 +273,8 @@ def assert_reports_an_early_stage_access(caught, head_dim, access_lines):
     if isinstance(caught.value, E.AsyncCopyError):   # the copy: issued by load_step at one of its two calls
         calls = {line_of(path, "if (steps > 0) load_step(0, 0);"),
                  line_of(path, "if (n + 1 < steps) load_step(n + 1, (n + 1) % kStages);")}
-        issued = re.search(r"cp.async issued by thread \(\d+,0,0\) at async_copy.cuh:\d+ \(inlined into (\S+)\)", message)
+        issued = re.search(r"cp.async issued by thread \(\d+,0,0\) at async_copy.cuh:\d+ \(inlined into (\S+)\)",
+                           message)
         assert issued and issued.group(1) in calls, message
     else:
         for hazard in caught.value.hazards:

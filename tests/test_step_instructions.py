@@ -115,7 +115,8 @@ def test_the_documented_cuda_core_linear_rows_are_the_count(tools):
     assert {rows: row[:2] for rows, row in counted.items()} == {r: (4096, 32 * r) for r in (1, 2, 4, 8, 16)}
 
 
-_STAGED_ROW = re.compile(r"^\| (64|128), (\d+) \| ([\d, ]+) \| (\d+) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \|$", re.M)
+_STAGED_ROW = re.compile(r"^\| (64|128), (\d+) \| ([\d, ]+) \| (\d+) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \|$",
+                         re.M)
 
 
 def documented_staged_rows() -> dict[tuple[int, int], tuple]:
@@ -269,7 +270,8 @@ def staged_listing(steps_per_iteration, ldgsts=8, score_trips=2, pv_trips=4, row
         body += ["LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]"] * ldgsts + ["BAR.SYNC.DEFER_BLOCKING 0x0"] * (bars - 1)
         body += [f".L_x_{10 + 2 * n}:", "LDS.128 R4, [R3]", *["FFMA R5, R6, R7, R5"] * (rows * 64 // score_trips),
                  f"@P0 BRA `(.L_x_{10 + 2 * n})", *["FFMA R5, R6, R7, R5"] * (2 * rows),
-                 f".L_x_{11 + 2 * n}:", "SHFL.IDX PT, R8, R9, R10, 0x1f", *["FFMA R5, R6, R7, R5"] * (rows * 64 // pv_trips),
+                 f".L_x_{11 + 2 * n}:", "SHFL.IDX PT, R8, R9, R10, 0x1f",
+                 *["FFMA R5, R6, R7, R5"] * (rows * 64 // pv_trips),
                  f"@P1 BRA `(.L_x_{11 + 2 * n})", "BAR.SYNC.DEFER_BLOCKING 0x0"]
     return listing("MOV R0, R1", ".L_x_0:", *body, "@P2 BRA `(.L_x_0)", "EXIT")
 

@@ -242,7 +242,8 @@ def attention_instance(dtype: str, head_dim: int, io_dtype: str | None = None, r
     16-bit and fp8 caches run on tensor cores (``attention_mma.cu``) at the instance
     :func:`attention_mma_head_dim` gives; float32 caches on CUDA cores with staged K/V
     (``attention_f32.cu``) at the instance :func:`attention_f32_head_dim` gives; the other head sizes on
-    the generic CUDA-core kernel (``attention.cu``). ``io_dtype`` defaults to ``dtype`` (it must be given for an fp8 cache).
+    the generic CUDA-core kernel (``attention.cu``). ``io_dtype`` defaults to ``dtype`` (it must be
+    given for an fp8 cache).
     ``row_tiles``: the tensor-core kernel's m16 row tiles per block, one of
     :func:`attention_mma_row_tiles` of that instance (``cupykv.attention_plan`` picks it from the
     query shape; the CUDA-core kernel has no such choice).

@@ -12,9 +12,9 @@
 // (cupykv.kernels.attention_f32_head_dim); other float32 head sizes run attention.cu. A smaller head
 // runs on the instance of the next size up: the cache's head_dim (head_dim_runtime) sets every stride
 // and what is read and written, the instance's the tiling; its extra dims are zeros in q and in the
-// stages (copies that read nothing), so they add arithmetic, never bytes. With num_splits > 1 the last block of a tile to finish merges
-// the splits into `out` (attention_merge.cuh). fp32 throughout; the k_scales, v_scales and layer
-// arguments (fp8 caches) are not read.
+// stages (copies that read nothing), so they add arithmetic, never bytes. With num_splits > 1 the
+// last block of a tile to finish merges the splits into `out` (attention_merge.cuh). fp32
+// throughout; the k_scales, v_scales and layer arguments (fp8 caches) are not read.
 //
 // Design (docs/performance.md has the budget):
 // - A block of 4 warps owns up to 16 query rows (query x head of one GQA group) and the keys of its
@@ -176,7 +176,7 @@ cupykv_attention_f32(
         for (int m = 0; m < ROWS; ++m)
             for (int c = 0; c < 4; ++c) dot[m][c] = 0.0f;
         const float* k_row = k_stage + lane * kRow;
-#pragma unroll 8
+#pragma unroll 4   // at 8, NVRTC 13.5 spilled 4 bytes at head_dim 64 on sm_90 (128 registers for 4 blocks/SM)
         for (int d = 0; d < HEAD_DIM; d += 4) {
             const float4 k4 = *reinterpret_cast<const float4*>(k_row + d);
 #pragma unroll
