@@ -256,7 +256,7 @@ def parse_launch_bounds(ptx: str, lowered: dict[str, str]) -> dict[str, tuple[in
     NVRTC turns ``__launch_bounds__(max, min)`` into ``.maxntid max, 1, 1`` and ``.minnctapersm min``
     between an entry's parameters and its body; either is None when not declared. Reading them from
     the compiler's output evaluates whatever expression the source wrote (a template's
-    ``attention_min_blocks<T>()`` included).
+    ``attention_min_blocks()`` included).
     """
     found = {}
     for m in _ENTRY.finditer(ptx):

@@ -195,7 +195,7 @@ def test_every_attention_and_linear_instance_meets_its_declared_occupancy(report
     assert {(row.report.arch, row.report.instance) for row in rows} == expected
     for row in rows:
         r = row.report
-        if r.instance.startswith("cupykv_attention<"):   # attention_min_blocks<T>(): 4
+        if r.instance.startswith("cupykv_attention<"):   # attention_min_blocks(): 4
             assert r.min_blocks == 4, r
         elif r.instance.startswith("cupykv_attention_f32<"):   # attention_f32_min_blocks: sm_80's shared memory
             assert r.min_blocks == (4 if r.instance.endswith("<64>") else 2), r

@@ -64,10 +64,10 @@ constexpr int kWarps = kThreads / 32;
 // allocates every instance at 92 to 96 registers on sm_80 and sm_90. (Float was 3, <= 168, while
 // <float, float, 64> was an instance here: 162 registers on sm_80.) `python -m cupykv check` prints
 // every instance's registers.
-template <typename T> constexpr int attention_min_blocks() { return 4; }
+constexpr int attention_min_blocks() { return 4; }
 
 template <typename T, typename TI, int HEAD_DIM>
-__global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_blocks<T>()) cupykv_attention(
+__global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_blocks()) cupykv_attention(
     TI* __restrict__ out,                 // [batch, q_len, n_heads, head_dim] (num_splits == 1)
     float* __restrict__ partial_out,      // [num_splits, batch * q_len * n_heads, head_dim]
     float* __restrict__ partial_max,      // [num_splits, batch * q_len * n_heads]
