@@ -161,7 +161,8 @@ KERNELS: dict[str, KernelFile] = {
         # caches at those attention_mma.cu does not take (rows that are not whole 16-byte copies)
         tuple(f"cupykv_attention<{cache_types(dtype, io)}, 0>" for dtype, io in CACHE_DTYPE_PAIRS),
     ),
-    # float32 caches at head_dim 64 and 128: K/V staged by cp.async, on CUDA cores
+    # float32 caches at head_dim 64 and 128, and smaller multiples of 4 above 32 padded onto them
+    # (attention_f32_head_dim): K/V staged by cp.async, on CUDA cores
     "attention_f32": KernelFile("attention_f32.cu", tuple(f"cupykv_attention_f32<{hd}>" for hd in ATTENTION_HEAD_DIMS)),
     # the tensor-core path of 16-bit and fp8 caches, compiled at head_dim 64, 96, 128 and 256 (smaller
     # sizes run padded on the next one up: attention_mma_head_dim)
