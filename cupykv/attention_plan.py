@@ -102,8 +102,8 @@ def attention_kernel(dtype: str, head_dim: int, io_dtype: str | None = None, que
     """The kernel for a cache's storage dtype, head size and io dtype (``dtype`` by default): tensor
     cores for 16-bit and fp8 caches whose rows are whole 16-byte copies, up to head_dim 256
     (``attention_mma.cu``, compiled at 64, 96, 128 and 256; a smaller head runs padded on the next
-    size up, :func:`cupykv.kernels.attention_mma_head_dim`); float32 caches at head_dim 64 and 128 (and
-    other multiples of 4 from 36, padded: :func:`cupykv.kernels.attention_f32_head_dim`) on CUDA cores
+    size up, :func:`cupykv.kernels.attention_mma_head_dim`); float32 caches at head_dim 32, 64, 128 and
+    256 (and other multiples of 4 from 20, padded: :func:`cupykv.kernels.attention_f32_head_dim`) on CUDA cores
     with K/V staged by asynchronous copies (``attention_f32.cu``); CUDA cores otherwise
     (``attention.cu``). ``query_rows`` (``q_len * group``) picks the tensor-core kernel's rows per
     block (:func:`mma_row_tiles`)."""

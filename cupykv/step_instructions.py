@@ -288,19 +288,29 @@ class StagedInstance:
         return f"cupykv_attention_f32<{self.head_dim}>"
 
     @property
+    def step_keys(self) -> int:
+        """Keys of one block step: kStepKeys, or kWideStepKeys at kWideHeadDim."""
+        wide = self.head_dim == _F32_TILING["kWideHeadDim"]
+        return _F32_TILING["kWideStepKeys" if wide else "kStepKeys"]
+
+    @property
     def step_bytes(self) -> int:
-        """K and V bytes of one block step: kStepKeys rows of each, float32."""
-        return _F32_TILING["kStepKeys"] * self.head_dim * 4 * 2
+        """K and V bytes of one block step: step_keys rows of each, float32."""
+        return self.step_keys * self.head_dim * 4 * 2
 
     @property
     def step_copies(self) -> int:
         """16-byte cp.async (LDGSTS) one thread issues a step: its share of the step's K and V rows."""
-        return 2 * _F32_TILING["kStepKeys"] * (self.head_dim // 4) // _F32_TILING["kThreads"]
+        return 2 * self.step_keys * (self.head_dim // 4) // _F32_TILING["kThreads"]
+
+    def phase_ffma(self, rows: int) -> int:
+        """The FFMA of a warp's scores, or of its P.V, in one step: for each live row, one per head dim
+        and key, spread over the warp's 32 lanes."""
+        return rows * self.step_keys * self.head_dim // 32
 
     def step_ffma(self, rows: int) -> int:
-        """The FFMA of a warp's scores and P.V in one step: for each live row, one per head dim and key in
-        each (the scores' 32 keys are the warp's lanes; P.V's 32 keys are the warp's passes)."""
-        return 2 * rows * self.head_dim
+        """The FFMA of a warp's scores and P.V in one step (:meth:`phase_ffma` of each)."""
+        return 2 * self.phase_ffma(rows)
 
     @staticmethod
     def warp_rows(tile_rows: int) -> list[int]:
@@ -430,7 +440,7 @@ def count_staged_step(instructions: list[Instruction], labels: dict[str, int], i
     The key loop is the outermost loop holding a barrier (``BAR``) and copies (``LDGSTS``); its steps
     are its barriers over :data:`STAGED_STEP_BARRIERS`. A loop inside it (the scores' dims or P.V's
     keys, which ``#pragma unroll`` leaves partly rolled) counts as often as it runs: each of the two
-    does ``rows x head_dim`` FFMA a step in all. Each step must then hold
+    does :meth:`StagedInstance.phase_ffma` FFMA a step in all. Each step must then hold
     :attr:`StagedInstance.step_copies` LDGSTS and the :meth:`StagedInstance.step_ffma` of scores and
     P.V, plus at most three per row for the softmax (its two exponentials' products, and the rescaled
     sum of weights).
@@ -449,10 +459,10 @@ def count_staged_step(instructions: list[Instruction], labels: dict[str, int], i
         if span == (first, last) or not (first <= span[0] and span[1] <= last):
             continue
         once = _body(instructions, *span)
-        trips, rest = divmod(rows * instance.head_dim, once["FFMA"]) if once["FFMA"] else (0, 1)
+        trips, rest = divmod(instance.phase_ffma(rows), once["FFMA"]) if once["FFMA"] else (0, 1)
         if rest or trips < 1:
             raise StepCountError(f"{instance.name}: an inner loop of {once['FFMA']} FFMA does not divide the "
-                                 f"{rows * instance.head_dim} of the scores or of P.V")
+                                 f"{instance.phase_ffma(rows)} of the scores or of P.V")
         for _ in range(trips - 1):
             total.update(once)
     if total["LDGSTS"] != steps * instance.step_copies or not (
@@ -691,7 +701,8 @@ def main(nvrtc_path: str | None = None) -> int:
     print("\nThe CUDA-core linear (float32 weights), per warp and iteration of its vector loop (kAhead steps "
           "of its two weight rows):")
     print(format_cuda_core_linear_table(cuda_core_counts))
-    print(f"\nThe staged float32 attention, per block and {_F32_TILING['kStepKeys']}-key step on the common path "
+    print(f"\nThe staged float32 attention, per block and step ({_F32_TILING['kStepKeys']} keys, "
+          f"{_F32_TILING['kWideStepKeys']} at head_dim {_F32_TILING['kWideHeadDim']}) on the common path "
           f"(the sum over its {_F32_TILING['kWarps']} warps, each with its live rows):")
     print(format_staged_table(staged_counts))
     return 0

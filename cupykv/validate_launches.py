@@ -38,7 +38,7 @@ from cupykv.spec import IO_DTYPES
 #: head sizes launched: the specialised ones (of the staged and the tensor-core kernels) and one that
 #: takes the generic (HEAD_DIM = 0) instance of every cache dtype: 30, whose 16-bit rows are not whole
 #: 16-byte copies (a multiple of 8 would run padded on a tensor-core instance) and whose float32 rows
-#: are too short to pad onto the staged kernel (ATTENTION_F32_PADDED_ABOVE).
+#: are not whole 16-byte copies either (a multiple of 4 would run padded on a staged instance).
 HEAD_DIMS = (*sorted({*ATTENTION_HEAD_DIMS, *ATTENTION_MMA_HEAD_DIMS}), 30)
 #: split-KV factors launched: 1 and 2 (the last block of each query block merges the splits).
 NUM_SPLITS = (1, 2)

@@ -42,10 +42,11 @@ POISONS = [(NAN, NAN), (INF, -INF), (-INF, NAN), (NAN, INF)]   # (K, V) values w
 DTYPES = ["float32", "float16", "bfloat16"]
 # (dtype, head_dim) of each attention kernel, which the tests below take in turn: the generic CUDA-core
 # kernel (float32 at 8), the two tensor-core sizes (float16 at 64, bfloat16 at 128: one m16 tile per
-# block up to 16 query rows, two past that), and the staged float32 kernel at both its sizes
-# (attention_f32.cu: 32-key steps, four rows per warp). With a dtype alone (head_dim 8), a 16-bit
-# cache runs padded on the tensor-core instance of 64.
-KERNEL_CASES = [("float32", 8), ("float16", 64), ("bfloat16", 128), ("float32", 64), ("float32", 128)]
+# block up to 16 query rows, two past that), and the staged float32 kernel at each of its sizes
+# (attention_f32.cu: 32-key steps, 16 at 256; four rows per warp). With a dtype alone (head_dim 8), a
+# 16-bit cache runs padded on the tensor-core instance of 64.
+KERNEL_CASES = [("float32", 8), ("float16", 64), ("bfloat16", 128), ("float32", 64), ("float32", 128),
+                ("float32", 32), ("float32", 256)]
 
 
 def straddling(tile, multiples=(1, 2, 3)):

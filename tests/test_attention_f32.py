@@ -18,10 +18,17 @@ from backends import BACKENDS
 TILING = KERNELS["attention_f32"].constants("attention_f32_tiling")
 
 
-# head_dim -> the staged instance (None: the generic kernel): 64 and 128, and other multiples of 4 above 32
-# padded onto the next of them; 32 and below, other sizes and heads past 128 stay generic
-STAGED = {64: 64, 128: 128, 36: 64, 48: 64, 60: 64, 68: 128, 80: 128, 96: 128, 124: 128,
-          8: None, 32: None, 50: None, 126: None, 132: None, 256: None}
+# head_dim -> the staged instance (None: the generic kernel): 32, 64, 128 and 256, and other multiples of 4
+# above 16 padded onto the next of them; 16 and below and other sizes stay generic
+STAGED = {32: 32, 64: 64, 128: 128, 256: 256, 20: 32, 28: 32, 36: 64, 48: 64, 60: 64, 68: 128, 80: 128, 96: 128,
+          124: 128, 132: 256, 192: 256, 252: 256, 4: None, 8: None, 16: None, 30: None, 50: None, 126: None,
+          254: None}
+HEAD_DIMS = kernels.ATTENTION_HEAD_DIMS
+
+
+def step_keys(head_dim):
+    """Keys per step of the instance at head_dim (16 at the wide head, where lanes pair up on a key)."""
+    return TILING["kWideStepKeys" if head_dim == TILING["kWideHeadDim"] else "kStepKeys"]
 
 
 @pytest.mark.parametrize("head_dim, instance", sorted(STAGED.items()))
@@ -36,15 +43,15 @@ def test_float32_caches_run_the_staged_kernel_at_its_sizes_and_padded_onto_them(
         head_dim = instance   # a padded head's launch is its instance's
         assert plan.kernel.instance == f"cupykv_attention_f32<{head_dim}>"
         assert plan.block == (TILING["kThreads"],) and plan.kernel.rows_per_block == TILING["kTileRows"]
-        # the q tile and two stages of K and V, rows padded by kRowPad floats
-        stages = TILING["kStages"] * 2 * TILING["kStepKeys"] * (head_dim + TILING["kRowPad"])
+        # the q tile and two stages of K and V, rows padded by kRowPad floats but the last
+        stages = (TILING["kStages"] * 2 * step_keys(head_dim) - 1) * (head_dim + TILING["kRowPad"]) + head_dim
         assert plan.shared_mem_bytes == (TILING["kTileRows"] * head_dim + stages) * 4
-        assert plan.kernel.opts_in_to_shared_memory == (head_dim == 128)   # 75776 bytes at 128
+        assert plan.kernel.opts_in_to_shared_memory == (head_dim >= 128)   # 75776 bytes at 128, 82928 at 256
         assert attention_plan.block_row_choices("float32", head_dim) == (16,)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 def test_every_count_of_live_rows_per_warp(backend, head_dim, rows):
     # q_len x group = rows: warp w holds rows w, w + 4, ... so its live rows run 0..4; a warp with none
@@ -73,7 +80,7 @@ def test_every_count_of_live_rows_per_warp(backend, head_dim, rows):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("options", [dict(rope=cupykv.Rope(theta=500.0)), dict(softcap=2.0),
                                      dict(rope=cupykv.Rope(theta=10000.0), softcap=5.0, window=40)],
                          ids=["rope", "softcap", "rope-softcap-window"])

@@ -28,7 +28,7 @@ import pytest
 import cupykv
 from cupykv import reference, testing
 from cupykv.attention_plan import attention_kernel, block_row_choices
-from cupykv.kernels import KERNELS, attention_mma_head_dim
+from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNELS, attention_mma_head_dim
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
 
@@ -314,8 +314,8 @@ def test_pending_rows_past_the_query_in_its_own_step_are_never_read(backend, dty
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype, head_dim", EDGE_CASES + [("float32", 64), ("float32", 128)])   # and the staged
-def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, dtype, head_dim):       # float32 kernel
+@pytest.mark.parametrize("dtype, head_dim", EDGE_CASES + [("float32", hd) for hd in ATTENTION_HEAD_DIMS])  # and the
+def test_a_row_is_bit_identical_for_every_q_len_with_split_keys(backend, dtype, head_dim):  # staged float32 kernel
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=600, batch=2, dtype=dtype)
     rng = np.random.default_rng(5)
     cache = cupykv.KVCache(spec, backend=backend)
@@ -421,7 +421,9 @@ def test_every_rows_per_block_gives_the_same_bits(backend, dtype, head_dim, opti
 PADDED = [("bfloat16", "", 80, 96), ("float16", "", 40, 64), ("bfloat16", "", 112, 128), ("float16", "", 160, 256),
           ("float8_e4m3", "bfloat16", 80, 96), ("float8_e4m3", "float16", 48, 64)]
 # float32 heads padded onto the staged CUDA-core kernel (attention_f32.cu), which pads as this one does
-PADDED_F32 = [("float32", "", 80, 128), ("float32", "", 36, 64), ("float32", "", 100, 128)]
+# (20: five copies of the 32 instance's eight; 200: the 256 instance's second dims of each lane in part)
+PADDED_F32 = [("float32", "", 80, 128), ("float32", "", 36, 64), ("float32", "", 100, 128), ("float32", "", 20, 32),
+              ("float32", "", 200, 256)]
 
 
 def test_a_head_whose_rows_are_whole_copies_takes_the_next_tensor_core_instance_up():

@@ -18,7 +18,7 @@ import cupykv
 from cupykv import ops
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator_backend import EmulatorBackend
-from cupykv.kernels import KERNEL_DIR, KERNELS
+from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
 
 RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
 RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
@@ -226,7 +226,7 @@ class PatchedBackend(EmulatorBackend):
 
 def one_query_attention(backend, head_dim=30, rows=5):
     """Attention of one query (q_len 1, one head) over ``rows`` cached float32 rows: the generic
-    CUDA-core kernel (attention.cu) at head_dim 30, the staged one (attention_f32.cu) at 64 and 128."""
+    CUDA-core kernel (attention.cu) at head_dim 30, the staged one (attention_f32.cu) at its sizes."""
     rng = np.random.default_rng(0)
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=128, batch=1, dtype="float32")
     cache = cupykv.KVCache(spec, backend=backend)
@@ -259,7 +259,7 @@ def test_attention_without_the_barrier_before_pv_is_reported_at_q_len_1():
 
 
 K_READ = "const float4 k4 = *reinterpret_cast<const float4*>(k_row + d);"
-V_READ = "const float4 v4 = *reinterpret_cast<const float4*>(v_stage + key * kRow + lane_dim);"
+V_READ = "v4[piece] = *reinterpret_cast<const float4*>(v_stage + key * kRow + piece * 4 * kLanesPerRow + lane_dim);"
 
 
 def assert_reports_an_early_stage_access(caught, head_dim, access_lines):
@@ -282,7 +282,7 @@ def assert_reports_an_early_stage_access(caught, head_dim, access_lines):
             assert_names_threads(message, hazard)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", ATTENTION_HEAD_DIMS)
 def test_staged_attention_reading_a_stage_before_every_copy_landed_is_reported(head_dim):
     """Without the barrier after cp_async_wait, a warp reads K rows of a step that other threads copy:
     their copies may still be pending (AsyncCopyError), or landed at a wait that nothing orders
@@ -294,10 +294,10 @@ def test_staged_attention_reading_a_stage_before_every_copy_landed_is_reported(h
     one_query_attention(EmulatorBackend(), head_dim, rows=40)   # the real kernel: no report
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", ATTENTION_HEAD_DIMS)
 def test_staged_attention_refilling_a_stage_other_warps_still_read_is_reported(head_dim):
     """Without the barrier at the end of a step, the copies of step n + 2 may be issued into the
-    stage while another warp still reads step n from it (three steps: 65 keys)."""
+    stage while another warp still reads step n from it (three steps of 32 keys, five of 16: 65 keys)."""
     patched = PatchedBackend("attention_f32", staged_attention_without("every warp is done with the stage"))
     with pytest.raises((E.RaceError, E.AsyncCopyError)) as caught:
         one_query_attention(patched, head_dim, rows=65)

@@ -16,7 +16,7 @@ import pytest
 
 from cupykv import step_instructions as steps
 from cupykv.__main__ import main as cli_main
-from cupykv.kernels import KERNELS
+from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNELS
 from cupykv.nvrtc_check import PINNED_NVRTC, load_nvrtc
 
 DOC = Path(__file__).parents[1] / "docs" / "performance.md"
@@ -115,7 +115,7 @@ def test_the_documented_cuda_core_linear_rows_are_the_count(tools):
     assert {rows: row[:2] for rows, row in counted.items()} == {r: (4096, 32 * r) for r in (1, 2, 4, 8, 16)}
 
 
-_STAGED_ROW = re.compile(r"^\| (64|128), (\d+) \| ([\d, ]+) \| (\d+) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \|$",
+_STAGED_ROW = re.compile(r"^\| (32|64|128|256), (\d+) \| ([\d, ]+) \| (\d+) \| (\d+) \(([\d.]+)\) \| (\d+) \(([\d.]+)\) \|$",
                          re.M)
 
 
@@ -124,7 +124,7 @@ def documented_staged_rows() -> dict[tuple[int, int], tuple]:
     section = DOC.read_text().split("## Decode attention on float32 caches", 1)[1].split("\n## ", 1)[0]
     rows = {(int(m.group(1)), int(m.group(2))): (int(m.group(4)), int(m.group(5)), int(m.group(7)))
             for m in _STAGED_ROW.finditer(section)}
-    assert sorted(rows) == [(hd, t) for hd in (64, 128) for t in steps.STAGED_TILE_ROWS], \
+    assert sorted(rows) == [(hd, t) for hd in ATTENTION_HEAD_DIMS for t in steps.STAGED_TILE_ROWS], \
         "the float32 attention table of docs/performance.md lost rows"
     return rows
 
@@ -134,9 +134,10 @@ def test_the_documented_staged_attention_rows_are_the_count(tools):
     counted = {(c.instance.head_dim, c.tile_rows): (c.instance.step_bytes, c.settled, c.moved)
                for c in steps.count_all_staged(nvrtc, nvdisasm)}
     assert counted == documented_staged_rows()
-    # a 32-key step of K and V rows, float32; more live rows, more instructions
-    assert {key: row[0] for key, row in counted.items()} == {(hd, t): 32 * hd * 8 for hd, t in counted}
-    for hd in (64, 128):
+    # a step of K and V rows, float32, 32 keys (16 at 256); more live rows, more instructions
+    assert {key: row[0] for key, row in counted.items()} == {(hd, t): (16 if hd == 256 else 32) * hd * 8
+                                                            for hd, t in counted}
+    for hd in ATTENTION_HEAD_DIMS:
         settled = [counted[hd, t][1] for t in steps.STAGED_TILE_ROWS]
         assert settled == sorted(settled) and len(set(settled)) == len(settled)
 
@@ -179,7 +180,7 @@ def test_the_command_line_prints_the_table(monkeypatch, capsys):
     linear = [line for line in out.splitlines() if re.match(r"\| (bf16|half), (8|16) \|", line)]
     assert len(linear) == 4 and all(_LINEAR_ROW.match("  " + line) for line in linear)
     staged = [line for line in out.splitlines() if _STAGED_ROW.match(line)]
-    assert len(staged) == 2 * len(steps.STAGED_TILE_ROWS)
+    assert len(staged) == len(steps.staged_instances()) * len(steps.STAGED_TILE_ROWS)
     assert out.index("The staged float32 attention") < out.index(staged[0])
 
 
@@ -299,6 +300,11 @@ def test_the_staged_tiles_rows_per_warp():
         [1, 0, 0, 0], [1, 1, 1, 1], [2, 1, 1, 1], [2, 2, 2, 2], [4, 3, 3, 3], [4, 4, 4, 4]]
     assert (STAGED_64.step_bytes, STAGED_64.step_copies, STAGED_64.step_ffma(3)) == (16384, 8, 384)
     assert steps.StagedInstance(128).step_copies == 16
+    # head_dim 256: 16-key steps (1 KB rows), two lanes a key in the scores: half the FFMA a row per lane
+    wide = steps.StagedInstance(256)
+    assert (wide.step_keys, wide.step_bytes, wide.step_copies, wide.step_ffma(1)) == (16, 32768, 16, 256)
+    small = steps.StagedInstance(32)
+    assert (small.step_keys, small.step_bytes, small.step_copies, small.step_ffma(2)) == (32, 8192, 4, 128)
 
 
 LINEAR_8 = steps.LinearInstance("bfloat16", 8)   # 16 HMMA an iteration

@@ -691,17 +691,21 @@ def test_decode_attention_sectors_per_request_bf16(head_dim, sectors_per_request
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("head_dim, sectors_per_request", [(128, 16.0), (64, 2408 / 151)])
+@pytest.mark.parametrize("head_dim, sectors_per_request",
+                         [(256, 16.0), (128, 16.0), (64, 2408 / 151), (32, 1204 / 76)])
 def test_decode_attention_sectors_per_request_float32(head_dim, sectors_per_request, layout):
     """The design figures of the float32 decode path (kernels/attention_f32.cu, 301 live rows per
     sequence), for K and V alike, in both layouts.
 
-    The block copies a 32-key step with 16-byte cp.async, a warp instruction covering whole rows:
-    one 512-byte row at head_dim 128 (16 sectors), two 256-byte rows at 64. 301 rows are 9 full steps
-    and a last step of 13 rows; zero-filled rows read nothing.
-    head_dim 128: every request is one live row: 301 x 16 / 301 = 16.
+    The block copies a step with 16-byte cp.async, a warp instruction covering 512 contiguous bytes of
+    rows: half a 1024-byte row at head_dim 256 (16-key steps), one 512-byte row at 128, two 256-byte
+    rows at 64, four 128-byte rows at 32 (32-key steps). 301 rows are 9 full 32-key steps and a last
+    step of 13 rows (18 and 13 at 256); zero-filled rows read nothing.
+    head_dim 256 and 128: every request is all live: 16.
     head_dim 64: 16 requests a step; the last step has 6 full ones and one with one live row (8
-    sectors): (9 x 16 x 16 + 6 x 16 + 8) / (9 x 16 + 7) = 2408 / 151. (The kernel it replaced read
+    sectors): (9 x 16 x 16 + 6 x 16 + 8) / (9 x 16 + 7) = 2408 / 151.
+    head_dim 32: 8 requests a step; the last step has 3 full ones and one with one live row (4
+    sectors): (9 x 8 x 16 + 3 x 16 + 4) / (9 x 8 + 4) = 1204 / 76. (The kernel they replaced read
     K a 16-byte piece of its own row per lane, 30.1 sectors a request, each sector requested twice,
     and V 4 bytes a lane.)
     """

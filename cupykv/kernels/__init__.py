@@ -33,11 +33,11 @@ CACHE_DTYPE_PAIRS = tuple((dtype, dtype) for dtype in CUDA_TYPES) + tuple(("floa
 #: float32 caches of these sizes run on them, and of other multiples of 4 above
 #: :data:`ATTENTION_F32_PADDED_ABOVE` on the next one up, padded (:func:`attention_f32_head_dim`); the
 #: rest runs on the generic CUDA-core attention (attention.cu, HEAD_DIM = 0).
-ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_HEAD_DIMS = (32, 64, 128, 256)
 
-#: float32 heads of at most this many dims keep the generic kernel: padded onto the 64 instance, a row
-#: of 32 floats or fewer would leave more than half of each copy, stage row and FMA to zeros.
-ATTENTION_F32_PADDED_ABOVE = 32
+#: float32 heads of at most this many dims keep the generic kernel: padded onto the 32 instance, a row
+#: of 16 floats or fewer would leave more than half of each copy, stage row and FMA to zeros.
+ATTENTION_F32_PADDED_ABOVE = 16
 
 #: head sizes the tensor-core attention (kernels/attention_mma.cu) is compiled for (its HEAD_DIM).
 #: 16-bit and fp8 caches of these sizes run on them, and caches of a smaller size on the next one up,
@@ -53,8 +53,9 @@ def attention_f32_head_dim(dtype: str, head_dim: int) -> int | None:
     None where the cache runs elsewhere.
 
     float32 caches whose rows are whole 16-byte copies (``head_dim`` a multiple of 4) above
-    :data:`ATTENTION_F32_PADDED_ABOVE` and up to 128 run on the smallest of :data:`ATTENTION_HEAD_DIMS`
-    that holds them: at their own size, or padded (head_dim 80 and 96 on the 128 instance, 48 on 64).
+    :data:`ATTENTION_F32_PADDED_ABOVE` and up to 256 run on the smallest of :data:`ATTENTION_HEAD_DIMS`
+    that holds them: at their own size, or padded (head_dim 80 and 96 on the 128 instance, 48 on 64, 24
+    on 32, 192 on 256).
     Padded dims are zeros in q and in the K/V stages, copied from nothing, so the cache bytes read are
     the same; only the arithmetic grows, by ``HEAD_DIM / head_dim``.
     """
@@ -161,7 +162,7 @@ KERNELS: dict[str, KernelFile] = {
         # caches at those attention_mma.cu does not take (rows that are not whole 16-byte copies)
         tuple(f"cupykv_attention<{cache_types(dtype, io)}, 0>" for dtype, io in CACHE_DTYPE_PAIRS),
     ),
-    # float32 caches at head_dim 64 and 128, and smaller multiples of 4 above 32 padded onto them
+    # float32 caches at head_dim 32, 64, 128 and 256, and other multiples of 4 above 16 padded onto them
     # (attention_f32_head_dim): K/V staged by cp.async, on CUDA cores
     "attention_f32": KernelFile("attention_f32.cu", tuple(f"cupykv_attention_f32<{hd}>" for hd in ATTENTION_HEAD_DIMS)),
     # the tensor-core path of 16-bit and fp8 caches, compiled at head_dim 64, 96, 128 and 256 (smaller

@@ -1,6 +1,6 @@
-// attention_f32.cu: masked multi-query attention over one layer of a float32 cache at head_dim 64 or
-// 128 (or a multiple of 4 from 36 up, padded onto the next of those), on CUDA cores, with K/V tiles
-// staged through shared memory by asynchronous copies.
+// attention_f32.cu: masked multi-query attention over one layer of a float32 cache at head_dim 32, 64,
+// 128 or 256 (or a multiple of 4 from 20 up, padded onto the next of those), on CUDA cores, with K/V
+// tiles staged through shared memory by asynchronous copies.
 //
 // The same contract, arguments, launch grid and split-KV workspace as cupykv_attention
 // (attention.cu). For sequence b, query i (position p = lengths[b] + i) and head h of kv head
@@ -18,23 +18,28 @@
 //
 // Design (docs/performance.md has the budget):
 // - A block of 4 warps owns up to 16 query rows (query x head of one GQA group) and the keys of its
-//   split (attention_keys.cuh), in 32-key steps. Warp w owns rows w, w + 4, w + 8, w + 12 of the
+//   split (attention_keys.cuh), in steps of 32 keys (16 at head_dim 256, so that two stages fit two
+//   blocks in an sm_80 SM). Warp w owns rows w, w + 4, w + 8, w + 12 of the
 //   tile: it computes their scores, their online softmax and their P.V by itself, so the only
 //   barriers in the key loop are the two a staged step needs. A warp's live rows (0 to 4) are a
 //   compile-time count in the step's code (Count<ROWS>, one branch per step); a warp with none only
 //   copies and meets the barriers.
 // - The K and V rows of step n + 1 are copied with 16-byte cp.async (.cg) while step n is computed
-//   (two stages). A warp's copy instruction covers one whole 512-byte row (128 dims) or two 256-byte
-//   rows (64): 16 sectors a request. Keys past the split are zero-filled, never read. A stage row
-//   is HEAD_DIM + 4 floats, so the lanes of a quarter-warp reading 16 bytes of eight different rows
-//   (scores) hit 32 different banks; a row read by consecutive lanes (P.V) is conflict-free as well.
-// - Scores: lane l takes key l of the step, four partial sums per row over the dims (the float4
+//   (two stages). A warp's copy instruction covers 512 contiguous bytes of rows: half a row (256
+//   dims), a whole row (128), two (64) or four (32): 16 sectors a request. Keys past the split are
+//   zero-filled, never read. A stage row is HEAD_DIM + 4 floats, so the lanes of a quarter-warp
+//   reading 16 bytes of eight different rows (scores) hit 32 different banks; a row read by
+//   consecutive lanes (P.V) is conflict-free as well.
+// - Scores: lane l takes key l of the step (at head_dim 256, lanes l and l + 16 take key l, each over
+//   half the dims, and add their halves), four partial sums per row over the dims (the float4
 //   components: k from its stage row, q broadcast from the q tile), added pairwise, times the logit
-//   scale. Softmax: warp max and sum per row, base-2 exponentials (exp_shifted); the row's
-//   accumulators are rescaled only when its max moved (a multiply by exactly 1 skipped).
-// - P.V: lane l holds dims 4l .. 4l + 3 (head_dim 128), or at 64 dims 4(l % 16) .. of the step's
-//   even keys (l < 16) or odd keys, the two halves added at the end. A key's weight comes from the
-//   lane that scored it (__shfl_sync).
+//   scale. Softmax: warp max and sum per row over the step's keys, base-2 exponentials
+//   (exp_shifted); the row's accumulators are rescaled only when its max moved (a multiply by
+//   exactly 1 skipped).
+// - P.V: lane l holds dims 4l .. 4l + 3 (head_dim 128), and 4l + 128 .. at 256; at 64 dims 4(l % 16)
+//   .. of the step's even keys (l < 16) or odd keys, at 32 dims 4(l % 8) .. of the keys equal to l / 8
+//   mod 4, the partial sums added across the warp at the end. A key's weight comes from the lane
+//   that scored it (__shfl_sync).
 // - Masks only where a step can hold a key that some live row does not attend (the split's last
 //   step, the diagonal of a verification tile, a window's first keys): a block-uniform test per step,
 //   no integer division in the loop. In those steps a weight of 0 skips its key, so a NaN or an
@@ -44,8 +49,9 @@
 //
 // Launch geometry: block (kThreads); grid (batch * n_kv * tiles, num_splits), tiles =
 // ceil(q_len * group / 16), block x = (b * n_kv + kv_head) * tiles + tile, y = split. Dynamic shared
-// memory: kShared<HEAD_DIM> bytes, the q tile [16][HEAD_DIM] and the stages [2][K, V][32][HEAD_DIM + 4];
-// past 48 KiB at head_dim 128, so that launch needs the kernel's opt-in, which the plan makes.
+// memory: kShared<HEAD_DIM> bytes, the q tile [16][HEAD_DIM] and the stages [2][K, V][step keys][HEAD_DIM + 4]
+// (the last row's padding, never read, not allocated); past 48 KiB at head_dim 128 and 256, so those
+// launches need the kernel's opt-in, which the plan makes.
 //
 // Device-resident arguments: lengths [batch] int32, q, k/v cache (read), out, the partial_* workspace
 // and split_counters (written), run_if [1] int32 (read first: 0 makes the launch return at once,
@@ -61,17 +67,23 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTileRows = 16;      // query rows per block; warp w owns rows w, w + kWarps, ...
 constexpr int kRowsPerWarp = kTileRows / kWarps;
-constexpr int kStepKeys = 32;      // keys per step: one per lane in the scores
+constexpr int kStepKeys = 32;      // keys per step up to head_dim 128: one per lane in the scores
+constexpr int kWideHeadDim = 256;  // the head_dim whose steps are kWideStepKeys keys, two lanes a key in the
+constexpr int kWideStepKeys = 16;  // scores: at 32 keys two stages would take 149 KB, one block per SM
 constexpr int kStages = 2;         // one step computed while the next lands
 constexpr int kRowPad = 4;         // floats after each stage row: conflict-free 16-byte reads of 8 rows
 constexpr int kSplitAlign = 128;   // split boundaries (num_splits mode) fall on multiples of this
-constexpr int kShared64 = (kTileRows * 64 + kStages * 2 * kStepKeys * (64 + kRowPad)) * 4;
-constexpr int kShared128 = (kTileRows * 128 + kStages * 2 * kStepKeys * (128 + kRowPad)) * 4;
+// Dynamic shared memory per instance: the q tile, then the stages' rows less the last row's padding
+constexpr int kShared32 = (kTileRows * 32 + (kStages * 2 * kStepKeys - 1) * (32 + kRowPad) + 32) * 4;
+constexpr int kShared64 = (kTileRows * 64 + (kStages * 2 * kStepKeys - 1) * (64 + kRowPad) + 64) * 4;
+constexpr int kShared128 = (kTileRows * 128 + (kStages * 2 * kStepKeys - 1) * (128 + kRowPad) + 128) * 4;
+constexpr int kShared256 = (kTileRows * 256 + (kStages * 2 * kWideStepKeys - 1) * (256 + kRowPad) + 256) * 4;
 }  // namespace attention_f32_tiling
 
 // Blocks per SM the design assumes (__launch_bounds__; `python -m cupykv check` holds each instance to
-// it): what sm_80's shared memory (164 KB) fits, 4 at head_dim 64 (39 KB a block) and 2 at 128 (74 KB).
-template <int HEAD_DIM> constexpr int attention_f32_min_blocks() { return HEAD_DIM == 64 ? 4 : 2; }
+// it): what sm_80's shared memory (164 KB, less 1 KB reserved per block) and a register cap of 128 fit:
+// 4 at head_dim 32 and 64 (20 and 39 KB a block), 2 at 128 (74 KB) and at 256 (81 KB: 16-key steps).
+template <int HEAD_DIM> constexpr int attention_f32_min_blocks() { return HEAD_DIM <= 64 ? 4 : 2; }
 
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(attention_f32_tiling::kThreads, attention_f32_min_blocks<HEAD_DIM>())
@@ -94,16 +106,21 @@ cupykv_attention_f32(
     const int* __restrict__ run_if) {     // [1], device-resident: 0 = do nothing
     if (cupykv::gated_off(run_if)) return;
     using namespace attention_f32_tiling;
-    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "attention_f32: head_dim 64 or 128");
+    static_assert(HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == kWideHeadDim,
+                  "attention_f32: head_dim 32, 64, 128 or 256");
     (void)k_scales, (void)v_scales, (void)layer;
     const int head_dim = head_dim_runtime;            // <= HEAD_DIM, a multiple of 4: the cache's rows
     constexpr int kRow = HEAD_DIM + kRowPad;          // floats per stage row
-    constexpr int kTile = kStepKeys * kRow;           // floats per K (or V) stage
+    constexpr int kKeys = HEAD_DIM == kWideHeadDim ? kWideStepKeys : kStepKeys;   // keys per step
+    constexpr int kScoreLanes = 32 / kKeys;           // scores: lanes per key (1, or 2 at 256), each over
+    constexpr int kScoreDims = HEAD_DIM / kScoreLanes;   // this many dims
+    constexpr int kTile = kKeys * kRow;               // floats per K (or V) stage
     constexpr int kPieces = HEAD_DIM / 4;             // 16-byte copies per row
-    constexpr int kLanesPerRow = HEAD_DIM / 4;        // P.V: lanes holding one key's dims (32 or 16)
-    constexpr int kKeysPerPass = 32 / kLanesPerRow;   // P.V: keys a warp takes at once (1 or 2)
-    constexpr int kCopiesPerThread = kStepKeys * kPieces / kThreads;
-    static_assert(kThreads % kPieces == 0 && kStepKeys * kPieces % kThreads == 0, "whole rows per pass");
+    constexpr int kDimsPerLane = HEAD_DIM > 128 ? HEAD_DIM / 32 : 4;   // P.V: dims a lane holds (4, 8 at 256)
+    constexpr int kLanesPerRow = HEAD_DIM / kDimsPerLane;   // P.V: lanes holding one key's dims (8 to 32)
+    constexpr int kKeysPerPass = 32 / kLanesPerRow;   // P.V: keys a warp takes at once (4, 2, 1, 1)
+    constexpr int kCopiesPerThread = kKeys * kPieces / kThreads;
+    static_assert(kThreads % kPieces == 0 && kKeys * kPieces % kThreads == 0, "whole rows per pass");
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
 
     const int group = n_heads / n_kv;
@@ -116,7 +133,7 @@ cupykv_attention_f32(
 
     extern __shared__ __align__(16) float smem[];
     float* q_tile = smem;                                // [kTileRows][HEAD_DIM]
-    float* stages = q_tile + kTileRows * HEAD_DIM;       // [kStages][K, V][kStepKeys][kRow]
+    float* stages = q_tile + kTileRows * HEAD_DIM;       // [kStages][K, V][kKeys][kRow]
 
     const int length = cupykv::live_length(lengths[b], max_seq);
     // 1. The tile's q rows, rotated at their position, unscaled; rows past the tile are zeros (never read).
@@ -125,18 +142,18 @@ cupykv_attention_f32(
 
     const cupykv::KeyRange keys = cupykv::attention_split_keys(length, first_row, tile_rows, group, max_seq, window,
                                                                split, num_splits, split_keys, kSplitAlign);
-    const int steps = (keys.end - keys.begin + kStepKeys - 1) / kStepKeys;   // block-uniform
+    const int steps = (keys.end - keys.begin + kKeys - 1) / kKeys;   // block-uniform
     const long long head_base = layer_offset + b * stride_batch + kv_head * stride_head;
 
     // Copies the K and V rows of step `step` into stage `stage`: thread t issues copies t, t + kThreads,
-    // ... of the step's kStepKeys x kPieces, so its column is fixed and its keys kThreads / kPieces apart.
+    // ... of the step's kKeys x kPieces, so its column is fixed and its keys kThreads / kPieces apart.
     // A column past a smaller head_dim is zero-filled, reading nothing (its source: the row's start).
     const int copy_key = tid / kPieces, copy_column = (tid % kPieces) * 4;
     const bool column_live = copy_column < head_dim;
     const int source_column = column_live ? copy_column : 0;
     auto load_step = [&](int step, int stage) {
         float* k_stage = stages + stage * 2 * kTile + copy_key * kRow + copy_column;
-        const int first_key = keys.begin + step * kStepKeys + copy_key;
+        const int first_key = keys.begin + step * kKeys + copy_key;
 #pragma unroll
         for (int i = 0; i < kCopiesPerThread; ++i) {
             const int key = first_key + i * (kThreads / kPieces);
@@ -156,10 +173,10 @@ cupykv_attention_f32(
     const int first_open = window > 0 ? length + last_query - window + 1 : 0;
     const int last_open = min(keys.end - 1, length + first_row / group);
 
-    float acc[kRowsPerWarp][4];   // this lane's dims of each row (head_dim 64: of its half's keys)
+    float acc[kRowsPerWarp][kDimsPerLane];   // this lane's dims of each row (head_dim 32, 64: of its keys)
     float row_max[kRowsPerWarp], row_sum[kRowsPerWarp];   // uniform across the warp
     for (int m = 0; m < kRowsPerWarp; ++m) {
-        for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
+        for (int c = 0; c < kDimsPerLane; ++c) acc[m][c] = 0.0f;
         row_max[m] = cupykv::neg_infinity();
         row_sum[m] = 0.0f;
     }
@@ -170,18 +187,20 @@ cupykv_attention_f32(
         constexpr int ROWS = decltype(rows_count)::value;
         constexpr bool MASKED = decltype(masked_flag)::value != 0;
         const float* v_stage = k_stage + kTile;
-        // 2. Scores of key first_key + lane for each row: four partial sums over the dims.
+        // 2. Scores of key first_key + score_key for each row: four partial sums over this lane's dims.
+        const int score_key = lane % kKeys, score_part = lane / kKeys;   // part: which kScoreDims dims
         float dot[ROWS][4];
 #pragma unroll
         for (int m = 0; m < ROWS; ++m)
             for (int c = 0; c < 4; ++c) dot[m][c] = 0.0f;
-        const float* k_row = k_stage + lane * kRow;
+        const float* k_row = k_stage + score_key * kRow + score_part * kScoreDims;
+        const float* q_part = q_tile + score_part * kScoreDims;
 #pragma unroll 4   // at 8, NVRTC 13.5 spilled 4 bytes at head_dim 64 on sm_90 (128 registers for 4 blocks/SM)
-        for (int d = 0; d < HEAD_DIM; d += 4) {
+        for (int d = 0; d < kScoreDims; d += 4) {
             const float4 k4 = *reinterpret_cast<const float4*>(k_row + d);
 #pragma unroll
             for (int m = 0; m < ROWS; ++m) {
-                const float4 q4 = *reinterpret_cast<const float4*>(q_tile + (warp + kWarps * m) * HEAD_DIM + d);
+                const float4 q4 = *reinterpret_cast<const float4*>(q_part + (warp + kWarps * m) * HEAD_DIM + d);
                 dot[m][0] = fmaf(q4.x, k4.x, dot[m][0]);
                 dot[m][1] = fmaf(q4.y, k4.y, dot[m][1]);
                 dot[m][2] = fmaf(q4.z, k4.z, dot[m][2]);
@@ -192,41 +211,51 @@ cupykv_attention_f32(
         float p[ROWS];
 #pragma unroll
         for (int m = 0; m < ROWS; ++m) {
-            float s = ((dot[m][0] + dot[m][1]) + (dot[m][2] + dot[m][3])) * scale;
+            float s = (dot[m][0] + dot[m][1]) + (dot[m][2] + dot[m][3]);
+            if constexpr (kScoreLanes == 2) s += __shfl_xor_sync(0xffffffffu, s, kKeys);   // the other half's dims
+            s *= scale;
             if (CUPYKV_COMMON_PATH(softcap > 0.0f, false)) s = softcap * tanhf(s / softcap);
             if constexpr (MASKED) {
-                const int j = first_key + lane;
+                const int j = first_key + score_key;
                 const bool attended = j < keys.end && j <= position[m] && (window <= 0 || j > position[m] - window);
                 if (!attended) s = cupykv::neg_infinity();
             }
-            const float new_max = fmaxf(row_max[m], cupykv::warp_max(s));
+            // over the step's kKeys keys: at 256 the two half-warps hold the same keys' weights
+            const float new_max = fmaxf(row_max[m], cupykv::warp_max<kKeys>(s));
             const bool any = new_max != cupykv::neg_infinity();
             // a NaN logit stays NaN (its weight, the sum, the row) even as the only one so far
             p[m] = cupykv::exp_shifted(s, any ? new_max : 0.0f);
-            const float step_sum = cupykv::warp_sum(p[m]);
+            const float step_sum = cupykv::warp_sum<kKeys>(p[m]);
             // warp-uniform; NaN compares unequal, so a NaN max rescales
             if (CUPYKV_COMMON_PATH(new_max != row_max[m], CUPYKV_STEP_RESCALES)) {
                 const float rescale = any ? cupykv::exp_shifted(row_max[m], new_max) : 1.0f;
-                for (int c = 0; c < 4; ++c) acc[m][c] *= rescale;
+                for (int c = 0; c < kDimsPerLane; ++c) acc[m][c] *= rescale;
                 row_sum[m] *= rescale;
                 row_max[m] = new_max;
             }
             row_sum[m] += step_sum;
         }
-        // 4. acc += P . V: key c's weight from lane c. In MASKED steps a weight of 0 skips the key.
+        // 4. acc += P . V: key c's weight from lane c. In MASKED steps a weight of 0 skips the key. A lane's
+        //    dims are kDimsPerLane / 4 pieces of four, kLanesPerRow * 4 dims apart.
         const int lane_key = lane / kLanesPerRow, lane_dim = (lane % kLanesPerRow) * 4;
 #pragma unroll 4
-        for (int c = 0; c < kStepKeys; c += kKeysPerPass) {
+        for (int c = 0; c < kKeys; c += kKeysPerPass) {
             const int key = c + lane_key;
-            const float4 v4 = *reinterpret_cast<const float4*>(v_stage + key * kRow + lane_dim);
+            float4 v4[kDimsPerLane / 4];
+#pragma unroll
+            for (int piece = 0; piece < kDimsPerLane / 4; ++piece)
+                v4[piece] = *reinterpret_cast<const float4*>(v_stage + key * kRow + piece * 4 * kLanesPerRow + lane_dim);
 #pragma unroll
             for (int m = 0; m < ROWS; ++m) {
                 const float w = __shfl_sync(0xffffffffu, p[m], key);
                 if (!MASKED || w != 0.0f) {
-                    acc[m][0] = fmaf(w, v4.x, acc[m][0]);
-                    acc[m][1] = fmaf(w, v4.y, acc[m][1]);
-                    acc[m][2] = fmaf(w, v4.z, acc[m][2]);
-                    acc[m][3] = fmaf(w, v4.w, acc[m][3]);
+#pragma unroll
+                    for (int piece = 0; piece < kDimsPerLane / 4; ++piece) {
+                        acc[m][4 * piece + 0] = fmaf(w, v4[piece].x, acc[m][4 * piece + 0]);
+                        acc[m][4 * piece + 1] = fmaf(w, v4[piece].y, acc[m][4 * piece + 1]);
+                        acc[m][4 * piece + 2] = fmaf(w, v4[piece].z, acc[m][4 * piece + 2]);
+                        acc[m][4 * piece + 3] = fmaf(w, v4[piece].w, acc[m][4 * piece + 3]);
+                    }
                 }
             }
         }
@@ -250,31 +279,38 @@ cupykv_attention_f32(
         cupykv::cp_async_wait<1>();   // this thread's copies of step n have landed
         __syncthreads();              // ... and every thread's
         const float* k_stage = stages + (n % kStages) * 2 * kTile;
-        const int first_key = keys.begin + n * kStepKeys;
-        const bool open = CUPYKV_COMMON_PATH(first_key >= first_open && first_key + kStepKeys - 1 <= last_open, true);
+        const int first_key = keys.begin + n * kKeys;
+        const bool open = CUPYKV_COMMON_PATH(first_key >= first_open && first_key + kKeys - 1 <= last_open, true);
         if (open) compute_rows(cupykv::Count<0>{}, k_stage, first_key);
         else compute_rows(cupykv::Count<1>{}, k_stage, first_key);
         __syncthreads();              // every warp is done with the stage before step n + 2 refills it
     }
 
-    // 5. At head_dim 64 the two half-warps summed the even and the odd keys: add them.
-    if constexpr (kKeysPerPass == 2)
+    // 5. At head_dim 64 (32) the lanes kLanesPerRow apart summed different keys: add their sums.
+    for (int offset = kLanesPerRow; offset < 32; offset *= 2)
         for (int m = 0; m < kRowsPerWarp; ++m)
-            for (int c = 0; c < 4; ++c) acc[m][c] += __shfl_xor_sync(0xffffffffu, acc[m][c], 16);
+            for (int c = 0; c < kDimsPerLane; ++c) acc[m][c] += __shfl_xor_sync(0xffffffffu, acc[m][c], offset);
 
-    // 6. Write out (normalised) or the split's partial result.
+    // 6. Write out (normalised) or the split's partial result: lanes below kLanesPerRow, each its dims.
     const long long rows_total = (long long)(gridDim.x / tiles) * q_len * group;   // batch * q_len * n_heads
-    const int lane_dim = lane * 4;
-    for (int m = 0; m < warp_rows; ++m) {
+#pragma unroll   // constant indices into acc: no local memory
+    for (int m = 0; m < kRowsPerWarp; ++m) {
+        if (m >= warp_rows) break;
         const int r = warp + kWarps * m;
         const long long out_row = tile.out_row(r);
-        if (lane_dim < head_dim) {   // head_dim is a multiple of 4: a lane's four dims are all live or none
-            for (int c = 0; c < 4; ++c) {
-                if (num_splits == 1)
-                    out[out_row * head_dim + lane_dim + c] =
-                        cupykv::normalised_output(acc[m][c], row_sum[m], tile.attends_a_key(r));
-                else
-                    partial_out[(split * rows_total + out_row) * head_dim + lane_dim + c] = acc[m][c];
+#pragma unroll
+        for (int piece = 0; piece < kDimsPerLane / 4; ++piece) {
+            const int dim = piece * 4 * kLanesPerRow + lane * 4;
+            // head_dim is a multiple of 4: a lane's four dims are all live or none
+            if (lane < kLanesPerRow && dim < head_dim) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    if (num_splits == 1)
+                        out[out_row * head_dim + dim + c] =
+                            cupykv::normalised_output(acc[m][4 * piece + c], row_sum[m], tile.attends_a_key(r));
+                    else
+                        partial_out[(split * rows_total + out_row) * head_dim + dim + c] = acc[m][4 * piece + c];
+                }
             }
         }
         if (num_splits > 1 && lane == 0) {

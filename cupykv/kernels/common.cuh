@@ -80,13 +80,17 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(x);
 }
 
-__device__ __forceinline__ float warp_max(float x) {
-    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+// The max and the sum of x over each group of LANES consecutive lanes (a power of two up to 32: the
+// whole warp by default), returned to every lane of the group.
+template <int LANES = 32> __device__ __forceinline__ float warp_max(float x) {
+    static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "warp_max: lanes a power of two");
+    for (int offset = LANES / 2; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
     return x;
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
-    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+template <int LANES = 32> __device__ __forceinline__ float warp_sum(float x) {
+    static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "warp_sum: lanes a power of two");
+    for (int offset = LANES / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;
 }
 
