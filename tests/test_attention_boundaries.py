@@ -425,7 +425,8 @@ def boundary_cases(draw):
     tile = draw(st.sampled_from(BOUNDARY_SIZES))
     near = st.builds(lambda m, d: max(0, m * tile + d), st.integers(0, 3), st.integers(-2, 2))
     q_len, group, n_kv = draw(st.integers(1, 16)), draw(st.integers(1, 8)), draw(st.sampled_from((1, 2)))
-    head_dim = draw(st.sampled_from((8, 16, 64, 80, 128)))   # 80: padded onto 128 (float32) and 96 (16-bit)
+    # padded heads: 24 onto 32 (float32) and 64 (16-bit), 80 onto 128 and 96, 200 onto 256 (both)
+    head_dim = draw(st.sampled_from((8, 16, 24, 64, 80, 128, 200)))
     lives = draw(st.lists(near, min_size=1, max_size=3))
     max_seq = max(1, max(lives) + draw(st.sampled_from((0, 1, 3))))
     spec = _spec(max_seq, batch=len(lives), n_kv=n_kv, head_dim=head_dim, dtype=draw(st.sampled_from(DTYPES)),

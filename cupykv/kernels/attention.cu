@@ -12,7 +12,7 @@
 //
 // Versions: cupykv_attention<T, TI, 0>: the cache stores T; q and out are of the io type TI; any
 // head_dim in 1..256, scalar loads (HEAD_DIM = 0 is the only instance). Caches of float, __half and
-// __nv_bfloat16 have T == TI. float32 caches whose head_dim is a multiple of 4 from 36 to 128 run
+// __nv_bfloat16 have T == TI. float32 caches whose head_dim is a multiple of 4 from 20 to 256 run
 // attention_f32.cu (staged K/V), and 16-bit and fp8 caches whose rows are whole 16-byte copies attention_mma.cu (tensor
 // cores); this kernel takes the rest. An fp8 cache (T = __nv_fp8_e4m3; TI = __nv_bfloat16,
 // __half or float) holds codes that stand for code * scale, one fp32
