@@ -26,11 +26,6 @@ STAGED = {32: 32, 64: 64, 128: 128, 256: 256, 20: 32, 28: 32, 36: 64, 48: 64, 60
 HEAD_DIMS = kernels.ATTENTION_HEAD_DIMS
 
 
-def step_keys(head_dim):
-    """Keys per step of the instance at head_dim (16 at the wide head, where lanes pair up on a key)."""
-    return TILING["kWideStepKeys" if head_dim == TILING["kWideHeadDim"] else "kStepKeys"]
-
-
 @pytest.mark.parametrize("head_dim, instance", sorted(STAGED.items()))
 def test_float32_caches_run_the_staged_kernel_at_its_sizes_and_padded_onto_them(head_dim, instance):
     spec = cupykv.CacheSpec(n_layers=1, batch=1, max_seq=256, n_kv_heads=1, head_dim=head_dim, dtype="float32")
@@ -44,9 +39,10 @@ def test_float32_caches_run_the_staged_kernel_at_its_sizes_and_padded_onto_them(
         assert plan.kernel.instance == f"cupykv_attention_f32<{head_dim}>"
         assert plan.block == (TILING["kThreads"],) and plan.kernel.rows_per_block == TILING["kTileRows"]
         # the q tile and two stages of K and V, rows padded by kRowPad floats but the last
-        stages = (TILING["kStages"] * 2 * step_keys(head_dim) - 1) * (head_dim + TILING["kRowPad"]) + head_dim
+        keys = TILING["kWideStepKeys"] if head_dim == 256 else TILING["kStepKeys"]   # 16-key steps at 256
+        stages = (TILING["kStages"] * 2 * keys - 1) * (head_dim + TILING["kRowPad"]) + head_dim
         assert plan.shared_mem_bytes == (TILING["kTileRows"] * head_dim + stages) * 4
-        assert plan.kernel.opts_in_to_shared_memory == (head_dim >= 128)   # 75776 bytes at 128, 82928 at 256
+        assert plan.kernel.opts_in_to_shared_memory == (head_dim >= 128)   # 75760 bytes at 128, 82928 at 256
         assert attention_plan.block_row_choices("float32", head_dim) == (16,)
 
 
