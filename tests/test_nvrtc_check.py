@@ -17,6 +17,7 @@ import pytest
 
 from cupykv import nvrtc_check, occupancy
 from cupykv.kernels import KERNEL_DIR, KERNELS, KernelFile
+from compiler_drift import assert_registers_near
 
 
 @pytest.fixture(scope="module")
@@ -250,16 +251,23 @@ def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
     assert {size for kernel, _, size, _ in rows if kernel == "attention_mma"} == {
         f"{head_dim}, {tiles}" for head_dim in (64, 96, 128, 256) for tiles in (1, 2, 4) if tiles < 4 or head_dim < 256}
     assert {size for kernel, _, size, _ in rows if kernel == "attention_f32"} == {"32", "64", "128", "256"}
-    computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
-                for row in occupancy.rows(reports)}
+    computed = {(row.report.arch, row.report.instance): row for row in occupancy.rows(reports)}
     for kernel, cuda_type, size, by_arch in rows:
         for cuda in ([cuda_type] if cuda_type is not None else ["float", "__half", "__nv_bfloat16"]):
             # attention kernels take the cache type and the io type (the same but for fp8 caches)
             instance = (f"cupykv_{kernel}<{size}>" if kernel == "attention_f32"
                         else f"cupykv_{kernel}<{cuda}, {size}>" if kernel.startswith("linear")
                         else f"cupykv_{kernel}<{cuda}, {cuda}, {size}>")
-            for arch, documented in by_arch.items():
-                assert computed[(arch, instance)] == documented, (instance, arch)
+            for arch, (documented_registers, documented_blocks) in by_arch.items():
+                row = computed[(arch, instance)]
+                # registers as this host's ptxas chose them, within the drift seen between hosts
+                assert_registers_near(f"{instance} on {arch}", row.report.registers, documented_registers)
+                # and the documented blocks are what the documented registers give, this launch's shape
+                expected = occupancy.blocks_per_sm(occupancy.LIMITS[arch], documented_registers, row.shape.threads,
+                                                   row.shared_bytes)
+                assert documented_blocks == expected.blocks, (instance, arch)
+                if row.report.registers == documented_registers:
+                    assert row.occupancy.blocks == documented_blocks, (instance, arch)
 
 
 def test_the_one_tile_fp8_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
@@ -271,17 +279,25 @@ def test_the_one_tile_fp8_occupancy_table_in_the_docs_is_what_the_check_computes
     rows = re.findall(r"^\| attention_mma<fp8, any io, (\d+), 1> \| (\d+(?:-\d+)?) \| (\d+)[^|]*\| (\d+(?:-\d+)?) \| "
                       r"(\d+)[^|]*\| (\d+) KB / (\d+) KB \|$", text, re.M)
     assert sorted(int(row[0]) for row in rows) == [64, 96, 128, 256]
-    computed = {(row.report.arch, row.report.instance): (row.report.registers, row.occupancy.blocks)
-                for row in occupancy.rows(reports)}
+    computed = {(row.report.arch, row.report.instance): row for row in occupancy.rows(reports)}
     for head_dim, r80, b80, r90, b90, kb80, kb90 in rows:
         per_block = _bytes_in_flight_per_block(int(head_dim), fp8=True)
         for arch, registers, blocks, kb in (("sm_80", r80, b80, kb80), ("sm_90", r90, b90, kb90)):
-            instances = [f"cupykv_attention_mma<__nv_fp8_e4m3, {io}, {head_dim}, 1>"
-                         for io in ("__nv_bfloat16", "__half", "float")]
-            counts = sorted({computed[(arch, instance)][0] for instance in instances})
-            shown = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-            assert shown == registers, (head_dim, arch, counts)
-            assert {computed[(arch, instance)][1] for instance in instances} == {int(blocks)}, (head_dim, arch)
+            found = [computed[(arch, f"cupykv_attention_mma<__nv_fp8_e4m3, {io}, {head_dim}, 1>")]
+                     for io in ("__nv_bfloat16", "__half", "float")]
+            fewest, most = (int(r) for r in (registers.split("-") if "-" in registers else (registers, registers)))
+            counts = sorted({row.report.registers for row in found})
+            # the range's ends as this host's ptxas chose them, within the drift seen between hosts
+            what = f"attention_mma<fp8, any io, {head_dim}, 1> on {arch}"
+            assert_registers_near(f"{what}: the fewest", counts[0], fewest)
+            assert_registers_near(f"{what}: the most", counts[-1], most)
+            # the documented blocks are what either end of the documented range gives
+            for documented in (fewest, most):
+                expected = occupancy.blocks_per_sm(occupancy.LIMITS[arch], documented, found[0].shape.threads,
+                                                   max(row.shared_bytes for row in found))
+                assert expected.blocks == int(blocks), (head_dim, arch, documented)
+            if (counts[0], counts[-1]) == (fewest, most):
+                assert {row.occupancy.blocks for row in found} == {int(blocks)}, (head_dim, arch)
             assert int(blocks) * per_block == int(kb) * 1024, (head_dim, arch)
 
 
