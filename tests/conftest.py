@@ -109,6 +109,7 @@ ONE_WORKER_MODULES = {
     "test_validate.py": "validate",   # the validate CPU run (validate_cpu_run), which test_bench.py reads too
     "test_bench.py": "validate",
     "test_nvrtc_check.py": "nvrtc",   # the NVRTC check of every instance (module fixture, ~35 s)
+    "test_step_instructions.py": "steps",   # the staged float32 attention's count (module fixture, ~45 s)
     "test_peers.py": "peers",         # torch's SDPA against the emulator (module fixture, ~12 s)
 }
 # Modules with a single test of a minute or more: started first, so that none is left to run alone at the end.

@@ -62,6 +62,23 @@ def tools():
     return load_nvrtc(), steps.find_nvdisasm()
 
 
+# The counts of the three smaller tables, made once: the documented-row tests read them, and the
+# command-line test prints them (the staged one alone compiles 8 programs, about a minute here).
+@pytest.fixture(scope="module")
+def linear_counts(tools):
+    return steps.count_all_linear(*tools)
+
+
+@pytest.fixture(scope="module")
+def cuda_core_linear_counts(tools):
+    return steps.count_all_cuda_core_linear(*tools)
+
+
+@pytest.fixture(scope="module")
+def staged_counts(tools):
+    return steps.count_all_staged(*tools)
+
+
 @pytest.mark.parametrize("label", sorted(documented_rows()))
 def test_the_documented_row_is_the_count(tools, label):
     nvrtc, nvdisasm = tools
@@ -96,10 +113,8 @@ def documented_linear_rows() -> dict[str, tuple]:
     return rows
 
 
-def test_the_documented_linear_rows_are_the_count(tools):
-    nvrtc, nvdisasm = tools
-    counted = {c.instance.label: (c.instance.loop_bytes, c.opcodes["HMMA"], c.instructions)
-               for c in (steps.count_linear_instance(nvrtc, nvdisasm, i) for i in steps.linear_instances())}
+def test_the_documented_linear_rows_are_the_count(linear_counts):
+    counted = {c.instance.label: (c.instance.loop_bytes, c.opcodes["HMMA"], c.instructions) for c in linear_counts}
     documented = documented_linear_rows()
     assert set(counted) == set(documented)
     for label, (loop_bytes, hmma, instructions) in counted.items():
@@ -121,10 +136,9 @@ def documented_cuda_core_linear_rows() -> dict[int, tuple]:
     return rows
 
 
-def test_the_documented_cuda_core_linear_rows_are_the_count(tools):
-    nvrtc, nvdisasm = tools
+def test_the_documented_cuda_core_linear_rows_are_the_count(cuda_core_linear_counts):
     counted = {c.instance.row_tile: (c.instance.loop_bytes, c.opcodes["FFMA"], c.instructions)
-               for c in steps.count_all_cuda_core_linear(nvrtc, nvdisasm)}
+               for c in cuda_core_linear_counts}
     documented = documented_cuda_core_linear_rows()
     assert set(counted) == set(documented)
     for rows, (loop_bytes, ffma, instructions) in counted.items():
@@ -148,10 +162,8 @@ def documented_staged_rows() -> dict[tuple[int, int], tuple]:
     return rows
 
 
-def test_the_documented_staged_attention_rows_are_the_count(tools):
-    nvrtc, nvdisasm = tools
-    counted = {(c.instance.head_dim, c.tile_rows): (c.instance.step_bytes, c.settled, c.moved)
-               for c in steps.count_all_staged(nvrtc, nvdisasm)}
+def test_the_documented_staged_attention_rows_are_the_count(staged_counts):
+    counted = {(c.instance.head_dim, c.tile_rows): (c.instance.step_bytes, c.settled, c.moved) for c in staged_counts}
     documented = documented_staged_rows()
     assert set(counted) == set(documented)
     for key, (step_bytes, settled, moved) in counted.items():
@@ -188,9 +200,14 @@ def test_a_real_build_keeps_the_tests_the_count_fixes(tools):
     assert sum(real.values()) > counted.moved
 
 
-def test_the_command_line_prints_the_table(monkeypatch, capsys):
+def test_the_command_line_prints_the_table(monkeypatch, capsys, linear_counts, cuda_core_linear_counts,
+                                           staged_counts):
     chosen = _instance("fp8, half io, 64, 1")
     monkeypatch.setattr(steps, "instances", lambda: [chosen])
+    # the smaller tables' compiles are those of the fixtures (the same pinned tools)
+    monkeypatch.setattr(steps, "count_all_linear", lambda *tools: linear_counts)
+    monkeypatch.setattr(steps, "count_all_cuda_core_linear", lambda *tools: cuda_core_linear_counts)
+    monkeypatch.setattr(steps, "count_all_staged", lambda *tools: staged_counts)
     assert cli_main(["check", "--steps"]) == 0
     out = capsys.readouterr().out
     assert f"nvidia-cuda-nvrtc {PINNED_NVRTC}" in out and "-DCUPYKV_COUNT_COMMON_PATH" in out
