@@ -245,6 +245,28 @@ def _docs_table():
     return rows
 
 
+def _assert_documented_occupancy(what: str, found, documented_registers: tuple[int, int], documented_blocks: int):
+    """A documented occupancy row against the check's rows ``found`` (one instance, or the io types of one):
+
+    - the fewest and the most registers are the documented range's ends within the drift ptxas shows
+      between hosts (tests/compiler_drift.py);
+    - the documented blocks per SM are what either end of the documented range gives at the
+      instances' threads and shared memory, exactly;
+    - and, when this host's registers are the documented ones, what the check computed.
+    """
+    counts = sorted({row.report.registers for row in found})
+    fewest, most = documented_registers
+    assert_registers_near(what if len(counts) == 1 else f"{what}: the fewest", counts[0], fewest)
+    if len(counts) > 1 or most != fewest:
+        assert_registers_near(f"{what}: the most", counts[-1], most)
+    for registers in documented_registers:
+        expected = occupancy.blocks_per_sm(occupancy.LIMITS[found[0].report.arch], registers, found[0].shape.threads,
+                                           max(row.shared_bytes for row in found))
+        assert expected.blocks == documented_blocks, (what, registers)
+    if (counts[0], counts[-1]) == documented_registers:
+        assert {row.occupancy.blocks for row in found} == {documented_blocks}, what
+
+
 def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
     rows = _docs_table()
     assert len(rows) >= 17
@@ -259,15 +281,8 @@ def test_the_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
                         else f"cupykv_{kernel}<{cuda}, {size}>" if kernel.startswith("linear")
                         else f"cupykv_{kernel}<{cuda}, {cuda}, {size}>")
             for arch, (documented_registers, documented_blocks) in by_arch.items():
-                row = computed[(arch, instance)]
-                # registers as this host's ptxas chose them, within the drift seen between hosts
-                assert_registers_near(f"{instance} on {arch}", row.report.registers, documented_registers)
-                # and the documented blocks are what the documented registers give, this launch's shape
-                expected = occupancy.blocks_per_sm(occupancy.LIMITS[arch], documented_registers, row.shape.threads,
-                                                   row.shared_bytes)
-                assert documented_blocks == expected.blocks, (instance, arch)
-                if row.report.registers == documented_registers:
-                    assert row.occupancy.blocks == documented_blocks, (instance, arch)
+                _assert_documented_occupancy(f"{instance} on {arch}", [computed[(arch, instance)]],
+                                             (documented_registers, documented_registers), documented_blocks)
 
 
 def test_the_one_tile_fp8_occupancy_table_in_the_docs_is_what_the_check_computes(reports):
@@ -285,19 +300,9 @@ def test_the_one_tile_fp8_occupancy_table_in_the_docs_is_what_the_check_computes
         for arch, registers, blocks, kb in (("sm_80", r80, b80, kb80), ("sm_90", r90, b90, kb90)):
             found = [computed[(arch, f"cupykv_attention_mma<__nv_fp8_e4m3, {io}, {head_dim}, 1>")]
                      for io in ("__nv_bfloat16", "__half", "float")]
-            fewest, most = (int(r) for r in (registers.split("-") if "-" in registers else (registers, registers)))
-            counts = sorted({row.report.registers for row in found})
-            # the range's ends as this host's ptxas chose them, within the drift seen between hosts
-            what = f"attention_mma<fp8, any io, {head_dim}, 1> on {arch}"
-            assert_registers_near(f"{what}: the fewest", counts[0], fewest)
-            assert_registers_near(f"{what}: the most", counts[-1], most)
-            # the documented blocks are what either end of the documented range gives
-            for documented in (fewest, most):
-                expected = occupancy.blocks_per_sm(occupancy.LIMITS[arch], documented, found[0].shape.threads,
-                                                   max(row.shared_bytes for row in found))
-                assert expected.blocks == int(blocks), (head_dim, arch, documented)
-            if (counts[0], counts[-1]) == (fewest, most):
-                assert {row.occupancy.blocks for row in found} == {int(blocks)}, (head_dim, arch)
+            fewest, _, most = registers.partition("-")
+            _assert_documented_occupancy(f"attention_mma<fp8, any io, {head_dim}, 1> on {arch}", found,
+                                         (int(fewest), int(most or fewest)), int(blocks))
             assert int(blocks) * per_block == int(kb) * 1024, (head_dim, arch)
 
 
