@@ -370,7 +370,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert_matches_reference(self.cache, self.oracle, rope_used=self.rope_used)
 
 
-def traffic(backend_or_cache: KVCache | str | Backend | None = None) -> AbstractContextManager[Traffic]:
+def traffic(backend_or_cache: KVCache | str | Backend | None = None, banks: bool = False
+            ) -> AbstractContextManager[Traffic]:
     """Count the memory traffic of the emulator launches of a ``with`` block.
 
     ``with testing.traffic(cache) as t:`` yields a collector whose ``launches`` holds one
@@ -383,6 +384,9 @@ def traffic(backend_or_cache: KVCache | str | Backend | None = None) -> Abstract
     backend_or_cache : KVCache, backend name or Backend, optional
         Must be (or live on) the emulator; ``None`` accepts any default, as the count
         sees only emulator launches.
+    banks : bool
+        Also count shared-memory bank wavefronts per call site
+        (``launch.shared_sites``, ``launch.bank_conflicts()``); launches run slower.
 
     Raises
     ------
@@ -393,4 +397,4 @@ def traffic(backend_or_cache: KVCache | str | Backend | None = None) -> Abstract
     from cupykv.cache import KVCache
 
     backend = backend_or_cache._backend if isinstance(backend_or_cache, KVCache) else get_backend(backend_or_cache)
-    return backend.traffic()
+    return backend.traffic(banks=banks)

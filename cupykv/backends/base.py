@@ -312,8 +312,9 @@ class Backend:
         """A zero-copy view of another library's device array (DLPack), or ``None``."""
         return None
 
-    def traffic(self) -> AbstractContextManager[Traffic]:
-        """A context manager that counts the global-memory traffic of the launches in its block.
+    def traffic(self, banks: bool = False) -> AbstractContextManager[Traffic]:
+        """A context manager that counts the global-memory traffic of the launches in its block
+        (with ``banks``, also their shared-memory bank wavefronts per call site).
 
         Only the emulator sees every access (see :func:`cupykv.testing.traffic`); on a GPU,
         Nsight Compute measures it.

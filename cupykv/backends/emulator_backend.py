@@ -106,8 +106,8 @@ class EmulatorBackend(Backend):
                 fn(grid, block, args, shared_mem=shared_mem)
         return launches, replay_once, None
 
-    def traffic(self):
-        return emulator.traffic()
+    def traffic(self, banks=False):
+        return emulator.traffic(banks=banks)
 
     def device_info(self):
         cpu = f"{platform.machine()}, {os.cpu_count()} cores"

@@ -12,6 +12,11 @@ Inside ``with traffic() as t:`` every emulator launch also runs the traffic coun
     t.launches[0].coalescing()            # sectors per request, sectors against the ideal
     print(t.report())
 
+With ``traffic(banks=True)`` each launch also counts shared-memory bank wavefronts per call
+site (banks.cpp has the model): ``t.launches[0].shared_sites`` lists :class:`SharedSite`
+records (``file:line``, requests, wavefronts, the conflict-free ideal), and
+``bank_conflicts()`` the sites whose requests take more wavefronts than they need.
+
 Sectors are 32-byte pieces of an allocation counted from its start, as a GPU allocation
 starts on a sector boundary (the emulator's start only on 16 bytes). A request is one
 dynamic instance of one memory instruction across the lanes of a warp; the lanes' accesses
@@ -21,17 +26,20 @@ counted and launches cost what they did.
 
 import contextlib
 import ctypes
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import build, memory
+from . import build, memory, sites
 from .errors import EmulatorError
 
 CHECK_TRAFFIC = 2           # CUEMU_CHECK_TRAFFIC
+CHECK_BANKS = 4             # CUEMU_CHECK_BANKS
 SECTOR = 32                 # bytes per sector
 KINDS = ("load", "store", "atomic")
+SHARED_MEMORIES = ("dynamic", "static")   # cuemu_bank_site.region
 
 _collectors = []            # the Traffic objects of the traffic() blocks now open
 
@@ -42,9 +50,20 @@ class _Result(ctypes.Structure):   # cuemu_traffic (cuemu_abi.h)
                 ("bits", ctypes.c_void_p * 3), ("nbits", ctypes.c_uint64)]
 
 
+class _BankSite(ctypes.Structure):   # cuemu_bank_site (cuemu_abi.h)
+    _fields_ = [("site", ctypes.c_uint32), ("kind", ctypes.c_uint32), ("region", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint32), ("accesses", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
+                ("requests", ctypes.c_uint64), ("wavefronts", ctypes.c_uint64), ("ideal", ctypes.c_uint64)]
+
+
 def active():
     """Whether a :func:`traffic` block is open (launches then count their traffic)."""
     return bool(_collectors)
+
+
+def banks_active():
+    """Whether an open :func:`traffic` block counts shared-memory bank wavefronts."""
+    return any(c.banks for c in _collectors)
 
 
 @dataclass(frozen=True)
@@ -163,6 +182,34 @@ class Coalescing:
 
 
 @dataclass(frozen=True)
+class SharedSite:
+    """The shared-memory accesses of one call site and kind in one launch, in bank wavefronts.
+
+    CPU-measured under the model of banks.cpp (32 banks of 4-byte words; a warp request of
+    4-byte accesses is one phase of 32 lanes, of 8-byte ones two of 16, of wider ones four of 8;
+    a phase takes as many wavefronts as the most distinct words in one bank), not GPU figures.
+    """
+
+    site: str                 # file:line of the access (a header line names the kernel line too)
+    kind: str                 # "load", "store" or "atomic"
+    memory: str               # "dynamic" or "static" shared memory
+    accesses: int             # accesses of single threads
+    bytes: int                # bytes accessed, repeats included
+    requests: int             # warp-level requests
+    wavefronts: int           # bank wavefronts of the requests, summed
+    ideal: int                # the wavefronts the same requests need without bank conflicts
+
+    @property
+    def wavefronts_per_request(self):
+        return self.wavefronts / self.requests if self.requests else 0.0
+
+    @property
+    def conflict_ratio(self):
+        """wavefronts / ideal: 1.0 without bank conflicts, 32.0 for a 32-way conflict."""
+        return self.wavefronts / self.ideal if self.ideal else 0.0
+
+
+@dataclass(frozen=True)
 class LaunchTraffic:
     """The memory traffic of one kernel launch."""
 
@@ -172,6 +219,7 @@ class LaunchTraffic:
     shared_mem: int
     arguments: tuple             # ArgumentTraffic of the array arguments, by index
     extents: tuple = field(repr=False)   # per argument: its (lo, hi) byte addresses as passed
+    shared_sites: tuple = ()     # SharedSite per call site and kind (inside traffic(banks=True))
 
     def argument(self, index):
         """The :class:`ArgumentTraffic` of argument ``index``."""
@@ -204,8 +252,21 @@ class LaunchTraffic:
         return Coalescing(c.sectors_per_request, c.sectors, ideal, c.sectors / ideal if ideal else 0.0,
                           c.request_sectors / ideal if ideal else 0.0)
 
+    def shared_total(self, kind=None):
+        """(requests, wavefronts, ideal) of the shared-memory accesses of ``kind`` (all kinds when
+        None), summed over call sites; zeros outside ``traffic(banks=True)``."""
+        chosen = [s for s in self.shared_sites if kind is None or s.kind == kind]
+        return tuple(sum(getattr(s, f) for s in chosen) for f in ("requests", "wavefronts", "ideal"))
+
+    def bank_conflicts(self):
+        """The :class:`SharedSite` records whose requests take more wavefronts than their ideal,
+        most excess wavefronts first."""
+        return sorted((s for s in self.shared_sites if s.wavefronts > s.ideal),
+                      key=lambda s: (s.ideal - s.wavefronts, s.site, s.kind))
+
     def report(self):
-        """A few lines: per argument, bytes, distinct sectors and sectors per request."""
+        """A few lines: per argument, bytes, distinct sectors and sectors per request; with bank
+        counting, per shared-memory call site, requests and wavefronts against the ideal."""
         dims = "x".join(str(d) for d in self.grid), "x".join(str(d) for d in self.block)
         lines = [f"{self.kernel}  grid {dims[0]}  block {dims[1]}"]
         lines.append(f"  {'arg':>3} {'type':<24}{'':>2}{'bytes':>12} {'sectors':>9} {'ideal':>8} "
@@ -217,14 +278,23 @@ class LaunchTraffic:
                     lines.append(f"  {a.index:>3} {a.type[:24]:<24}{kind[0].upper():>2}{c.bytes:>12} {c.sectors:>9} "
                                  f"{math.ceil(c.touched_bytes / SECTOR):>8} {c.requests:>9} "
                                  f"{c.sectors_per_request:>7.2f}")
+        if self.shared_sites:
+            lines.append(f"  {'shared memory site':<64}{'':>2}{'requests':>9} {'wavefronts':>10} {'ideal':>8} "
+                         f"{'ratio':>6}")
+            for s in self.shared_sites:
+                where = f"{s.memory[:3]} {s.site}"
+                lines.append(f"  {where[:64]:<64}{s.kind[0].upper():>2}{s.requests:>9} "
+                             f"{s.wavefronts:>10} {s.ideal:>8} {s.conflict_ratio:>6.2f}")
         return "\n".join(lines)
 
 
 class Traffic:
-    """The launches of one :func:`traffic` block, in order (``launches``)."""
+    """The launches of one :func:`traffic` block, in order (``launches``); ``banks``: whether
+    they count shared-memory bank wavefronts."""
 
-    def __init__(self):
+    def __init__(self, banks=False):
         self.launches = []
+        self.banks = banks
 
     def kernels(self, prefix):
         """The launches whose kernel name starts with ``prefix``."""
@@ -239,11 +309,13 @@ class Traffic:
 
 
 @contextlib.contextmanager
-def traffic():
+def traffic(banks=False):
     """Counts the memory traffic of every emulator launch while the block runs.
 
     Yields a :class:`Traffic`. Blocks may nest (each sees the launches inside it). The race
-    checker keeps running; both observe the same accesses.
+    checker keeps running; both observe the same accesses. ``banks=True`` also counts the
+    shared-memory bank wavefronts of every call site (``LaunchTraffic.shared_sites``), which
+    makes launches slower; a launch counts them while any open block asks for them.
 
     Raises:
         EmulatorError: modules are built without instrumentation here (no shadow memory),
@@ -252,7 +324,7 @@ def traffic():
     if not build.instrumented():
         raise EmulatorError("emulator: traffic accounting needs instrumented modules, and this "
                             "process could not map their shadow memory")
-    collector = Traffic()
+    collector = Traffic(banks=bool(banks))
     _collectors.append(collector)
     try:
         yield collector
@@ -281,6 +353,29 @@ def _lib(lib):
     return lib
 
 
+def _bank_lib(lib):
+    if not getattr(lib, "_cuemu_banks_ready", False):
+        lib.cuemu_bank_results.argtypes = [ctypes.POINTER(ctypes.POINTER(_BankSite))]
+        lib.cuemu_bank_results.restype = ctypes.c_uint32
+        lib._cuemu_banks_ready = True
+    return lib
+
+
+def _shared_sites(lib, module_path):
+    ptr = ctypes.POINTER(_BankSite)()
+    n = _bank_lib(lib).cuemu_bank_results(ctypes.byref(ptr))
+    raw = [ptr[i] for i in range(n)]
+    names = sites.describe_sites(module_path, {r.site for r in raw})
+    # Call sites of one source line (g++ copies a line's access into unrolled or inlined code) are
+    # one record, in the order first seen.
+    merged = {}
+    for r in raw:
+        key = (names[r.site], KINDS[r.kind], SHARED_MEMORIES[r.region])
+        counts = (int(r.accesses), int(r.bytes), int(r.requests), int(r.wavefronts), int(r.ideal))
+        merged[key] = tuple(a + b for a, b in zip(merged.get(key, (0,) * 5), counts))
+    return tuple(SharedSite(*key, *counts) for key, counts in merged.items())
+
+
 def _popcount(words):
     if hasattr(np, "bitwise_count"):   # NumPy >= 2.0
         return int(np.bitwise_count(words).sum())
@@ -303,9 +398,10 @@ def _region(raw, nbytes, phase):
     return _Region(nbytes, phase, tuple(counts), tuple(bits))
 
 
-def collect(lib, fn, grid, block, shared_mem, regions, bindings):
+def collect(lib, fn, grid, block, shared_mem, regions, bindings, banks=False):
     """Hands the last launch's traffic (``regions`` as racecheck.regions made them) to every
-    open :func:`traffic` block."""
+    open :func:`traffic` block; with ``banks``, the launch's shared-memory bank wavefronts to
+    the blocks that asked for them."""
     ptr = ctypes.POINTER(_Result)()
     n = _lib(lib).cuemu_traffic_results(ctypes.byref(ptr))
     if n != len(regions) + 2:
@@ -323,5 +419,6 @@ def collect(lib, fn, grid, block, shared_mem, regions, bindings):
         extents.append((lo, hi))
     record = LaunchTraffic(fn.name, tuple(grid), tuple(block), shared_mem, tuple(arguments),
                            tuple(extents))
+    with_banks = dataclasses.replace(record, shared_sites=_shared_sites(lib, fn.module.path)) if banks else record
     for c in _collectors:
-        c.launches.append(record)
+        c.launches.append(with_banks if c.banks else record)

@@ -119,7 +119,7 @@ void complete(uint32_t tid, uint32_t keep, const void* ra) {
     const Region* r = trace_region_at(c.dst);  // checked at the issue: shared memory
     for (uint32_t k = 0; k < c.size; ++k) *owner_of((int)r->index, c.dst + k, r->lo) = 0;
     async_pending_bytes -= c.size;
-    trace_access(c.dst, c.size, ACCESS_WRITE, ra);  // the copy lands: a store at the wait
+    trace_access(c.dst, c.size, ACCESS_WRITE | ACCESS_LANDING, ra);  // the copy lands: a store at the wait
     cuemu_copy(reinterpret_cast<void*>(c.dst), c.data, c.size);
   }
   t.copies.resize(kept);

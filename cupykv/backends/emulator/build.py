@@ -1,7 +1,7 @@
 """Compiling kernels for the emulator: g++ into shared libraries, cached on disk.
 
-The runtime (runtime.cpp, access.cpp, racecheck.cpp, traffic.cpp, schedule.cpp, async_copy.cpp,
-fragments.cpp) is one library
+The runtime (runtime.cpp, access.cpp, racecheck.cpp, traffic.cpp, banks.cpp, schedule.cpp,
+async_copy.cpp, fragments.cpp) is one library
 loaded once with RTLD_GLOBAL; each module is the kernel source (rewritten) plus a registry, linked
 against nothing and resolving the runtime's symbols at load time. Modules are compiled with
 GCC's ThreadSanitizer instrumentation (every load and store of memory calls a hook, which the
@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 INCLUDE_DIR = HERE / "include"
 RUNTIME_SOURCE = HERE / "runtime.cpp"
 RUNTIME_SOURCES = (RUNTIME_SOURCE, HERE / "access.cpp", HERE / "racecheck.cpp", HERE / "traffic.cpp",
-                   HERE / "schedule.cpp", HERE / "async_copy.cpp", HERE / "fragments.cpp")
+                   HERE / "banks.cpp", HERE / "schedule.cpp", HERE / "async_copy.cpp", HERE / "fragments.cpp")
 CXX = os.environ.get("CUPYKV_EMULATOR_CXX", "g++")
 COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
                 "-fno-strict-aliasing", "-fno-math-errno", "-ffp-contract=off")

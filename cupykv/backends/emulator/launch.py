@@ -283,6 +283,7 @@ class Function:
         bindings, shadows = self._bind_arrays(array_args)
         check_races = racecheck.enabled() and self.module.instrumented
         count_traffic = accounting.active() and self.module.instrumented
+        count_banks = count_traffic and accounting.banks_active()
         # The region table goes to every launch: the runtime checks asynchronous copies' sources
         # against it; observers (races, traffic) watch its regions only when they run.
         region_table, regions = racecheck.regions(bindings, self.param_writable)
@@ -300,7 +301,7 @@ class Function:
         p.dyn_smem = smem.start
         p.dyn_smem_size = shared_mem
         p.checks = (racecheck.CHECK_RACES if check_races else 0) | \
-            (accounting.CHECK_TRAFFIC if count_traffic else 0)
+            (accounting.CHECK_TRAFFIC if count_traffic else 0) | (accounting.CHECK_BANKS if count_banks else 0)
         p.seed = schedule.launch_seed(seed, self.name, grid, block, shared_mem)
         p.poison = poison
         p.regions = ctypes.addressof(region_table)
@@ -314,7 +315,7 @@ class Function:
             rc = lib.cuemu_launch(ctypes.byref(p), ctypes.byref(r))
             found = racecheck.hazards(lib) if check_races and not rc else ([], 0, 0)
             if count_traffic and not rc:
-                accounting.collect(lib, self, grid, block, shared_mem, regions, bindings)
+                accounting.collect(lib, self, grid, block, shared_mem, regions, bindings, banks=count_banks)
         finally:
             canary_errors = self._check_canaries(bindings, shadows, smem)
             for sh in shadows:

@@ -22,75 +22,13 @@
 
 #include <vector>
 
+#include "cuemu_requests.h"
 #include "cuemu_trace.h"
 
 #define CUEMU_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace cuemu {
 namespace {
-
-inline uint64_t mix(uint64_t x) {  // splitmix64's finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// An open-addressing hash table of up to three 64-bit words per key with a 32-bit value,
-// emptied in O(1) by bumping a generation (each block starts a new one).
-class Table {
- public:
-  // The slot of the key, created (value 0) when absent; *fresh tells which.
-  uint32_t* find(uint64_t a, uint64_t b, uint64_t c, bool* fresh) {
-    if (2 * (used_ + 1) > cap_) grow();
-    const uint64_t mask = cap_ - 1;
-    const uint64_t h = mix(a ^ b * 0x9e3779b97f4a7c15ull ^ c * 0xc2b2ae3d27d4eb4full);
-    for (uint64_t i = h & mask;; i = (i + 1) & mask) {
-      Slot& s = slots_[i];
-      if (s.gen != gen_) {
-        s = Slot{a, b, c, 0, gen_};
-        ++used_;
-        *fresh = true;
-        return &s.value;
-      }
-      if (s.a == a && s.b == b && s.c == c) {
-        *fresh = false;
-        return &s.value;
-      }
-    }
-  }
-  void clear() {
-    used_ = 0;
-    if (++gen_ == 0) {  // wrapped: stale slots could look current
-      for (Slot& s : slots_) s.gen = 0;
-      gen_ = 1;
-    }
-  }
-
- private:
-  struct Slot {
-    uint64_t a, b, c;
-    uint32_t value, gen;
-  };
-  void grow() {
-    std::vector<Slot> old;
-    old.swap(slots_);
-    cap_ = cap_ ? 2 * cap_ : 4096;
-    slots_.assign(cap_, Slot{0, 0, 0, 0, 0});
-    const uint32_t gen = gen_;
-    gen_ = 1;
-    used_ = 0;
-    for (const Slot& s : old)
-      if (s.gen == gen) {
-        bool fresh;
-        *find(s.a, s.b, s.c, &fresh) = s.value;
-      }
-  }
-  std::vector<Slot> slots_;
-  uint64_t cap_ = 0, used_ = 0;
-  uint32_t gen_ = 1;
-};
 
 constexpr uint64_t kRequestMark = ~0ull;  // the sector word of a request's own entry
 
@@ -109,11 +47,8 @@ class Traffic final : public Observer {
   void unmap_bits();
 
   std::vector<uint32_t> phase_;   // per region: sector_phase (global regions)
-  // Per thread: bumped by each warp collective it takes part in; a barrier sets every thread's
-  // to one value above all of them, so the lanes of a warp agree again after one.
-  std::vector<uint32_t> epoch_;
-  Table visits_;                  // (thread, site, kind; epoch) -> visits, of the running block
-  Table sectors_;                 // (request, region, sector) and (request, region, mark)
+  WarpRequests requests_;
+  KeyTable sectors_;              // (request, instance, sector) and (request, instance, mark)
   void* bits_ = nullptr;
   size_t bits_len_ = 0;
 };
@@ -138,7 +73,7 @@ bool Traffic::launch_begin(const LaunchInfo& info) {
   unmap_bits();  // the previous launch's results go now
   results.assign(info.nregions, cuemu_traffic());
   phase_.assign(info.nregions, 0);
-  epoch_.assign(info.nthreads, 0);
+  requests_.launch_begin(info.nthreads);
   // One mapping holds three bitmaps per global region (committed only where touched).
   size_t words = 0;
   std::vector<size_t> first(info.nregions, 0);
@@ -162,22 +97,13 @@ bool Traffic::launch_begin(const LaunchInfo& info) {
 }
 
 void Traffic::block_begin(uint64_t) {
-  visits_.clear();
+  requests_.block_begin();
   sectors_.clear();
-  memset(epoch_.data(), 0, epoch_.size() * sizeof(uint32_t));
 }
 
-void Traffic::barrier() {
-  uint32_t next = 0;
-  for (uint32_t e : epoch_) next = e > next ? e : next;
-  ++next;
-  for (uint32_t& e : epoch_) e = next;
-}
+void Traffic::barrier() { requests_.barrier(); }
 
-void Traffic::warp_sync(uint32_t warp, uint32_t lanes) {
-  for (uint32_t l = 0; l < 32; ++l)
-    if (lanes >> l & 1 && warp * 32 + l < epoch_.size()) ++epoch_[warp * 32 + l];
-}
+void Traffic::warp_sync(uint32_t warp, uint32_t lanes) { requests_.warp_sync(warp, lanes); }
 
 void Traffic::access(const Access& a) {
   const uint32_t region = a.region->index;
@@ -197,17 +123,11 @@ void Traffic::access(const Access& a) {
 
   // Which request of its warp this access belongs to: the lane's n-th visit of the site.
   bool fresh;
-  const uint64_t thread_site = (uint64_t)a.site | (uint64_t)kind << 32 | (uint64_t)a.tid << 34;
-  const uint64_t epoch = epoch_[a.tid];
-  uint32_t* visit = visits_.find(thread_site, epoch, 0, &fresh);
-  const uint64_t n = (*visit)++;
-  const uint64_t request = (uint64_t)a.site | (uint64_t)kind << 32 | (uint64_t)(a.tid >> 5) << 34 |
-                           (uint64_t)region << 40;
-  const uint64_t instance = epoch << 32 | n;
-  sectors_.find(request, instance, kRequestMark, &fresh);
+  const WarpRequests::Request r = requests_.of(a.site, kind, a.tid, region);
+  sectors_.find(r.key, r.instance, kRequestMark, &fresh);
   if (fresh) ++t.requests[kind];
   for (uint64_t s = first >> 5; s <= (end - 1) >> 5; ++s) {
-    sectors_.find(request, instance, s, &fresh);
+    sectors_.find(r.key, r.instance, s, &fresh);
     if (fresh) ++t.request_sectors[kind];
   }
 }

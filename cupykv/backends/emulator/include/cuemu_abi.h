@@ -95,7 +95,20 @@ struct cuemu_region {
 enum { CUEMU_STOP_ON_SIGINT = 1 };
 
 // Checks a launch can turn on (cuemu_launch_params.checks).
-enum { CUEMU_CHECK_RACES = 1, CUEMU_CHECK_TRAFFIC = 2 };
+enum { CUEMU_CHECK_RACES = 1, CUEMU_CHECK_TRAFFIC = 2, CUEMU_CHECK_BANKS = 4 };
+
+// The shared-memory bank wavefronts of one (call site, kind, region) in one launch (banks.cpp).
+struct cuemu_bank_site {
+  uint32_t site;        // call site: return address - module base
+  uint32_t kind;        // 0 load, 1 store, 2 atomic
+  uint32_t region;      // 0 dynamic shared memory, 1 static __shared__ variables
+  uint32_t reserved;
+  uint64_t accesses;    // accesses of single threads
+  uint64_t bytes;       // bytes accessed, repeats included
+  uint64_t requests;    // warp-level requests
+  uint64_t wavefronts;  // bank wavefronts of those requests, summed
+  uint64_t ideal;       // the wavefronts the same requests need without bank conflicts
+};
 
 // The memory traffic of one region in one launch (traffic.cpp), per kind of access:
 // [0] loads, [1] stores, [2] atomics. Regions are numbered as in cuemu_hazard.region.

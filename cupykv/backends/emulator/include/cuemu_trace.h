@@ -10,8 +10,9 @@
 // the same observers when blocks start and end, when a __syncthreads() completes and when a
 // warp collective completes.
 //
-// Observers: the race checker (racecheck.cpp) and the memory-traffic counter (traffic.cpp:
-// bytes and 32-byte sectors per region, sectors per warp instruction grouped by call site),
+// Observers: the race checker (racecheck.cpp), the memory-traffic counter (traffic.cpp:
+// bytes and 32-byte sectors per region, sectors per warp instruction grouped by call site) and
+// the shared-memory bank counter (banks.cpp: bank wavefronts per warp instruction and call site),
 // chosen per launch by cuemu_launch_params.checks in trace_launch_begin(). Beside them, the
 // asynchronous-copy tracker (async_copy.cpp) sees every shared-memory access while copies are
 // pending; the emulated instructions that touch memory in the runtime (cp.async, ldmatrix)
@@ -27,7 +28,9 @@
 namespace cuemu {
 
 // Access kinds (bits of Access::kind).
-enum : uint8_t { ACCESS_READ = 1, ACCESS_WRITE = 2, ACCESS_ATOMIC = 4 };
+// ACCESS_LANDING marks the store of a cp.async that lands at its wait (with ACCESS_WRITE): the
+// bank counter has seen that copy's shared-memory write at its issue already.
+enum : uint8_t { ACCESS_READ = 1, ACCESS_WRITE = 2, ACCESS_ATOMIC = 4, ACCESS_LANDING = 8 };
 
 // One contiguous range of memory a launch can touch. Indexing matches cuemu_hazard.region:
 // 0 dynamic shared memory, 1 static __shared__ variables, 2 + i the launch's regions[i].
@@ -162,5 +165,7 @@ extern uint32_t atomic_site;
 Observer* racecheck_observer();
 // The memory-traffic counter (traffic.cpp).
 Observer* traffic_observer();
+// The shared-memory bank counter (banks.cpp).
+Observer* banks_observer();
 
 }  // namespace cuemu

@@ -1,0 +1,104 @@
+// banks.cu: kernels whose shared-memory bank wavefronts are known, for the emulator's bank
+// counter (tests/test_banks.py; the model is in cupykv/backends/emulator/banks.cpp). Each
+// comment says what one warp request takes. They compile with NVRTC for sm_80 and sm_90 too.
+#include "async_copy.cuh"
+#include "mma.cuh"
+
+using namespace cupykv;
+
+// One warp. Lane l stores tile[l * stride] and, after __syncwarp(), loads it back (4-byte words,
+// dynamic shared memory of 32 * stride + 1 floats): the store and the load each take `stride`
+// wavefronts for stride 1, 2, 4, ..., 32 (lanes l and l + 32 / stride share a bank), 1 for an
+// odd stride (33: the padded transpose) and 1 for stride 0 (one word, every lane writing 0 there:
+// one write, then a broadcast).
+__global__ void strided_words(float* __restrict__ out, int stride) {
+    extern __shared__ float tile[];
+    const int lane = threadIdx.x;
+    tile[lane * stride] = (float)(stride ? lane : 0);
+    __syncwarp();
+    out[lane] = tile[lane * stride];
+}
+
+// One warp. Lane l loads the 16-byte vector vectors[l * stride] (dynamic shared memory of
+// 32 * stride uint4, zeroed first by the same lane): four phases of 8 lanes, each one wavefront
+// for stride 1 (128 contiguous bytes), two for stride 2, eight for stride 8 (every lane of a
+// phase in the same four banks).
+__global__ void strided_vectors(uint4* __restrict__ out, int stride) {
+    extern __shared__ uint4 vectors[];
+    const int lane = threadIdx.x;
+    vectors[lane * stride] = make_uint4(lane, lane, lane, lane);
+    __syncwarp();
+    out[lane] = vectors[lane * stride];
+}
+
+// One warp. Lane l loads the 8-byte pair pairs[l * stride]: two phases of 16 lanes, each one
+// wavefront for stride 1 and two for stride 2.
+__global__ void strided_pairs(uint2* __restrict__ out, int stride) {
+    extern __shared__ uint2 pairs[];
+    const int lane = threadIdx.x;
+    pairs[lane * stride] = make_uint2(lane, lane);
+    __syncwarp();
+    out[lane] = pairs[lane * stride];
+}
+
+// One warp. ldmatrix_x4 of a 16 x 16 tile of 16-bit values whose rows lie row_stride elements
+// apart (dynamic shared memory of 16 * row_stride elements, zeroed by the warp first): each 8x8
+// matrix is one phase of 8 rows of 16 bytes. Rows 128 bytes apart (row_stride 64) all fall in the
+// same four banks, eight wavefronts a matrix; padded by 16 bytes (row_stride 72), one.
+__global__ void ldmatrix_rows(unsigned* __restrict__ out, int row_stride) {
+    extern __shared__ __align__(16) unsigned short rows[];
+    const int lane = threadIdx.x;
+    for (int i = lane; i < 16 * row_stride; i += 32) rows[i] = (unsigned short)i;
+    __syncwarp();
+    unsigned r[4];
+    ldmatrix_x4(r, rows + (lane % 16) * row_stride + (lane / 16) * 8);
+    for (int k = 0; k < 4; ++k) out[4 * lane + k] = r[k];
+}
+
+// One warp. Lane l copies 16 bytes of src into stage[l * stride] (uint4 units) with cp.async,
+// waits, and copies them out: the copy's shared-memory write counts at its issue (four phases,
+// each one wavefront for stride 1, eight for stride 8) and not where it lands.
+__global__ void async_stage(const uint4* __restrict__ src, uint4* __restrict__ out, int stride) {
+    extern __shared__ __align__(16) uint4 stage[];
+    const int lane = threadIdx.x;
+    cp_async_16(stage + lane * stride, src + lane);
+    cp_async_commit();
+    cp_async_wait<0>();
+    out[lane] = stage[lane * stride];
+}
+
+// One warp. Lane l adds the float4 quads[l * stride] up, component by component (g++ copies it as
+// four 4-byte loads, nvcc as one 16-byte load; the counter joins g++'s into one): four phases, one
+// wavefront each at stride 1, eight at stride 8. Dynamic shared memory of 32 * stride float4.
+__global__ void vector_components(float* __restrict__ out, int stride) {
+    extern __shared__ __align__(16) float4 quads[];
+    const int lane = threadIdx.x;
+    quads[lane * stride] = make_float4(lane, 1.0f, 2.0f, 3.0f);
+    __syncwarp();
+    const float4 q = quads[lane * stride];
+    out[lane] = q.x + q.y + q.z + q.w;
+}
+
+// One warp. Lane l adds words[2 l + first] and words[2 l + first + 1] (first = 0 or 1; dynamic shared
+// memory of 66 floats, written by the warp first). With first 0 the two 4-byte loads are one aligned
+// 8-byte piece: two phases of 16 lanes, one wavefront each. With first 1 they are not, and count as
+// two 4-byte requests, each 2-way (lanes l and l + 16 read words 32 apart): 4 wavefronts, ideal 2.
+__global__ void adjacent_words(float* __restrict__ out, int first) {
+    extern __shared__ float words[];
+    const int lane = threadIdx.x;
+    for (int i = lane; i < 66; i += 32) words[i] = (float)i;
+    __syncwarp();
+    out[lane] = words[2 * lane + first] + words[2 * lane + first + 1];
+}
+
+// One warp. Lane l reads the 16-byte vector vectors[(l % 8) * 8 + l / 8] (dynamic shared memory of 64
+// uint4, each lane writing its own first): quarter-warp q reads eight vectors 128 bytes apart in banks
+// 4q .. 4q + 3, so each phase of 8 lanes takes 8 wavefronts: 32 in all, against an ideal of 4. (Were
+// the phases half-warps the quarters would share them, 16; were the request one phase, 8.)
+__global__ void quarter_warp_columns(uint4* __restrict__ out) {
+    extern __shared__ uint4 vectors[];
+    const int lane = threadIdx.x, at = (lane % 8) * 8 + lane / 8;
+    vectors[at] = make_uint4(lane, lane, lane, lane);
+    __syncwarp();
+    out[lane] = vectors[at];
+}
