@@ -83,7 +83,7 @@ def test_the_plan_picks_tensor_cores_and_the_fp8_shared_memory(io_dtype, head_di
     # and the row max and sum at the end
     stage_bytes = WARPS[head_dim] * MMA["kStagesFp8"] * 2 * STEP * (head_dim + MMA["kRowPadFp8"])
     assert (MMA["kStagesFp8"] - 1) * head_dim == (MMA["kStages"] - 1) * 2 * head_dim
-    assert WARPS[head_dim] * MMA["kTileRows"] * (head_dim + 2) * 4 <= stage_bytes
+    assert WARPS[head_dim] * MMA["kTileRows"] * (head_dim + MMA["kAccPad"] + 2) * 4 <= stage_bytes
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

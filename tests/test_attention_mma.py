@@ -57,7 +57,8 @@ def test_the_plan_picks_tensor_cores_for_16_bit_caches_at_64_96_128_and_256_only
                 # four tiles take two warps per key warp
                 assert kernel.threads == 32 * WARPS[head_dim] * row_groups and kernel.rows_per_block == 16 * row_tiles
                 loop = row_tiles * MMA[f"kQTile{head_dim}"] + MMA[f"kStages{head_dim}"]
-                merge = WARPS[head_dim] * 16 * row_tiles * (head_dim + 2) * 4   # accumulators, row max and sum
+                # accumulators (rows padded: conflict-free stores), row max and sum
+                merge = WARPS[head_dim] * 16 * row_tiles * (head_dim + MMA["kAccPad"] + 2) * 4
                 assert kernel.shared_mem_bytes == max(loop, merge)
                 assert (kernel.shared_mem_bytes == merge) == (row_tiles == 4 and head_dim == 64)
                 assert kernel.shared_mem_bytes <= MMA["kMaxShared"]

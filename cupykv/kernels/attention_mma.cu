@@ -119,6 +119,7 @@ constexpr int kStagesFp8 = 3;      // fp8 caches: one computed while the next tw
 constexpr int kQPieces = 3;        // 16-bit pieces of a rotated (or float) q
 constexpr int kRowPad = 8;         // elements after each shared row: ldmatrix reads 8 rows conflict-free
 constexpr int kRowPadFp8 = 16;     // bytes after each fp8 stage row: 16-byte rows, conflict-free fragments
+constexpr int kAccPad = 8;         // floats after each accumulator row: the 8-byte stores of step 5 conflict-free
 // Key warps per block: 4 at head_dim 64, 2 at 96 and 128, 1 at 256, whatever the row tiles (they split
 // the keys, so a row's sums follow their count: it must not change with q_len). Each row group (four
 // row tiles; two at head_dim 256) takes that many warps. At head_dim 256 one warp's stages are 33 KB,
@@ -130,8 +131,8 @@ constexpr int kWarps256 = 1;
 // Dynamic shared memory, bytes: the q pieces, [kQPieces][16 * ROW_TILES][head_dim + pad] M, that is
 // ROW_TILES times kQTile<head_dim>; then the K and V stages, [key warps][stages][2][16][row] T.
 // After the key loop both are overwritten by the key warps' fp32 accumulators [key warps]
-// [16 * ROW_TILES][head_dim] and row max and sum [2][key warps][16 * ROW_TILES]: ROW_TILES times
-// kAccTile<head_dim>, which four tiles at head_dim 64 need beyond the q pieces and stages.
+// [16 * ROW_TILES][head_dim + kAccPad] and row max and sum [2][key warps][16 * ROW_TILES]: ROW_TILES
+// times kAccTile<head_dim>, which four tiles at head_dim 64 need beyond the q pieces and stages.
 constexpr int kQTile64 = kQPieces * kTileRows * (64 + kRowPad) * 2;
 constexpr int kQTile96 = kQPieces * kTileRows * (96 + kRowPad) * 2;
 constexpr int kQTile128 = kQPieces * kTileRows * (128 + kRowPad) * 2;
@@ -144,10 +145,10 @@ constexpr int kStages64Fp8 = kWarps64 * kStagesFp8 * 2 * kStepKeys * (64 + kRowP
 constexpr int kStages96Fp8 = kWarps96 * kStagesFp8 * 2 * kStepKeys * (96 + kRowPadFp8);
 constexpr int kStages128Fp8 = kWarps128 * kStagesFp8 * 2 * kStepKeys * (128 + kRowPadFp8);
 constexpr int kStages256Fp8 = kWarps256 * kStagesFp8 * 2 * kStepKeys * (256 + kRowPadFp8);
-constexpr int kAccTile64 = kWarps64 * kTileRows * (64 + 2) * 4;
-constexpr int kAccTile96 = kWarps96 * kTileRows * (96 + 2) * 4;
-constexpr int kAccTile128 = kWarps128 * kTileRows * (128 + 2) * 4;
-constexpr int kAccTile256 = kWarps256 * kTileRows * (256 + 2) * 4;
+constexpr int kAccTile64 = kWarps64 * kTileRows * (64 + kAccPad + 2) * 4;
+constexpr int kAccTile96 = kWarps96 * kTileRows * (96 + kAccPad + 2) * 4;
+constexpr int kAccTile128 = kWarps128 * kTileRows * (128 + kAccPad + 2) * 4;
+constexpr int kAccTile256 = kWarps256 * kTileRows * (256 + kAccPad + 2) * 4;
 // Past 48 KiB a launch needs the kernel's opt-in (cudaFuncAttributeMaxDynamicSharedMemorySize);
 // two and four row tiles take it (but fp8 caches with two at head_dim 64), and every instance at
 // head_dim 256. kMaxShared: the most any instance
@@ -276,7 +277,8 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     constexpr int kDimBlocks = HEAD_DIM / 8;          // n8 blocks of the output
     constexpr int kQBytes = kQPieces * kBlockRows * kRow * (int)sizeof(M);
     constexpr int kStageBytes = kWarps * kStageCount * 2 * kTile * (int)sizeof(T);
-    constexpr int kAccBytes = kWarps * kBlockRows * HEAD_DIM * (int)sizeof(float);   // the key warps' accumulators
+    constexpr int kAccRow = HEAD_DIM + kAccPad;       // shared accumulator row stride, floats
+    constexpr int kAccBytes = kWarps * kBlockRows * kAccRow * (int)sizeof(float);   // the key warps' accumulators
     constexpr int kStatBytes = 2 * kWarps * kBlockRows * (int)sizeof(float);          // their row max and sum
     constexpr int kLoopBytes = kQBytes + kStageBytes, kMergeBytes = kAccBytes + kStatBytes;
     constexpr int kSharedBytes = kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes;
@@ -685,7 +687,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         for (int half = 0; half < 2; ++half)
             marked_rows |= (row_mark(warp_first_row + t * kTileRows + quad_row + 8 * half) != 0 ? 1u : 0u) << (2 * t + half);
     __syncthreads();   // every warp is done with the q pieces and its stages: they become the accumulators
-    float* warp_acc = reinterpret_cast<float*>(smem_bytes);         // [key warps][kBlockRows][HEAD_DIM]
+    float* warp_acc = reinterpret_cast<float*>(smem_bytes);         // [key warps][kBlockRows][kAccRow]
     float* warp_max = reinterpret_cast<float*>(smem_bytes + kAccBytes);   // [key warps][kBlockRows]
     float* warp_sum = warp_max + kWarps * kBlockRows;                     // [key warps][kBlockRows]
     for (int t = 0; t < kWarpTiles; ++t)
@@ -697,11 +699,12 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             }
             // a row marked in step 4 publishes NaN (its unscale), so its output is NaN in every dim
             const float unscale = marked_rows >> (2 * t + half) & 1u ? cupykv::quiet_nan() : kPUnscale;
-            for (int n8 = 0; n8 < kDimBlocks; ++n8) {   // in column order (fp8 caches: fp8_v_column)
-                float* at = warp_acc + (key_warp * kBlockRows + r) * HEAD_DIM + n8 * 8 + 2 * quad_col;
-                at[0] = acc[t][n8][2 * half] * unscale;
-                at[1] = acc[t][n8][2 * half + 1] * unscale;
-            }
+            // In column order (fp8 caches: fp8_v_column), 8 bytes a lane: the 16 lanes of a half-warp
+            // store rows quad_row .. + 3, kAccRow = 8 (mod 32) words apart, so 8 banks each: conflict-free
+            // (at HEAD_DIM apart, a multiple of 32 words, the four rows took the same 8 banks: 4-way).
+            for (int n8 = 0; n8 < kDimBlocks; ++n8)
+                *reinterpret_cast<float2*>(warp_acc + (key_warp * kBlockRows + r) * kAccRow + n8 * 8 + 2 * quad_col) =
+                    make_float2(acc[t][n8][2 * half] * unscale, acc[t][n8][2 * half + 1] * unscale);
         }
     __syncthreads();
 
@@ -725,7 +728,7 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
             if (part != 0.0f) {   // NaN too: a non-finite logit's sum is never dropped
                 const float weight = expf(warp_max[w * kBlockRows + r] - top);
                 sum += part * weight;
-                value += warp_acc[(w * kBlockRows + r) * HEAD_DIM + column] * weight;
+                value += warp_acc[(w * kBlockRows + r) * kAccRow + column] * weight;
             }
         }
         if constexpr (kFp8) value *= v_scale;   // the codes' sum times the head's scale

@@ -1,0 +1,158 @@
+"""Shared-memory bank conflicts of cupykv's kernels, counted on the emulator (CPU-measured).
+
+The bank counter (cupykv/backends/emulator/banks.cpp, checked on known patterns in
+tests/test_banks.py) names every call site whose warp requests take more wavefronts than they
+need. The design of each kernel says which accesses are conflict-free; these tests hold the
+kernels to it exactly: the set of conflicting sites must be the documented one, no more (a padding
+lost, a stride changed) and no less (a documented trade-off that no longer holds is a stale doc).
+
+The documented conflicts (docs/performance.md, "Shared-memory banks"):
+- ``row marks``: attention_mma's one-time zeroing of the rows' NaN marks, 16 to 64 words a block.
+- ``stage copies``: cp.async writes of the K/V stages where the stage row stride serves the
+  fragment reads instead: 16-bit caches at head_dim 96 (208-byte rows) and fp8 caches at 64 and 96
+  (80- and 112-byte rows). A stride that made both conflict-free does not exist for these sizes
+  (the reads need rows an odd number of 16-byte units apart, the writes an even one).
+- ``q pieces``: at head_dim 96 the q pieces' stores, once per block, for the same reason.
+- ``partial sums``: linear_mma's split-k reduction reads at 8 or more live rows (2-way), once per
+  row tile of 16 outputs, beside a weight loop that reads global memory only.
+"""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupykv
+from cupykv import ops, testing
+from cupykv.backends import get_backend
+from cupykv.kernels import KERNEL_DIR
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def source_line(filename, text):
+    """The 1-based line of ``filename`` (in cupykv/kernels) that holds ``text``, which must be unique."""
+    found = [i + 1 for i, line in enumerate((Path(KERNEL_DIR) / filename).read_text().splitlines()) if text in line]
+    assert len(found) == 1, (filename, text, found)
+    return found[0]
+
+
+def site_class(site, filename, named_lines):
+    """A shared-memory site as a documented class ("stage copies", or the name of a line in
+    ``named_lines``), else as ``filename:line``."""
+    if site.startswith("async_copy.cuh"):
+        return "stage copies"
+    lines = [int(n) for n in re.findall(re.escape(filename) + r":(\d+)", site)]
+    line = lines[-1] if lines else None
+    return named_lines.get(line, f"{filename}:{line}" if line else site)
+
+
+def conflicted(launch, filename, named_lines):
+    return {site_class(s.site, filename, named_lines) for s in launch.bank_conflicts()}
+
+
+def attention_launch(dtype, head_dim, group, q_len, length=93, num_splits=None):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=512, batch=1, dtype=dtype)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    cache.advance(length)
+    backend = cache._backend
+    io = "bfloat16" if dtype == "float8_e4m3" else dtype
+    q = backend.asarray(np.random.default_rng(0).standard_normal((1, q_len, 2 * group, head_dim))
+                        .astype(np.float32)).astype(backend.storage_dtype(io))
+    options = {} if num_splits is None else {"num_splits": num_splits}
+    with testing.traffic(cache, banks=True) as t:
+        cupykv.attention(q, cache, 0, **options)
+    launches = [launch for launch in t.launches if launch.kernel.startswith("cupykv_attention")]
+    assert len(launches) == 1, t.report()
+    return launches[0]
+
+
+def mma_named_lines():
+    return {source_line("attention_mma.cu", "row_mark(r) = 0;"): "row marks",
+            source_line("attention_mma.cu", "* kRow + lo_column] = lo_piece;"): "q pieces",
+            source_line("attention_mma.cu", "* kRow + hi_column] = hi_piece;"): "q pieces",
+            source_line("attention_mma.cu", "make_float2(acc[t][n8][2 * half] * unscale"): "accumulator stores"}
+
+
+# (dtype, head_dim, group, q_len): 1, 2 and 4 row tiles, every head_dim, 16-bit and fp8 caches
+MMA_CASES = [("bfloat16", 64, 4, 1), ("float16", 96, 4, 1), ("bfloat16", 128, 4, 1), ("float16", 256, 4, 1),
+             ("bfloat16", 128, 8, 4), ("bfloat16", 64, 8, 8), ("float16", 256, 8, 4),
+             ("float8_e4m3", 64, 4, 1), ("float8_e4m3", 96, 4, 1), ("float8_e4m3", 128, 4, 1),
+             ("float8_e4m3", 256, 4, 1), ("float8_e4m3", 128, 8, 8)]
+
+
+def documented_mma_conflicts(dtype, head_dim):
+    documented = {"row marks"}
+    if head_dim == 96 and dtype != "float8_e4m3":
+        documented |= {"stage copies", "q pieces"}
+    if dtype == "float8_e4m3" and head_dim in (64, 96):
+        documented |= {"stage copies"}
+    return documented
+
+
+@pytest.mark.parametrize("dtype, head_dim, group, q_len", MMA_CASES)
+def test_tensor_core_attention_conflicts_only_where_documented(dtype, head_dim, group, q_len):
+    launch = attention_launch(dtype, head_dim, group, q_len)
+    named = mma_named_lines()
+    assert conflicted(launch, "attention_mma.cu", named) == documented_mma_conflicts(dtype, head_dim), launch.report()
+    by_class = {}
+    for s in launch.shared_sites:
+        c = site_class(s.site, "attention_mma.cu", named)
+        requests, wavefronts, ideal = by_class.get(c, (0, 0, 0))
+        by_class[c] = (requests + s.requests, wavefronts + s.wavefronts, ideal + s.ideal)
+    # the accumulators go out once per warp row pair, 8 bytes a lane, conflict-free (they took 4 wavefronts a
+    # request where the row stride was head_dim floats)
+    requests, wavefronts, ideal = by_class["accumulator stores"]
+    assert requests > 0 and wavefronts == ideal == 2 * requests, launch.report()
+    # the documented trade-offs stay what the docs say: 2-way at most in the copies, 4-way in the marks
+    for c, (requests, wavefronts, ideal) in by_class.items():
+        limit = {"row marks": 4, "stage copies": 2, "q pieces": 4 / 3}.get(c, 1)
+        assert wavefronts <= limit * ideal, (c, launch.report())
+
+
+@pytest.mark.parametrize("head_dim, group, q_len", [(32, 4, 1), (64, 4, 1), (128, 8, 2), (256, 4, 1)])
+def test_float32_attention_is_free_of_bank_conflicts(head_dim, group, q_len):
+    """The stage rows are head_dim + 4 floats, so a quarter-warp's 16-byte key reads hit 32 banks; the
+    P.V reads take consecutive words of one row; q is a broadcast."""
+    launch = attention_launch("float32", head_dim, group, q_len)
+    assert launch.bank_conflicts() == [], launch.report()
+    requests, wavefronts, ideal = launch.shared_total("load")
+    assert requests > 0 and wavefronts == ideal
+
+
+def test_split_kv_attention_conflicts_as_one_split_does():
+    launch = attention_launch("bfloat16", 128, 4, 1, length=300, num_splits=3)
+    assert launch.grid[1] == 3
+    assert conflicted(launch, "attention_mma.cu", mma_named_lines()) == {"row marks"}, launch.report()
+
+
+@pytest.mark.parametrize("dtype, rows", [("bfloat16", 1), ("bfloat16", 8), ("float16", 16), ("float32", 1),
+                                         ("float32", 8)])
+def test_linear_conflicts_only_in_the_split_k_sums_of_many_rows(dtype, rows):
+    backend = get_backend("emulator")
+    x = backend.asarray(np.ones((rows, 512), np.float32)).astype(backend.storage_dtype(dtype))
+    weight = backend.asarray(np.ones((64, 512), np.float32)).astype(backend.storage_dtype(dtype))
+    with testing.traffic("emulator", banks=True) as t:
+        ops.linear(x, weight)
+    (launch,) = t.launches
+    if dtype == "float32":
+        assert launch.kernel.startswith("cupykv_linear<") and launch.bank_conflicts() == [], launch.report()
+        return
+    assert launch.kernel.startswith("cupykv_linear_mma<")
+    sums = {source_line("linear_mma.cu", "float sum = partial[warp][r][2 * t + c];"): "partial sums",
+            source_line("linear_mma.cu", "sum += partial[warp + h][r][2 * t + c];"): "partial sums"}
+    assert conflicted(launch, "linear_mma.cu", sums) == ({"partial sums"} if rows >= 8 else set()), launch.report()
+    assert all(s.wavefronts <= 2 * s.ideal for s in launch.shared_sites), launch.report()
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "argmax"])
+def test_reductions_are_free_of_bank_conflicts(op):
+    backend = get_backend("emulator")
+    with testing.traffic("emulator", banks=True) as t:
+        if op == "rmsnorm":
+            ops.rmsnorm(backend.zeros((3, 512), np.float32), backend.zeros((512,), np.float32), 1e-6)
+        else:
+            ops.argmax(backend.zeros((3, 1000), np.float32))
+    (launch,) = t.launches
+    assert launch.shared_total()[0] > 0 and launch.bank_conflicts() == [], launch.report()
