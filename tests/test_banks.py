@@ -110,7 +110,7 @@ def test_a_cp_async_destination_counts_at_its_issue_only(kernels, stride, wavefr
 
 
 @pytest.mark.parametrize("stride, wavefronts", [(1, 4), (8, 32)])
-def test_a_vector_that_g_plus_plus_splits_counts_as_one_16_byte_access(kernels, stride, wavefronts):
+def test_a_float4_read_by_components_counts_as_one_16_byte_access(kernels, stride, wavefronts):
     out = E.zeros(32, np.float32)
     with E.traffic(banks=True) as t:
         kernels.get_function("vector_components")(1, 32, (out, np.int32(stride)), shared_mem=16 * 32 * stride)

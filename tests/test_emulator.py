@@ -30,7 +30,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
              "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
-             "misaligned_vector_load", "misaligned_atomic", "dyn_smem_half_written", "uncleared_counter",
+             "misaligned_vector_load", "misaligned_float4_components", "misaligned_atomic",
+             "dyn_smem_half_written", "uncleared_counter",
              "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
              "local_array_past_end", "row_index_past_row", "local_array_before_start",
@@ -728,6 +729,17 @@ def test_p_misaligned_vector_load(good, bugs):
     assert found, caught.value
     thread, element, offset = (int(g) for g in found.groups())
     assert (element, offset) == (4 * thread + 1, 16 * thread + 4)  # the thread's own load
+    assert_still_works(good)
+
+
+def test_p2_a_misaligned_float4_read_by_components_fails_as_one_16_byte_read(good, bugs):
+    """``float4 v = p[i]`` then ``v.x + v.y + ...``: modules keep the copy one 16-byte access
+    (build.KEEP_VECTORS_WHOLE), so its alignment is checked as the GPU checks it."""
+    line = line_of(BUGS, "reinterpret_cast<const float4*>(x + 1)[threadIdx.x]")
+    x = E.asarray(np.arange(64, dtype=np.float32))
+    with pytest.raises(E.EmulatorFault, match=rf"misaligned 16-byte read at argument 1 \(float32 array of shape "
+                                              rf"\(64,\)\) element \d+ .* at bugs.cu:{line}"):
+        bugs.get_function("misaligned_float4_components")(1, 8, (E.zeros(8), x))
     assert_still_works(good)
 
 

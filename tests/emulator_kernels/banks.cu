@@ -67,9 +67,10 @@ __global__ void async_stage(const uint4* __restrict__ src, uint4* __restrict__ o
     out[lane] = stage[lane * stride];
 }
 
-// One warp. Lane l adds the float4 quads[l * stride] up, component by component (g++ copies it as
-// four 4-byte loads, nvcc as one 16-byte load; the counter joins g++'s into one): four phases, one
-// wavefront each at stride 1, eight at stride 8. Dynamic shared memory of 32 * stride float4.
+// One warp. Lane l adds the float4 quads[l * stride] up, component by component (nvcc copies it with
+// one 16-byte load, and so does g++ under build.py's -fno-tree-sra, which would otherwise make four
+// 4-byte loads): four phases, one wavefront each at stride 1, eight at stride 8. Dynamic shared
+// memory of 32 * stride float4.
 __global__ void vector_components(float* __restrict__ out, int stride) {
     extern __shared__ __align__(16) float4 quads[];
     const int lane = threadIdx.x;

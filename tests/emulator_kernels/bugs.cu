@@ -131,6 +131,13 @@ __global__ void misaligned_vector_load(float* y, const float* x) {
   y[threadIdx.x] = values[0] + values[1] + values[2] + values[3];
 }
 
+// (p2) the same offset on a float4 whose components are then used one by one, the usual idiom; g++
+// would turn the copy into four aligned 4-byte loads unless told to keep it whole (build.py).
+__global__ void misaligned_float4_components(float* y, const float* x) {
+  const float4 v = reinterpret_cast<const float4*>(x + 1)[threadIdx.x];
+  y[threadIdx.x] = v.x + v.y + v.z + v.w;
+}
+
 // (q) an atomicAdd on an int at an odd byte address.
 __global__ void misaligned_atomic(int* counts) {
   atomicAdd(reinterpret_cast<int*>(reinterpret_cast<char*>(counts) + 2), 1);

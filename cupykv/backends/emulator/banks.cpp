@@ -18,12 +18,14 @@
 // rows, and each cp.async destination at its issue (not again where it lands). Results are per
 // (call site, kind, region), so a report can name the line whose requests conflict.
 //
-// Vector accesses that g++ splits: nvcc reads a float4 with one 16-byte instruction, but g++ often
-// turns the copy into four 4-byte loads (scalar replacement of the struct), each with its own call
-// site, which would be four requests of 4-byte accesses. So a thread's 4-byte accesses that follow
-// one another (no other shared-memory access of the thread between them) with the same kind, each
-// starting where the last ended, are joined; when they cover exactly one aligned 8- or 16-byte
-// piece they count as one access of that size at the first one's call site, otherwise one by one.
+// Adjacent scalar accesses: modules keep a float4 copy one 16-byte access (build.py's
+// KEEP_VECTORS_WHOLE), but nvcc also merges adjacent scalar accesses of one aligned piece
+// (`p[2 i] = a; p[2 i + 1] = b;`) into one vector instruction where it can prove the alignment,
+// which g++ leaves as two calls of the hooks from two call sites. So a thread's 4-byte accesses
+// that follow one another (no other shared-memory access of the thread between them) with the
+// same kind, each starting where the last ended, are joined; when they cover exactly one aligned
+// 8- or 16-byte piece they count as one access of that size at the first one's call site,
+// otherwise one by one.
 // Such an access is counted when the thread's next one does not join it, and at every warp
 // collective it takes part in, barrier and block end, so its request is that of its own epoch.
 // cuemu_bank_results() returns the last launch's; they stay valid until the next one.

@@ -55,9 +55,15 @@ INSTRUMENT_FLAGS = ("-fsanitize=thread",)
 # Without it such an index reads or writes the neighbouring variable silently, on the GPU as here.
 BOUNDS_FLAGS = ("-fsanitize=bounds", "-fno-sanitize-recover=bounds")
 NO_FUNC_ENTRY_EXIT = ("--param", "tsan-instrument-func-entry-exit=0")
+# -fno-tree-sra: a vector copy (`float4 v = *p`, then v.x, v.y, ...) stays one 16-byte access, as
+# nvcc's LDG.128 / LDS.128 is, instead of four 4-byte loads that g++'s scalar replacement makes. So
+# the alignment check sees the vector's size (a float4 read at an odd float faults on the GPU with a
+# misaligned address; four aligned 4-byte loads would pass here), and the traffic and bank counters
+# see one access per lane.
+KEEP_VECTORS_WHOLE = ("-fno-tree-sra",)
 BASE_MODULE_FLAGS = tuple(f for f in COMMON_FLAGS if f != "-shared") + (
     "-fstack-clash-protection", "-fno-crossjumping", "-fno-optimize-sibling-calls", "-Wno-attributes",
-    "-include", "cuemu.h", "-g1") + BOUNDS_FLAGS
+    "-include", "cuemu.h", "-g1") + BOUNDS_FLAGS + KEEP_VECTORS_WHOLE
 MODULE_LINK_FLAGS = ("-shared", "-Wl,--wrap=__assert_fail")
 INSTRUMENT_LINK_FLAGS = ("-Wl,--wrap=memcpy", "-Wl,--wrap=memmove", "-Wl,--wrap=memset")
 _HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".cuh", ".inc", ".inl", ".cu")
