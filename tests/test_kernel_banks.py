@@ -52,13 +52,13 @@ def conflicted(launch, filename, named_lines):
     return {site_class(s.site, filename, named_lines) for s in launch.bank_conflicts()}
 
 
-def attention_launch(dtype, head_dim, group, q_len, length=93, num_splits=None):
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=512, batch=1, dtype=dtype)
+def attention_launch(dtype, head_dim, group, q_len, length=93, num_splits=None, batch=1):
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=512, batch=batch, dtype=dtype)
     cache = cupykv.KVCache(spec, backend="emulator")
     cache.advance(length)
     backend = cache._backend
     io = "bfloat16" if dtype == "float8_e4m3" else dtype
-    q = backend.asarray(np.random.default_rng(0).standard_normal((1, q_len, 2 * group, head_dim))
+    q = backend.asarray(np.random.default_rng(0).standard_normal((batch, q_len, 2 * group, head_dim))
                         .astype(np.float32)).astype(backend.storage_dtype(io))
     options = {} if num_splits is None else {"num_splits": num_splits}
     with testing.traffic(cache, banks=True) as t:
@@ -144,6 +144,25 @@ def test_linear_conflicts_only_in_the_split_k_sums_of_many_rows(dtype, rows):
             source_line("linear_mma.cu", "sum += partial[warp + h][r][2 * t + c];"): "partial sums"}
     assert conflicted(launch, "linear_mma.cu", sums) == ({"partial sums"} if rows >= 8 else set()), launch.report()
     assert all(s.wavefronts <= 2 * s.ideal for s in launch.shared_sites), launch.report()
+
+
+_DOC_ROW = re.compile(r"^\| (bf16|half|fp8 \(bf16 io\)|float32), (\d+), (\d+), (\d+)[^|]* \| (\d+) \| (\d+) \| "
+                      r"(\d+) \| (\d+) \| ([\d.]+) \|$", re.M)
+_DOC_DTYPES = {"bf16": "bfloat16", "half": "float16", "fp8 (bf16 io)": "float8_e4m3", "float32": "float32"}
+
+
+def test_the_documented_bank_table_is_the_count():
+    """docs/performance.md's "Shared-memory banks" table: requests, wavefronts and ideal of one decode
+    launch (301 live rows, batch 2) as the counter gives them now, exactly (the unpadded column is the
+    count before the accumulator padding, kept for the record)."""
+    doc = (Path(__file__).parents[1] / "docs" / "performance.md").read_text()
+    section = doc.split("## Shared-memory banks", 1)[1].split("\n## ", 1)[0]
+    rows = _DOC_ROW.findall(section)
+    assert len(rows) == 9, "the bank table of docs/performance.md lost rows, or its format changed"
+    for name, head_dim, group, q_len, requests, unpadded, wavefronts, ideal, ratio in rows:
+        launch = attention_launch(_DOC_DTYPES[name], int(head_dim), int(group), int(q_len), length=300, batch=2)
+        assert launch.shared_total() == (int(requests), int(wavefronts), int(ideal)), (name, head_dim, launch.report())
+        assert f"{int(wavefronts) / int(ideal):.3f}" == ratio and int(unpadded) >= int(wavefronts)
 
 
 @pytest.mark.parametrize("op", ["rmsnorm", "argmax"])
