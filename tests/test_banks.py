@@ -56,23 +56,18 @@ def test_4_byte_words_take_the_most_words_of_one_bank(kernels, stride, wavefront
     np.testing.assert_array_equal(out, np.arange(32, dtype=np.float32) * (stride > 0))
 
 
-@pytest.mark.parametrize("stride, wavefronts", [(1, 2), (2, 4), (8, 16)])
-def test_8_byte_pairs_are_two_phases_of_16_lanes(kernels, stride, wavefronts):
-    out = E.zeros((32, 2), np.uint32)
+@pytest.mark.parametrize("kernel, size, stride, wavefronts", [
+    ("strided_pairs", 8, 1, 2), ("strided_pairs", 8, 2, 4), ("strided_pairs", 8, 8, 16),
+    ("strided_vectors", 16, 1, 4), ("strided_vectors", 16, 2, 8), ("strided_vectors", 16, 8, 32)])
+def test_8_byte_accesses_are_two_phases_of_16_lanes_and_16_byte_ones_four_of_8(kernels, kernel, size, stride,
+                                                                               wavefronts):
+    phases = size // 4
+    out = E.zeros((32, size // 4), np.uint32)
     with E.traffic(banks=True) as t:
-        kernels.get_function("strided_pairs")(1, 32, (out, np.int32(stride)), shared_mem=8 * 32 * stride)
+        kernels.get_function(kernel)(1, 32, (out, np.int32(stride)), shared_mem=size * 32 * stride)
     site = one_site(t, "load")
-    assert (site.requests, site.wavefronts, site.ideal, site.bytes) == (1, wavefronts, 2, 256), t.report()
-
-
-@pytest.mark.parametrize("stride, wavefronts", [(1, 4), (2, 8), (8, 32)])
-def test_16_byte_vectors_are_four_phases_of_8_lanes(kernels, stride, wavefronts):
-    out = E.zeros((32, 4), np.uint32)
-    with E.traffic(banks=True) as t:
-        kernels.get_function("strided_vectors")(1, 32, (out, np.int32(stride)), shared_mem=16 * 32 * stride)
-    site = one_site(t, "load")
-    assert (site.requests, site.wavefronts, site.ideal, site.bytes) == (1, wavefronts, 4, 512), t.report()
-    assert site.conflict_ratio == wavefronts / 4
+    assert (site.requests, site.wavefronts, site.ideal, site.bytes) == (1, wavefronts, phases, 32 * size), t.report()
+    assert site.conflict_ratio == wavefronts / phases
 
 
 def test_the_phases_of_16_byte_accesses_are_quarter_warps(kernels):

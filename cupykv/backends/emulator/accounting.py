@@ -345,25 +345,18 @@ def set_phases(table, regions):
         table[k].sector_phase = _phase(r)
 
 
-def _lib(lib):
-    if not getattr(lib, "_cuemu_traffic_ready", False):
-        lib.cuemu_traffic_results.argtypes = [ctypes.POINTER(ctypes.POINTER(_Result))]
-        lib.cuemu_traffic_results.restype = ctypes.c_uint32
-        lib._cuemu_traffic_ready = True
-    return lib
-
-
-def _bank_lib(lib):
-    if not getattr(lib, "_cuemu_banks_ready", False):
-        lib.cuemu_bank_results.argtypes = [ctypes.POINTER(ctypes.POINTER(_BankSite))]
-        lib.cuemu_bank_results.restype = ctypes.c_uint32
-        lib._cuemu_banks_ready = True
-    return lib
+def _results(lib, name, record):
+    """The runtime's export ``name`` (``uint32_t name(const record** out)``), its types declared once."""
+    function = getattr(lib, name)
+    if function.restype is not ctypes.c_uint32:
+        function.argtypes = [ctypes.POINTER(ctypes.POINTER(record))]
+        function.restype = ctypes.c_uint32
+    return function
 
 
 def _shared_sites(lib, module_path):
     ptr = ctypes.POINTER(_BankSite)()
-    n = _bank_lib(lib).cuemu_bank_results(ctypes.byref(ptr))
+    n = _results(lib, "cuemu_bank_results", _BankSite)(ctypes.byref(ptr))
     raw = [ptr[i] for i in range(n)]
     names = sites.describe_sites(module_path, {r.site for r in raw})
     # Call sites of one source line (g++ copies a line's access into unrolled or inlined code) are
@@ -403,7 +396,7 @@ def collect(lib, fn, grid, block, shared_mem, regions, bindings, banks=False):
     open :func:`traffic` block; with ``banks``, the launch's shared-memory bank wavefronts to
     the blocks that asked for them."""
     ptr = ctypes.POINTER(_Result)()
-    n = _lib(lib).cuemu_traffic_results(ctypes.byref(ptr))
+    n = _results(lib, "cuemu_traffic_results", _Result)(ctypes.byref(ptr))
     if n != len(regions) + 2:
         raise EmulatorError(f"emulator: traffic of {n} regions for a launch of {len(regions) + 2}")
     table = [_region(ptr[2 + k], r.hi - r.lo, _phase(r)) for k, r in enumerate(regions)]
