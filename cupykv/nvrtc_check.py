@@ -15,12 +15,12 @@ lands.
 """
 from __future__ import annotations
 
-import concurrent.futures
-
 import ctypes
 import glob
 import os
+import pickle
 import re
+import subprocess
 import sys
 from dataclasses import dataclass, replace
 
@@ -270,6 +270,67 @@ def parse_launch_bounds(ptx: str, lowered: dict[str, str]) -> dict[str, tuple[in
     return found
 
 
+def _serve_chunk() -> None:
+    """A worker of :func:`map_in_processes`: reads ``(nvrtc path, function, items)`` pickled from stdin,
+    writes ``("ok", results)`` or ``("error", exception)`` pickled to stdout."""
+    path, function, items = pickle.load(sys.stdin.buffer)
+    try:
+        nvrtc = load_nvrtc(path)
+        reply = ("ok", [function(nvrtc, item) for item in items])
+    except BaseException as exc:   # handed to the parent, which raises it
+        reply = ("error", exc)
+    sys.stdout.buffer.write(pickle.dumps(reply))
+    sys.stdout.buffer.flush()
+
+
+def map_in_processes(function, items, nvrtc: Nvrtc) -> list:
+    """``function(nvrtc, item)`` for each item, in order, in worker processes, up to one per core, each
+    loading the NVRTC at ``nvrtc.path``; ``function`` (a module-level function or a partial of one) and
+    the items must pickle. A lone item runs here.
+
+    Processes, not threads: NVRTC compiles that ran at the same time in threads of one process came
+    out different from run to run under CPU load (the staged attention_f32<256> step at 8 rows:
+    3988 instructions once in four runs against 3956; never when the same compiles ran one at a
+    time), the drift the documented register and instruction tables met in CI
+    (tests/compiler_drift.py). The workers are plain ``python -c`` processes, so that a caller's
+    script need not guard its top level as multiprocessing's spawn would require.
+    """
+    items = list(items)
+    workers = max(1, min(len(items), os.cpu_count() or 1))
+    if workers == 1:
+        return [function(nvrtc, item) for item in items]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    command = [sys.executable, "-c", "from cupykv.nvrtc_check import _serve_chunk; _serve_chunk()"]
+    procs = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+             for _ in range(workers)]
+    try:
+        for w, proc in enumerate(procs):   # each worker reads all of its input before it computes
+            proc.stdin.write(pickle.dumps((nvrtc.path, function, items[w::workers])))
+            proc.stdin.close()
+        replies = []
+        for proc in procs:
+            out = proc.stdout.read()
+            if proc.wait() != 0 or not out:
+                raise NvrtcError(f"an NVRTC worker process failed (exit status {proc.returncode})")
+            replies.append(pickle.loads(out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = [None] * len(items)
+    for w, (status, value) in enumerate(replies):
+        if status == "error":
+            raise value
+        results[w::workers] = value
+    return results
+
+
+def _compile_job(nvrtc: Nvrtc, job) -> tuple[str, Program]:
+    filename, source, instances, arch, kernel_dir = job
+    return arch, compile_program(nvrtc, filename, source, instances, arch, (kernel_dir,))
+
+
 def check_all(archs=ARCHS, nvrtc: Nvrtc | None = None, kernels=None, kernel_dir: str = KERNEL_DIR
               ) -> list[InstanceReport]:
     """Compile every instance of every kernel file for each arch and collect ptxas's reports.
@@ -278,16 +339,9 @@ def check_all(archs=ARCHS, nvrtc: Nvrtc | None = None, kernels=None, kernel_dir:
     every file of :data:`cupykv.kernels.KERNELS`, read from ``kernel_dir``.
     """
     nvrtc = nvrtc or load_nvrtc()
-    jobs = [(kernel, kernel.source(kernel_dir), arch) for kernel in (KERNELS.values() if kernels is None else kernels)
-            for arch in archs]
-
-    def compile_one(job):
-        kernel, source, arch = job
-        return arch, compile_program(nvrtc, kernel.filename, source, kernel.instances, arch, (kernel_dir,))
-
-    # NVRTC releases the GIL while it compiles: one program per core (reports keep the jobs' order)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        programs = list(pool.map(compile_one, jobs))
+    jobs = [(kernel.filename, kernel.source(kernel_dir), tuple(kernel.instances), arch, kernel_dir)
+            for kernel in (KERNELS.values() if kernels is None else kernels) for arch in archs]
+    programs = map_in_processes(_compile_job, jobs, nvrtc)   # one program per core, in the jobs' order
     reports = []
     for arch, program in programs:
         bounds = parse_launch_bounds(program.ptx, program.lowered)

@@ -69,15 +69,15 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Generic, TypeVar
 
 from cupykv.attention_plan import mma_row_groups
 from cupykv.kernels import (ATTENTION_HEAD_DIMS, ATTENTION_MMA_HEAD_DIMS, CACHE_DTYPE_PAIRS, CACHE_ITEM_BYTES,
                              CUDA_TYPES, KERNELS, LINEAR_MMA_DTYPES, LINEAR_MMA_ROW_TILES, LINEAR_ROW_TILES,
                              attention_mma_row_tiles, cache_types)
-from cupykv.nvrtc_check import PINNED_NVRTC, Nvrtc, NvrtcError, compile_program, load_nvrtc
+from cupykv.nvrtc_check import PINNED_NVRTC, Nvrtc, NvrtcError, compile_program, load_nvrtc, map_in_processes
 
 #: K/V bytes per issued warp instruction that keep an H200's HBM busy: 4.8 TB/s over 132 SMs x 4
 #: schedulers (one warp instruction a cycle each) x 1.98 GHz.
@@ -616,18 +616,23 @@ def count_cuda_core_linear_instance(nvrtc: Nvrtc, nvdisasm: str,
     return LinearLoopCount(instance, sum(counted.values()), counted)
 
 
+def _count_job(nvrtc: Nvrtc, job) -> list:
+    count, nvdisasm, instance = job
+    return count(nvrtc, nvdisasm, instance)
+
+
 def _count_each(count, chosen, nvrtc: Nvrtc | None, nvdisasm: str | None) -> list:
-    """``count(nvrtc, nvdisasm, instance)`` for each instance, the compiles on every core."""
+    """``count(nvrtc, nvdisasm, instance)`` for each instance, the compiles on every core (in processes:
+    :func:`cupykv.nvrtc_check.map_in_processes` says why)."""
     nvrtc = nvrtc or load_nvrtc()
     nvdisasm = nvdisasm or find_nvdisasm()
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda instance: count(nvrtc, nvdisasm, instance), chosen))
+    return map_in_processes(_count_job, [(count, nvdisasm, instance) for instance in chosen], nvrtc)
 
 
 def count_all(selected: list[Instance] | None = None, nvrtc: Nvrtc | None = None,
               nvdisasm: str | None = None, arch: str = ARCH) -> list[StepCount]:
-    return _count_each(lambda tools, disasm, instance: count_instance(tools, disasm, instance, arch),
-                       instances() if selected is None else selected, nvrtc, nvdisasm)
+    return _count_each(partial(count_instance, arch=arch), instances() if selected is None else selected, nvrtc,
+                       nvdisasm)
 
 
 def fp8_instances() -> list[Instance]:

@@ -107,6 +107,22 @@ def test_a_compile_error_fails_with_the_compiler_log():
         nvrtc_check.compile_file(nvrtc, "broken.cu", source, ["broken"], "sm_80")
 
 
+def test_compiles_in_worker_processes_keep_the_jobs_order_and_raise_a_workers_error(monkeypatch):
+    """map_in_processes: five programs on two workers come back in the order asked for, and a compile
+    error in a worker is raised here with the compiler's log."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    nvrtc = nvrtc_check.load_nvrtc()
+    jobs = [(f"k{i}.cu", f"__global__ void k{i}(float* x) {{ x[{i}] = {i}.0f; }}\n", (f"k{i}",),
+             ("sm_80", "sm_90")[i % 2], KERNEL_DIR) for i in range(5)]
+    done = nvrtc_check.map_in_processes(nvrtc_check._compile_job, jobs, nvrtc)
+    assert [arch for arch, _ in done] == ["sm_80", "sm_90", "sm_80", "sm_90", "sm_80"]
+    assert [list(program.lowered.values()) for _, program in done] == [[f"k{i}"] for i in range(5)]
+    broken = ("broken.cu", "__global__ void broken(float* x) { x[0] = undeclared_name; }\n", ("broken",), "sm_80",
+              KERNEL_DIR)
+    with pytest.raises(nvrtc_check.NvrtcError, match="undeclared_name"):
+        nvrtc_check.map_in_processes(nvrtc_check._compile_job, [jobs[0], broken, jobs[1]], nvrtc)
+
+
 def test_a_spilling_kernel_is_reported_as_spilling():
     # 64 live floats per thread under a 32-register cap (1024 threads, 2 blocks per SM) must spill.
     source = (
