@@ -274,6 +274,7 @@ def _serve_chunk() -> None:
     """A worker of :func:`map_in_processes`: reads ``(nvrtc path, function, items)`` pickled from stdin,
     writes ``("ok", results)`` or ``("error", exception)`` pickled to stdout."""
     path, function, items = pickle.load(sys.stdin.buffer)
+    reply: tuple[str, object]
     try:
         nvrtc = load_nvrtc(path)
         reply = ("ok", [function(nvrtc, item) for item in items])
@@ -305,10 +306,12 @@ def map_in_processes(function, items, nvrtc: Nvrtc) -> list:
              for _ in range(workers)]
     try:
         for w, proc in enumerate(procs):   # each worker reads all of its input before it computes
+            assert proc.stdin is not None and proc.stdout is not None   # both are pipes
             proc.stdin.write(pickle.dumps((nvrtc.path, function, items[w::workers])))
             proc.stdin.close()
         replies = []
         for proc in procs:
+            assert proc.stdout is not None
             out = proc.stdout.read()
             if proc.wait() != 0 or not out:
                 raise NvrtcError(f"an NVRTC worker process failed (exit status {proc.returncode})")
