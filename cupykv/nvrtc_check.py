@@ -291,8 +291,8 @@ def map_in_processes(function, items, nvrtc: Nvrtc) -> list:
 
     Processes, not threads: NVRTC compiles that ran at the same time in threads of one process came
     out different from run to run under CPU load (the staged attention_f32<256> step at 8 rows:
-    3988 instructions once in four runs against 3956; never when the same compiles ran one at a
-    time), the drift the documented register and instruction tables met in CI
+    3988 instructions once in ten runs against 3956; never in nine runs that compiled one program at
+    a time in a process), likely the drift the documented register and instruction tables met in CI
     (tests/compiler_drift.py). The workers are plain ``python -c`` processes, so that a caller's
     script need not guard its top level as multiprocessing's spawn would require.
     """

@@ -27,15 +27,14 @@ import cupykv
 from cupykv import ops, testing
 from cupykv.backends import get_backend
 from cupykv.kernels import KERNEL_DIR
+from test_races import line_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def source_line(filename, text):
-    """The 1-based line of ``filename`` (in cupykv/kernels) that holds ``text``, which must be unique."""
-    found = [i + 1 for i, line in enumerate((Path(KERNEL_DIR) / filename).read_text().splitlines()) if text in line]
-    assert len(found) == 1, (filename, text, found)
-    return found[0]
+    """The line number in ``filename`` (in cupykv/kernels) of the only line that holds ``text``."""
+    return int(line_of(Path(KERNEL_DIR) / filename, text).rsplit(":", 1)[1])
 
 
 def site_class(site, filename, named_lines):
