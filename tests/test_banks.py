@@ -5,7 +5,7 @@ requests, as the traffic counter groups global ones, and counts the wavefronts e
 under 32 banks of 4-byte words: 4-byte accesses in one phase of 32 lanes, 8-byte ones in two of
 16, 16-byte ones (vectors, ldmatrix rows, cp.async destinations) in four of 8. The kernels are in
 tests/emulator_kernels/banks.cu; each test states the wavefronts a GPU takes for its pattern. The
-decode kernels' own figures are held in tests/test_bank_conflicts_of_kernels.py.
+decode kernels' own figures are held in tests/test_kernel_banks.py.
 """
 
 from pathlib import Path
@@ -51,7 +51,10 @@ def test_4_byte_words_take_the_most_words_of_one_bank(kernels, stride, wavefront
         assert (site.requests, site.wavefronts, site.ideal) == (1, wavefronts, 1), t.report()
         assert (site.accesses, site.bytes, site.memory) == (32, 128, "dynamic")
         assert site.site.startswith("banks.cu:"), site.site
+        assert site.extent == 4 * (31 * stride + 1), t.report()   # lane 31's word, its last byte + 1
     assert t.launches[0].shared_total() == (2, 2 * wavefronts, 2)
+    # what the accesses reached, not the 4 * (32 * stride + 1) bytes declared; no static memory used
+    assert (t.launches[0].shared_extent(), t.launches[0].shared_extent("static")) == (4 * (31 * stride + 1), 0)
     assert sorted(s.kind for s in t.launches[0].bank_conflicts()) == ([] if wavefronts == 1 else ["load", "store"])
     np.testing.assert_array_equal(out, np.arange(32, dtype=np.float32) * (stride > 0))
 

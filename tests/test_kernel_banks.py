@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import cupykv
-from cupykv import ops, testing
+from cupykv import attention_plan, ops, testing
 from cupykv.backends import get_backend
 from cupykv.kernels import KERNEL_DIR
 from test_races import line_of
@@ -119,6 +119,30 @@ def test_float32_attention_is_free_of_bank_conflicts(head_dim, group, q_len):
     requests, wavefronts, ideal = launch.shared_total("load")
     assert requests > 0 and wavefronts == ideal
 
+
+
+# (dtype, head_dim, group, q_len): the CUDA-core kernel (attention.cu), the staged float32 kernel at its own
+# sizes and padded, the tensor-core kernel at one, two and four tiles, padded, and for fp8 caches
+EXTENT_CASES = [("float32", 18, 2, 1), ("bfloat16", 12, 4, 1), ("float8_e4m3", 24, 4, 1),
+                ("float32", 32, 4, 1), ("float32", 100, 4, 1), ("float32", 256, 4, 1),
+                ("float16", 96, 4, 1), ("bfloat16", 40, 4, 1), ("bfloat16", 128, 8, 4), ("bfloat16", 64, 8, 8),
+                ("float16", 256, 8, 4), ("float8_e4m3", 96, 4, 1), ("float8_e4m3", 128, 8, 8)]
+
+
+@pytest.mark.parametrize("dtype, head_dim, group, q_len", EXTENT_CASES)
+def test_declared_shared_memory_is_what_the_kernel_reaches(dtype, head_dim, group, q_len):
+    """The dynamic shared memory a plan declares (attention_plan's sizes, mirrored from each kernel's
+    layout) is the memory the kernel's accesses reach, to the byte: more would cost blocks per SM on a
+    GPU and go unseen on the emulator, less is an out-of-bounds access the emulator reports. The one
+    allowance is the tensor-core kernel's last stage row padding (16 bytes: 8 elements of 16-bit, 16
+    codes of fp8), which no access touches, where the stages end the layout. 300 keys give every key
+    warp steps enough to fill all its stages."""
+    launch = attention_launch(dtype, head_dim, group, q_len, length=300)
+    tiling = attention_plan.MMA_TILING
+    unread_tail = (0, tiling["kRowPadFp8"] if dtype == "float8_e4m3" else 2 * tiling["kRowPad"])
+    unused = launch.shared_mem - launch.shared_extent()
+    assert launch.shared_extent() > 0 and unused in (unread_tail if "_mma<" in launch.kernel else (0,)), \
+        (launch.kernel, launch.shared_mem, launch.shared_extent())
 
 def test_split_kv_attention_conflicts_as_one_split_does():
     launch = attention_launch("bfloat16", 128, 4, 1, length=300, num_splits=3)

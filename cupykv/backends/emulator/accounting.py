@@ -53,7 +53,8 @@ class _Result(ctypes.Structure):   # cuemu_traffic (cuemu_abi.h)
 class _BankSite(ctypes.Structure):   # cuemu_bank_site (cuemu_abi.h)
     _fields_ = [("site", ctypes.c_uint32), ("kind", ctypes.c_uint32), ("region", ctypes.c_uint32),
                 ("reserved", ctypes.c_uint32), ("accesses", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
-                ("requests", ctypes.c_uint64), ("wavefronts", ctypes.c_uint64), ("ideal", ctypes.c_uint64)]
+                ("requests", ctypes.c_uint64), ("wavefronts", ctypes.c_uint64), ("ideal", ctypes.c_uint64),
+                ("extent", ctypes.c_uint64)]
 
 
 def active():
@@ -198,6 +199,7 @@ class SharedSite:
     requests: int             # warp-level requests
     wavefronts: int           # bank wavefronts of the requests, summed
     ideal: int                # the wavefronts the same requests need without bank conflicts
+    extent: int = 0           # the highest byte offset + 1 that an access of the site reached
 
     @property
     def wavefronts_per_request(self):
@@ -263,6 +265,13 @@ class LaunchTraffic:
         most excess wavefronts first."""
         return sorted((s for s in self.shared_sites if s.wavefronts > s.ideal),
                       key=lambda s: (s.ideal - s.wavefronts, s.site, s.kind))
+
+    def shared_extent(self, memory="dynamic"):
+        """Bytes of ``memory`` ("dynamic" or "static" shared memory) that the launch's accesses
+        reached: the highest offset accessed + 1, in any block (0 outside ``traffic(banks=True)``).
+        Beside ``shared_mem``, what the launch declared, it shows dynamic shared memory declared
+        and never used, which costs occupancy on a GPU and nothing on the emulator."""
+        return max((s.extent for s in self.shared_sites if s.memory == memory), default=0)
 
     def report(self):
         """A few lines: per argument, bytes, distinct sectors and sectors per request; with bank
@@ -361,12 +370,13 @@ def _shared_sites(lib, module_path):
     names = sites.describe_sites(module_path, {r.site for r in raw})
     # Call sites of one source line (g++ copies a line's access into unrolled or inlined code) are
     # one record, in the order first seen.
-    merged = {}
+    merged, extents = {}, {}
     for r in raw:
         key = (names[r.site], KINDS[r.kind], SHARED_MEMORIES[r.region])
         counts = (int(r.accesses), int(r.bytes), int(r.requests), int(r.wavefronts), int(r.ideal))
         merged[key] = tuple(a + b for a, b in zip(merged.get(key, (0,) * 5), counts))
-    return tuple(SharedSite(*key, *counts) for key, counts in merged.items())
+        extents[key] = max(extents.get(key, 0), int(r.extent))
+    return tuple(SharedSite(*key, *counts, extents[key]) for key, counts in merged.items())
 
 
 def _popcount(words):

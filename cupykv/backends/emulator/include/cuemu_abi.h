@@ -108,6 +108,7 @@ struct cuemu_bank_site {
   uint64_t requests;    // warp-level requests
   uint64_t wavefronts;  // bank wavefronts of those requests, summed
   uint64_t ideal;       // the wavefronts the same requests need without bank conflicts
+  uint64_t extent;      // the highest offset (from the region's start) + size of an access here
 };
 
 // The memory traffic of one region in one launch (traffic.cpp), per kind of access:
