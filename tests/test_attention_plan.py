@@ -116,6 +116,28 @@ def test_an_unsplit_plan_owns_no_workspace_bytes():
     cache, _ = filled("emulator")
     plan = cupykv.AttentionPlan(cache, 1, N_HEADS)
     assert plan.num_splits == 1 and plan.workspace_bytes == 0
+    # an unsplit launch never touches them: each buffer is a one-element stand-in, not a split's size
+    assert [b.size for b in workspace(plan)] == [1, 1, 1, 1]
+
+
+def test_a_max_seq_of_one_key_chunk_allows_one_split():
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=8, max_seq=128, batch=1, dtype="float32")
+    cache = cupykv.KVCache(spec, backend="emulator")
+    assert attention_plan.max_splits(128) == 1 and attention_plan.max_splits(129) == 2
+    assert cupykv.AttentionPlan(cache, 1, 1, num_splits=1).num_splits == 1
+    with pytest.raises(ValueError, match=r"^num_splits: expected an int in 1\.\.1, got 2$"):
+        cupykv.AttentionPlan(cache, 1, 1, num_splits=2)
+
+
+def test_the_split_plan_counts_every_resident_block_of_every_sm(monkeypatch):
+    """The blocks that fill a device are its SMs times the blocks one SM holds (the backend's occupancy
+    query): 4 SMs of 3 blocks over 2 query tiles want 6 splits, not the 2 that one block per SM would."""
+    from cupykv.backends.emulator_backend import EmulatorBackend
+    monkeypatch.setenv("CUPYKV_EMULATOR_SMS", "4")
+    monkeypatch.setattr(EmulatorBackend, "occupancy", lambda self, op, instance, threads, shared: 3)
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=64, max_seq=4096, batch=1, dtype="bfloat16")
+    plan = cupykv.AttentionPlan(cupykv.KVCache(spec, backend="emulator"), 1, 8)
+    assert plan.num_splits == attention_plan.plan_splits(spec, 1, 8, 12) == 6
 
 
 def test_two_plans_share_no_scratch_memory():
@@ -411,6 +433,12 @@ def test_rows_per_block_is_checked_by_name():
                                          r"float32 cache at head_dim 128 runs\) or None, got 32$"):
         attention_plan.AttentionPlan(fp32, 9, 8, rows_per_block=32)
     assert attention_plan.AttentionPlan(fp32, 9, 8, rows_per_block=16).kernel.rows_per_block == 16
+    wide_heads = cupykv.KVCache(cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=256, max_seq=256, batch=1,
+                                                 dtype="float16"), backend="emulator")
+    assert attention_plan.block_row_choices("float16", 256) == (16, 32)
+    with pytest.raises(ValueError, match=r"^rows_per_block: expected one of 16, 32 \(blocks of the tensor-core "
+                                         r"kernel\) or None, got 64$"):
+        attention_plan.AttentionPlan(wide_heads, 9, 8, rows_per_block=64)
 
 
 def test_a_plan_opts_in_to_its_shared_memory_before_it_asks_for_the_occupancy(monkeypatch):
