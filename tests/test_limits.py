@@ -158,3 +158,25 @@ def test_emulator_zeros_commit_no_memory_until_used():
     grown = resident_bytes() - before
     assert grown < 64 * 2**20, f"zeros committed {grown} bytes"
     assert not array[:: 2**20].any() and array[-1] == 0
+
+
+def test_q_len_and_n_new_may_be_max_new_and_no_more():
+    """q_len and n_new are 1..MAX_NEW (so that max_seq + q_len fits the kernels' int): both ends are
+    accepted and one past is refused, naming the range. Zero-stride views stand in for arrays of
+    2**30 rows (the shape checks read no element)."""
+    from cupykv._args.cache_args import check_q, check_rows
+    from cupykv.spec import MAX_NEW
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=8, max_seq=16, batch=1, dtype="float32")
+
+    def rows(n, heads=1):
+        return np.broadcast_to(np.float32(0), (1, n, heads, 8))
+
+    assert check_rows("k", rows(MAX_NEW), spec) == MAX_NEW and check_rows("k", rows(1), spec) == 1
+    assert check_q(rows(MAX_NEW, 2), spec) == (MAX_NEW, 2) and check_q(rows(1), spec) == (1, 1)
+    with pytest.raises(ValueError, match=rf"^k: expected shape \(1, n_new in 1\.\.{MAX_NEW}, 1, 8\) \[batch, n_new, "
+                                         rf"n_kv_heads, head_dim\], got \(1, {MAX_NEW + 1}, 1, 8\)$"):
+        check_rows("k", rows(MAX_NEW + 1), spec)
+    with pytest.raises(ValueError, match=rf"^q: expected shape \(1, q_len in 1\.\.{MAX_NEW}, n_heads, 8\) "
+                                         rf"\[batch, q_len, n_heads, head_dim\] with n_heads a multiple of "
+                                         rf"n_kv_heads=1, got \(1, {MAX_NEW + 1}, 1, 8\)$"):
+        check_q(rows(MAX_NEW + 1), spec)
