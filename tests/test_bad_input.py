@@ -71,6 +71,7 @@ BAD_CALLS = [
     ("truncate strings", lambda c, d: c.truncate("0"), TypeError, r"^new_lengths: "),
     ("truncate device float", lambda c, d: c.truncate(d(np.zeros(2, np.float32))), ValueError, r"^new_lengths: expected a device int32"),
     ("reset slot out of range", lambda c, d: c.reset(5), ValueError, r"^slots: .*got 5"),
+    ("reset slot batch", lambda c, d: c.reset(2), ValueError, r"^slots: expected an int in 0\.\.1, got 2$"),
     ("reset repeated slots", lambda c, d: c.reset([0, 0]), ValueError, r"^slots: .*repeated slots \[0, 0\]"),
     ("reset a string", lambda c, d: c.reset("all"), TypeError, r"^slots: "),
     ("mask q_len 0", lambda c, d: c.additive_mask(0), ValueError, r"^q_len: expected an int in 1\.\.1073741823, got 0"),
@@ -210,6 +211,28 @@ def test_bad_call_raises_its_error_and_changes_nothing(filled_cache, name, call,
     after = snapshot(filled_cache)
     for a, b in zip(before, after):
         assert np.array_equal(a, b), f"{name} changed the cache"
+
+
+def test_reset_takes_each_slot_from_0_to_batch_minus_1():
+    for slot in range(SPEC.batch):
+        cache = cupykv.KVCache(SPEC, backend="emulator")
+        cache.advance([3, 5])
+        cache.reset(slot)
+        assert cache.lengths_host().tolist() == [0 if b == slot else n for b, n in enumerate([3, 5])]
+    # any int dtype, as a host array of slots (an object array of Python ints too)
+    for slots in (np.array([1], np.int64), np.array([1], np.uint8), np.array([0, 1], dtype=object)):
+        cache = cupykv.KVCache(SPEC, backend="emulator")
+        cache.advance([3, 5])
+        cache.reset(slots)
+        assert cache.lengths_host().tolist() == [0 if b in slots.tolist() else n for b, n in enumerate([3, 5])]
+
+
+def test_advance_and_truncate_take_host_int_arrays_of_any_int_dtype():
+    for n in (np.array([3, 5], np.int64), np.array([3, 5], np.uint16), np.array([3, 5], dtype=object)):
+        cache = cupykv.KVCache(SPEC, backend="emulator")
+        cache.advance(n)
+        cache.truncate(n - np.array([1, 2], dtype=n.dtype))
+        assert cache.lengths_host().tolist() == [2, 3]
 
 
 def test_bad_spec_for_a_cache():

@@ -180,3 +180,10 @@ def test_q_len_and_n_new_may_be_max_new_and_no_more():
                                          rf"\[batch, q_len, n_heads, head_dim\] with n_heads a multiple of "
                                          rf"n_kv_heads=1, got \(1, {MAX_NEW + 1}, 1, 8\)$"):
         check_q(rows(MAX_NEW + 1), spec)
+    # the query rows batch * q_len * n_heads are a kernel int: 2**31 - 1 of them is the most
+    assert check_q(rows(1, 2**31 - 1), spec) == (1, 2**31 - 1)
+    with pytest.raises(ValueError, match=r"^q: expected batch \* q_len \* n_heads <= 2147483647 query rows, "
+                                         r"got 1 \* 2 \* 1073741824 = 2147483648$"):
+        check_q(rows(2, 2**30), spec)
+    with pytest.raises(ValueError, match=r"^q: expected shape \(1, 1, n_heads, 8\) .*got \(1, 1, 0, 8\)$"):
+        check_q(rows(1, 0), spec)
