@@ -501,6 +501,18 @@ def test_the_reference_refuses_bad_shared_lengths_alike(name, lengths, error, me
         reference.KVCache(SPEC, lengths=lengths)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_lengths_may_hold_every_length_from_0_to_max_seq(backend):
+    """A full sequence (length max_seq) is a valid length to share; max_seq + 1 is not (above)."""
+    full = np.array([SPEC.max_seq, 0, 3], np.int32)
+    oracle = reference.KVCache(SPEC, lengths=full.copy())
+    other = cupykv.KVCache(SPEC, backend=backend)
+    lengths = other.to_device(full)
+    cache = cupykv.KVCache(SPEC, backend=backend, lengths=lengths)
+    assert cache.lengths_host().tolist() == np.asarray(oracle.lengths).tolist() == full.tolist()
+    assert np.asarray(cache.remaining_capacity()).tolist() == oracle.remaining_capacity().tolist() == [0, SPEC.max_seq, 3]
+
+
 @pytest.mark.parametrize("name", ["append", "write", "set_lengths", "layer", "live", "remaining_capacity",
                                   "has_capacity"])
 def test_the_reference_has_the_same_signatures(name):
