@@ -74,6 +74,8 @@ BAD_CALLS = [
     ("reset slot batch", lambda c, d: c.reset(2), ValueError, r"^slots: expected an int in 0\.\.1, got 2$"),
     ("reset slot batch in a list", lambda c, d: c.reset([0, 2]), ValueError,
      r"^slots: expected None, an int or distinct ints in 0\.\.1, got slot 2$"),
+    ("reset slots 2-d", lambda c, d: c.reset(np.array([[0], [1]])), ValueError,
+     r"^slots: expected None, an int or distinct ints in 0\.\.1, got shape \(2, 1\)$"),
     ("reset repeated slots", lambda c, d: c.reset([0, 0]), ValueError, r"^slots: .*repeated slots \[0, 0\]"),
     ("reset a string", lambda c, d: c.reset("all"), TypeError, r"^slots: "),
     ("mask q_len 0", lambda c, d: c.additive_mask(0), ValueError, r"^q_len: expected an int in 1\.\.1073741823, got 0"),
