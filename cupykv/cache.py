@@ -154,8 +154,9 @@ class KVCache:
         if not isinstance(spec, CacheSpec):
             raise TypeError(f"spec: expected a cupykv.CacheSpec, got {type(spec).__name__}")
         self.spec = spec
-        host_scales = _args.check_kv_scale("k_scale", k_scale, spec), _args.check_kv_scale("v_scale", v_scale, spec)
         self._backend = get_backend(backend)
+        host_scales = (_args.check_kv_scale("k_scale", k_scale, spec, self._backend),
+                       _args.check_kv_scale("v_scale", v_scale, spec, self._backend))
         shared = None if lengths is None else self._shared_lengths(lengths)
         self.shares_lengths = shared is not None
         available, source = self._backend.available_memory()
@@ -249,8 +250,8 @@ class KVCache:
         self._check_device()
         refuse_in_capture("KVCache.set_scales (it uploads the scales)",
                           "set scales between replays: a captured step reads the new values at its next replay")
-        updates = [(self.k_scales, _args.check_kv_scale("k_scale", k_scale, self.spec)) if k_scale is not None else None,
-                   (self.v_scales, _args.check_kv_scale("v_scale", v_scale, self.spec)) if v_scale is not None else None]
+        updates = [None if scale is None else (device, _args.check_kv_scale(name, scale, self.spec, self._backend))
+                   for name, scale, device in (("k_scale", k_scale, self.k_scales), ("v_scale", v_scale, self.v_scales))]
         for update in updates:
             if update is not None:
                 self._backend.upload(*update)

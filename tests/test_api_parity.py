@@ -97,6 +97,28 @@ def test_write_with_repeated_device_positions_keeps_the_last_row(backend, layout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_host_positions_at_the_ends_of_their_ranges(backend):
+    """Host positions may be any kernel int, -2**31..2**31-1 (out of 0..max_seq-1 they overflow), and may
+    repeat outside 0..max_seq-1 only: a repeat at 0 or at max_seq - 1 would overwrite a row of the same
+    step, so it is refused, as the reference refuses it."""
+    m = SPEC.max_seq
+    cache, oracle = pair(SPEC, backend, [1, 2, 3])
+    k, v = rows(SPEC, 2, np.random.default_rng(2))
+    for positions in ([[-2**31, 2**31 - 1], [m, m], [-1, -1]], [[0, m - 1], [m + 5, m + 5], [-7, -7]]):
+        cache.write(0, positions, cache.to_device(k), cache.to_device(v))
+        oracle.write(0, positions, k, v)
+        testing.assert_matches_reference(cache, oracle)
+    for positions, message in [
+            ([[0, 0], [1, 2], [3, 4]], r"got positions\[0, 0\] = positions\[0, 1\] = 0$"),
+            ([[1, 2], [m - 1, m - 1], [3, 4]], rf"got positions\[1, 0\] = positions\[1, 1\] = {m - 1}$"),
+            ([[1, 2], [3, 4], [-2**31 - 1, 0]], r"got positions\[2, 0\] = -2147483649$")]:
+        for twin, (new_k, new_v) in ((cache, (cache.to_device(k), cache.to_device(v))), (oracle, (k, v))):
+            with pytest.raises(ValueError, match=r"^positions: expected .*" + message):
+                twin.write(0, positions, new_k, new_v)
+    testing.assert_matches_reference(cache, oracle)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_write_at_the_cache_lengths_is_append(backend):
     # positions = the cache's own lengths: one row per sequence at lengths[b], which is what append does
     rng = np.random.default_rng(4)

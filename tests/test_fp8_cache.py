@@ -218,6 +218,10 @@ BAD_SCALES = [
                                   r"got shape \(3, 2\)"),
     ("1.0", TypeError, r"k_scale: expected .* of real numbers, got dtype <U3"),
     (True, TypeError, r"k_scale: expected a float or an array"),
+    (np.array(1 + 0j), TypeError, r"k_scale: expected .* of real numbers, got dtype complex128"),
+    # the first bad element is named, wherever it is
+    (np.array([[2.0, 2.0], [np.inf, 0.0]]), ValueError, r"k_scale: expected every scale finite, .* got inf at "
+                                                         r"\[layer, kv_head\] = \(1, 0\)$"),
 ]
 
 
@@ -245,6 +249,20 @@ def test_scales_other_than_one_are_refused_for_unquantized_caches(backend):
     with pytest.raises(ValueError, match=r"v_scale: expected 1.0 for a bfloat16 cache .* got 2.0"):
         cupykv.KVCache(spec, backend=backend, v_scale=2.0)
     cupykv.KVCache(spec, backend=backend, k_scale=1.0, v_scale=np.ones((1, 2)))   # ones are fine
+    with pytest.raises(ValueError, match=r"k_scale: expected 1.0 for a bfloat16 cache .* got 0.5 at "
+                                         r"\[layer, kv_head\] = \(0, 1\)$"):
+        cupykv.KVCache(spec, backend=backend, k_scale=[[1.0, 0.5]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scales_are_host_values_and_the_smallest_normal_is_one(backend):
+    tiny = float(np.finfo(np.float32).tiny)
+    cache = cupykv.KVCache(_spec(), backend=backend, k_scale=tiny, v_scale=np.float32(tiny))
+    assert np.all(cache.scales_host()[0] == np.float32(tiny)) and np.all(cache.scales_host()[1] == np.float32(tiny))
+    on_device = cache.to_device(np.ones((2, 2), np.float32))
+    with pytest.raises(TypeError, match=r"^k_scale: expected a float or an array broadcastable to .* on the host, "
+                                        r"got "):
+        cache.set_scales(on_device, 1.0)
 
 
 def test_io_dtype_is_checked_against_the_storage_dtype():

@@ -22,6 +22,7 @@ from cupykv.rope import Rope
 from cupykv.rope import check_rope_theta as check_rope_theta   # re-exported: Rope owns it
 
 if TYPE_CHECKING:
+    from cupykv.backends.base import Backend
     from cupykv.spec import CacheSpec
 
 SOFTCAP_MAX = 2.0**64
@@ -359,16 +360,20 @@ def check_pending(pending: object) -> int:
     return check_int("pending", pending, 0, MAX_NEW)
 
 
-def check_kv_scale(name: str, value: object, spec: CacheSpec) -> npt.NDArray[np.float32]:
+def check_kv_scale(name: str, value: object, spec: CacheSpec,
+                   backend: Backend | None = None) -> npt.NDArray[np.float32]:
     """The K or V scales of a cache as float32 ``[n_layers, n_kv_heads]``.
 
     ``value`` is a float or a host array broadcastable to ``[n_layers, n_kv_heads]``,
     every element a normal float32 > 0 (the kernels divide by it); a cache that
-    is not fp8 stores values unscaled, so its scales must be 1.
+    is not fp8 stores values unscaled, so its scales must be 1. ``backend``, when
+    given, refuses its own device arrays too (the emulator's are NumPy arrays, which
+    the host could read where a GPU's host could not).
     """
     expected = f"a float or an array broadcastable to [n_layers, n_kv_heads] = ({spec.n_layers}, {spec.n_kv_heads})"
-    if isinstance(value, (bool, np.bool_)) or (hasattr(value, "__cuda_array_interface__") or
-                                                 hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray)):
+    on_device = backend is not None and backend.is_device_array(value)
+    if isinstance(value, (bool, np.bool_)) or on_device or (hasattr(value, "__cuda_array_interface__") or
+                                                              hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray)):
         raise TypeError(f"{name}: expected {expected} on the host, got {got(value)}")
     try:
         array = np.asarray(value)
