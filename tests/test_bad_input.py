@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import cupykv
 from cupykv import ops, reference, testing
+from cupykv.backends import get_backend
 from backends import BACKENDS
 
 SPEC = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=8, max_seq=16, batch=2, dtype="float16")
@@ -410,3 +411,40 @@ def test_the_buffer_registry_finds_exactly_the_ranges_a_scan_finds(owners, query
     scan = sorted((i, what, min(last, end) - max(first, start)) for i, owner in enumerate(fakes)
                   for what, start, end in owner.owned_ranges() if min(last, end) - max(first, start) > 0)
     assert found == scan
+
+
+def test_overlap_is_decided_to_the_byte():
+    from cupykv._args import check_no_overlap
+    buffer = get_backend("emulator").asarray(np.zeros(16, np.uint8))
+    out, touching, sharing_one = buffer[0:8], buffer[8:16], buffer[7:15]
+    check_no_overlap("out", out, [("x", touching)])   # adjacent: no byte in common
+    with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap x, got one that shares "
+                                         r"1 bytes with it$"):
+        check_no_overlap("out", out, [("x", sharing_one)])
+    with pytest.raises(ValueError, match=r"^out: expected the very array given as x \(in place\) or one that does "
+                                         r"not overlap it, got one that shares 1 bytes with it$"):
+        check_no_overlap("out", out, [("x", sharing_one)], in_place_ok=True)
+    check_no_overlap("out", out, [("x", buffer[0:8])], in_place_ok=True)
+
+
+class _CupyLike:
+    """What byte_range reads of a CuPy array (data.ptr, shape, strides, dtype, size), over host memory."""
+
+    def __init__(self, view):
+        import types
+        self.data = types.SimpleNamespace(ptr=view.__array_interface__["data"][0])
+        self.shape, self.strides, self.dtype, self.size = view.shape, view.strides, view.dtype, view.size
+
+
+@pytest.mark.parametrize("make_view", [lambda a: a, lambda a: a[3:9], lambda a: a[::-2], lambda a: a.reshape(6, 8).T,
+                                       lambda a: a.reshape(6, 8)[::-1, 2:5], lambda a: a[5:5]],
+                         ids=["whole", "slice", "reversed", "transposed", "reversed rows", "empty"])
+def test_a_cupy_arrays_byte_range_is_the_numpy_one_of_the_same_memory(make_view):
+    """byte_range describes a CuPy array by its device pointer and strides; on a GPU its addresses are the
+    bounds of what the view can touch, as NumPy computes them for host memory (negative strides too)."""
+    from cupykv._args import byte_range
+    view = make_view(np.zeros(48, np.float32))
+    assert byte_range(_CupyLike(view)) == byte_range(view)
+    if view.size:
+        first, last = byte_range(view)
+        assert last - first >= view.itemsize and (first, last) != (0, 0)

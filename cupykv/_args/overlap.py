@@ -57,12 +57,6 @@ def _pointer(array: Any) -> int:
     return int(array.data.ptr)
 
 
-def shared_bytes(a: DeviceArray, b: DeviceArray) -> int:
-    """How many bytes the address ranges of ``a`` and ``b`` have in common."""
-    (a0, a1), (b0, b1) = byte_range(a), byte_range(b)
-    return max(0, min(a1, b1) - max(a0, b0))
-
-
 def check_no_overlap(name: str, array: DeviceArray, others: Iterable[tuple[str, DeviceArray | None]], *,
                      in_place_ok: bool = False) -> None:
     """ValueError, naming ``name``, when ``array`` overlaps one of ``others``.
