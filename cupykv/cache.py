@@ -250,8 +250,9 @@ class KVCache:
         self._check_device()
         refuse_in_capture("KVCache.set_scales (it uploads the scales)",
                           "set scales between replays: a captured step reads the new values at its next replay")
+        scales = (("k_scale", k_scale, self.k_scales), ("v_scale", v_scale, self.v_scales))
         updates = [None if scale is None else (device, _args.check_kv_scale(name, scale, self.spec, self._backend))
-                   for name, scale, device in (("k_scale", k_scale, self.k_scales), ("v_scale", v_scale, self.v_scales))]
+                   for name, scale, device in scales]
         for update in updates:
             if update is not None:
                 self._backend.upload(*update)

@@ -371,9 +371,9 @@ def check_kv_scale(name: str, value: object, spec: CacheSpec,
     the host could read where a GPU's host could not).
     """
     expected = f"a float or an array broadcastable to [n_layers, n_kv_heads] = ({spec.n_layers}, {spec.n_kv_heads})"
-    on_device = backend is not None and backend.is_device_array(value)
-    if isinstance(value, (bool, np.bool_)) or on_device or (hasattr(value, "__cuda_array_interface__") or
-                                                              hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray)):
+    on_device = (hasattr(value, "__cuda_array_interface__") or (backend is not None and backend.is_device_array(value))
+                 or hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray))
+    if isinstance(value, (bool, np.bool_)) or on_device:
         raise TypeError(f"{name}: expected {expected} on the host, got {got(value)}")
     try:
         array = np.asarray(value)
