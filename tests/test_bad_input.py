@@ -145,7 +145,11 @@ BAD_CALLS = [
     ("attention scale subnormal in float32", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=1e-40),
      ValueError, r"^scale: .*got 1e-40$"),
     ("attention scale an int past float64", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=10**400),
-     ValueError, r"^scale: .*got 1000"),
+     ValueError, r"^scale: .*got 10{44}\.\.\.0{12}$"),   # 401 digits shown as 60 characters
+    ("attention scale of 60 digits", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=10**59),
+     ValueError, r"^scale: .*got 10{59}$"),   # shown whole: 60 characters
+    ("attention scale an int below -float64", lambda c, d: cupykv.attention(d(rows()), c, 0, scale=-10**400),
+     ValueError, r"^scale: .*got -10{43}\.\.\.0{12}$"),
     ("attention softcap 1e39", lambda c, d: cupykv.attention(d(rows()), c, 0, softcap=np.float64(1e39)),
      ValueError, r"^softcap: .*got np\.float64\(1e\+39\)$"),
     ("attention softcap past 2**64", lambda c, d: cupykv.attention(d(rows()), c, 0, softcap=2.0**64 * (1 + 2.0**-20)),
@@ -455,3 +459,15 @@ def test_a_cupy_arrays_byte_range_is_the_numpy_one_of_the_same_memory(make_view)
     if view.size:
         first, last = byte_range(view)
         assert last - first >= view.itemsize and (first, last) != (0, 0)
+
+
+def test_an_unregistered_owner_is_checked_directly():
+    """The call's own cache is checked from its own ranges when it is not (yet) in the registry."""
+    from cupykv._args import byte_range, check_apart_from_caches
+    out = get_backend("emulator").asarray(np.zeros(16, np.uint8))[0:8]
+    first, _ = byte_range(out)
+    check_apart_from_caches("out", out, _Owner([("k", first + 8, first + 16)]), others=False)   # touching only
+    with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap the cache's k, got one "
+                                         r"that shares 4 bytes with it$"):
+        check_apart_from_caches("out", out, _Owner([("v", first - 8, first - 1), ("k", first + 4, first + 12)]),
+                                others=False)

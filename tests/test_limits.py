@@ -187,3 +187,13 @@ def test_q_len_and_n_new_may_be_max_new_and_no_more():
         check_q(rows(2, 2**30), spec)
     with pytest.raises(ValueError, match=r"^q: expected shape \(1, 1, n_heads, 8\) .*got \(1, 1, 0, 8\)$"):
         check_q(rows(1, 0), spec)
+
+
+def test_an_op_axis_may_be_int32_max_and_no_more():
+    """The ops' free axes (rows, features, vocab) are kernel ints: 1..2**31 - 1 (zero-stride views stand in)."""
+    from cupykv._args import check_shape
+    big = 2**31 - 1
+    assert check_shape("x", np.broadcast_to(np.float32(0), (big, 1)), (None, 1), ("rows", "hidden")) == (big, 1)
+    with pytest.raises(ValueError, match=r"^x: expected shape \(rows, 1\) \[rows, hidden\] with every size in "
+                                         r"1\.\.2\*\*31-1, got \(2147483648, 1\)$"):
+        check_shape("x", np.broadcast_to(np.float32(0), (big + 1, 1)), (None, 1), ("rows", "hidden"))

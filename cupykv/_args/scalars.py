@@ -19,7 +19,6 @@ from cupykv._args.limits import INT32_MAX
 
 FLOAT32_TINY = float(np.finfo(np.float32).smallest_normal)   # 2**-126
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-FLOAT64_MAX = float(np.finfo(np.float64).max)
 _SHOWN = 60   # characters of a rejected value's repr kept in a message
 
 
