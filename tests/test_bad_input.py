@@ -471,3 +471,19 @@ def test_an_unregistered_owner_is_checked_directly():
                                          r"that shares 4 bytes with it$"):
         check_apart_from_caches("out", out, _Owner([("v", first - 8, first - 1), ("k", first + 4, first + 12)]),
                                 others=False)
+
+
+def test_a_kernel_float_is_checked_as_the_kernel_rounds_it():
+    """scale, softcap and eps reach a kernel as float32: both ends of the normal range are taken, a value that
+    rounds to a subnormal, to zero or past the top is refused."""
+    from cupykv._args import check_positive_float32
+    tiny, top = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+    assert check_positive_float32("scale", tiny) == tiny and check_positive_float32("scale", top) == top
+    assert check_positive_float32("scale", np.float32(1.5)) == 1.5 and check_positive_float32("scale", 3) == 3.0
+    for bad in (tiny / 2, 1e-50, 3.5e38, -1.0, 10**400):
+        with pytest.raises(ValueError, match=r"^scale: expected a float in 1\.1754944e-38\.\.3\.4028235e\+38 "):
+            check_positive_float32("scale", bad)
+    assert check_positive_float32("softcap", 2.0**64, 2.0**64, "why") == 2.0**64
+    with pytest.raises(ValueError, match=r"^softcap: expected a float in 1\.1754944e-38\.\.1\.8446744e\+19 \(why\), "
+                                         r"got 3\.7e\+19$"):
+        check_positive_float32("softcap", 3.7e19, 2.0**64, "why")

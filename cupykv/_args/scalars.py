@@ -75,18 +75,6 @@ def _real(name: str, value: object, expected: str) -> float:
         return -math.inf if value < 0 else math.inf
 
 
-def check_float(name: str, value: object, lo: float, hi: float, why: str) -> float:
-    """Return ``value`` as a Python float, checking ``lo <= value <= hi`` (so it is finite).
-
-    ``why`` says what the range protects, for the message.
-    """
-    expected = f"a float in {lo:.8g}..{hi:.8g} ({why})"
-    number = _real(name, value, expected)
-    if not lo <= number <= hi:
-        raise ValueError(f"{name}: expected {expected}, got {shown(value)}")
-    return number
-
-
 def check_positive_float32(name: str, value: object, hi: float = FLOAT32_MAX,
                            why: str = "normal and > 0 in float32, the kernel's type") -> float:
     """Return ``value`` as a Python float that a kernel's ``float`` holds as a normal number in ``(0, hi]``.
