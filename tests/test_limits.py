@@ -197,3 +197,21 @@ def test_an_op_axis_may_be_int32_max_and_no_more():
     with pytest.raises(ValueError, match=r"^x: expected shape \(rows, 1\) \[rows, hidden\] with every size in "
                                          r"1\.\.2\*\*31-1, got \(2147483648, 1\)$"):
         check_shape("x", np.broadcast_to(np.float32(0), (big + 1, 1)), (None, 1), ("rows", "hidden"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_sequence_kernels_reach_the_last_sequence_of_a_partial_block(backend):
+    """advance, set_lengths, truncate and reset run a thread per sequence in blocks of 256: batch 257 takes a
+    second block for one sequence, the one a rounded-down block count would leave out."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=1, max_seq=8, batch=257)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    for twin in (cache, oracle):
+        twin.advance(3)
+        twin.set_lengths(np.arange(257) % 9)
+        twin.truncate(np.arange(257) % 9 // 2)
+        twin.reset([0, 256])
+        twin.advance(1)
+    assert cache.lengths_host().tolist() == np.asarray(oracle.lengths).tolist()
+    assert cache.lengths_host()[255:].tolist() == [255 % 9 // 2 + 1, 1]   # truncated then advanced; reset then advanced
+    mask = testing.to_numpy(cache.additive_mask(1), spec)
+    np.testing.assert_array_equal(mask, oracle.additive_mask(1))

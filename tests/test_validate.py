@@ -9,6 +9,7 @@ machine would run (commands only: nothing here needs a GPU), and the launch
 coverage check.
 """
 import json
+import math
 import os
 import re
 import subprocess
@@ -355,9 +356,21 @@ def test_a_kernel_added_to_KERNELS_without_a_launch_fails(monkeypatch):
         check_coverage(launched_today)
 
 
-def test_launch_every_kernel_covers_KERNELS_on_the_emulator():
+def test_launch_every_kernel_covers_KERNELS_on_the_emulator(monkeypatch):
+    """Every instance is launched, and launches whole warps: a block of 129 threads would run a warp for one
+    lane (the one-thread timing guard aside)."""
+    from cupykv.backends.base import Backend
+    blocks, original = {}, Backend.launch
+
+    def launch(self, op, instance, grid, block, args, shared_mem=0):
+        blocks.setdefault(instance, set()).add(math.prod(block))
+        return original(self, op, instance, grid, block, args, shared_mem)
+
+    monkeypatch.setattr(Backend, "launch", launch)
     launched = launch_every_kernel("emulator")
-    assert set(launched) == expected_instances()
+    assert set(launched) == expected_instances() and set(blocks) == {instance for _, instance in launched}
+    assert blocks.pop("cupykv_delay") == {1}   # the bench's timing guard: one thread spinning on the clock
+    assert all(threads % 32 == 0 for threads_seen in blocks.values() for threads in threads_seen), blocks
 
 
 def test_profile_workload_launches_the_kernels_ncu_selects():
