@@ -56,6 +56,7 @@ def test_the_plan_picks_tensor_cores_for_16_bit_caches_at_64_96_128_and_256_only
                 # the same key warps at every row count: they split the keys, so a row's sums follow them;
                 # four tiles take two warps per key warp
                 assert kernel.threads == 32 * WARPS[head_dim] * row_groups and kernel.rows_per_block == 16 * row_tiles
+                assert type(kernel.threads) is int   # a launch's block: 64, not 64.0
                 loop = row_tiles * MMA[f"kQTile{head_dim}"] + MMA[f"kStages{head_dim}"]
                 # accumulators (rows padded: conflict-free stores), row max and sum
                 merge = WARPS[head_dim] * 16 * row_tiles * (head_dim + MMA["kAccPad"] + 2) * 4
