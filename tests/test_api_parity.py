@@ -105,7 +105,7 @@ def test_host_positions_at_the_ends_of_their_ranges(backend):
     cache, oracle = pair(SPEC, backend, [1, 2, 3])
     k, v = rows(SPEC, 2, np.random.default_rng(2))
     for positions in ([[-2**31, 2**31 - 1], [m, m], [-1, -1]], [[0, m - 1], [m + 5, m + 5], [-7, -7]]):
-        cache.write(0, positions, cache.to_device(k), cache.to_device(v))
+        assert cache.write(0, positions, cache.to_device(k), cache.to_device(v)) is None   # no positions asked for
         oracle.write(0, positions, k, v)
         testing.assert_matches_reference(cache, oracle)
     for positions, message in [
@@ -116,6 +116,24 @@ def test_host_positions_at_the_ends_of_their_ranges(backend):
             with pytest.raises(ValueError, match=r"^positions: expected .*" + message):
                 twin.write(0, positions, new_k, new_v)
     testing.assert_matches_reference(cache, oracle)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_may_be_read_from_another_cache(backend):
+    """append and write refuse rows that overlap the cache they write, not rows read from another cache
+    (copying a prefix from one cache into another)."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=8, max_seq=6, batch=1, dtype="float16")
+    source, _ = pair(spec, backend, [4])
+    target = cupykv.KVCache(spec, backend=backend)
+    k, v = source.k[0, :, 1:3], source.v[0, :, 1:3]   # [1, 2, n_kv_heads, head_dim] views of source's rows
+    target.append(0, k, v)
+    target.write(0, [[2, 3]], k, v)
+    for name in ("k", "v"):
+        copied, original = (testing.bits(testing.to_numpy(getattr(c, name), spec)) for c in (target, source))
+        assert np.array_equal(copied[0, 0, 0:2], original[0, 0, 1:3]) and np.array_equal(copied[0, 0, 2:4],
+                                                                                         original[0, 0, 1:3])
+    with pytest.raises(ValueError, match=r"^k: expected an array that does not overlap the cache's k"):
+        source.append(0, k, v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -380,6 +398,9 @@ def test_footprint_repr_and_creation_record(backend, caplog):
     assert [r.getMessage() for r in records] == [f"created {text}"]
     shared = cupykv.KVCache(spec, backend=backend, lengths=cache.lengths)
     assert shared.nbytes == cache.nbytes - 4 * spec.batch and repr(shared).endswith("MiB, shared lengths)")
+    # the memory check before allocating asks for exactly what a cache then holds
+    assert cupykv.KVCache._bytes_needed(spec) == cache.nbytes
+    assert cupykv.KVCache._bytes_needed(spec, own_lengths=False) == shared.nbytes
 
 
 # -- bad input --------------------------------------------------------------------------------------
