@@ -386,7 +386,8 @@ def traffic(backend_or_cache: KVCache | str | Backend | None = None, banks: bool
         sees only emulator launches.
     banks : bool
         Also count shared-memory bank wavefronts per call site
-        (``launch.shared_sites``, ``launch.bank_conflicts()``); launches run slower.
+        (``launch.shared_sites``, ``launch.bank_conflicts()``) and the shared memory the
+        accesses reached (``launch.shared_extent()``); launches run slower.
 
     Raises
     ------
