@@ -498,9 +498,12 @@ def test_a_padded_head_reads_and_writes_only_its_own_dims(backend, dtype, io_dty
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, io_dtype, head_dim", [(d, "", hd) for d, hd in EDGE_CASES] + [("float8_e4m3", "float16", 64)],
                          ids=[f"{d}-{hd}" for d, hd in EDGE_CASES] + ["fp8-64"])
-@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
-def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backend, dtype, io_dtype, head_dim, poison):
-    """Pending row n + 2 of a 5-query verification tile holds NaN or an infinity in half of V's dims:
+@pytest.mark.parametrize("poison, last_dim_only", [(np.nan, False), (np.inf, False), (-np.inf, False), (np.nan, True)],
+                         ids=["nan", "inf", "-inf", "nan-in-the-last-dim"])
+def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backend, dtype, io_dtype, head_dim, poison,
+                                                                          last_dim_only):
+    """Pending row n + 2 of a 5-query verification tile holds NaN or an infinity in half of V's dims
+    (or NaN in its last dim alone, which one lane of the warp's stage scan reads):
     queries 0 and 1 share its step but do not attend it. In an mma their weight 0 times it would be
     NaN, so in such a step the kernel zeroes those elements and marks the rows that attend them.
     Queries 0 and 1 match the reference; queries 2 to 4, which attend it with a weight above 0, are
@@ -514,10 +517,11 @@ def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backen
     for c in (cache, oracle):
         c.set_lengths(lengths)
     poisoned = {b: n + 2 for b, n in enumerate(lengths)}
+    dims = slice(head_dim - 1, head_dim) if last_dim_only else slice(0, head_dim // 2)
     v = np.array(testing.to_numpy(cache.v, spec))
     for b, row in poisoned.items():
         for array in (v, oracle.v):
-            array[0, b, row, :, : head_dim // 2] = poison
+            array[0, b, row, :, dims] = poison
     cache.v[...] = cache.to_device(v.astype(cache.v.dtype))
     q = testing.random_rows(rng, spec, (2, q_len, 2 * group, head_dim))
     got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, num_splits=1), spec, io=True)
@@ -525,5 +529,7 @@ def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backen
         want = reference.attention(q, oracle, 0)
     assert np.isfinite(got[:, :2]).all()
     assert_attention_close(got[:, :2], want[:, :2], spec.io_dtype, testing.value_scale(oracle, 0))
-    assert not np.isfinite(want[:, 2:, :, : head_dim // 2]).any() and np.isfinite(want[:, 2:, :, head_dim // 2:]).all()
+    finite = np.ones(head_dim, bool)
+    finite[dims] = False
+    assert not np.isfinite(want[:, 2:, :, ~finite]).any() and np.isfinite(want[:, 2:, :, finite]).all()
     assert np.isnan(got[:, 2:]).all()
