@@ -210,13 +210,22 @@ STOP_PADDINGS = ([], [-1], [-1, 5])
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), batch=st.integers(1, 300))
 def test_decode_commit_follows_its_rule(data, batch):
-    model = tiny(1)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    ints = lambda lo, hi: rng.integers(lo, hi, batch).astype(np.int32)   # noqa: E731
-    ids, active, budget, next_ids, lengths = ints(0, 9), ints(0, 2), ints(0, 4), ints(0, 9), ints(0, 12)
     stops = data.draw(st.lists(st.integers(0, 9), max_size=4))
     device_stops = (stops + data.draw(st.sampled_from(STOP_PADDINGS))) or [-1]   # unpadded: a stop id ends the list
-    max_length = data.draw(st.integers(0, 14))
+    assert_decode_commit_follows_its_rule(rng, batch, stops, device_stops, data.draw(st.integers(0, 14)))
+
+
+def test_decode_commit_reaches_the_last_sequence_of_a_partial_block():
+    """One thread per sequence in blocks of 256: batch 257 puts sequence 256 alone in a second block."""
+    assert_decode_commit_follows_its_rule(np.random.default_rng(7), 257, [3], [3, -1], 9)
+
+
+def assert_decode_commit_follows_its_rule(rng, batch, stops, device_stops, max_length):
+    model = tiny(1)
+    ints = lambda lo, hi: rng.integers(lo, hi, batch).astype(np.int32)   # noqa: E731
+    ids, active, budget, next_ids, lengths = ints(0, 9), ints(0, 2), ints(0, 4), ints(0, 9), ints(0, 12)
+    active[-1] = 1   # the last sequence takes part: its ids, tokens, budget and advance_by are written
     n_active = np.array([active.sum() + 1000], np.int32)   # any count: the kernel subtracts the stops
     device = [model.backend.asarray(a) for a in (ids, np.zeros_like(ids), np.zeros_like(ids), active, budget,
                                                  next_ids, lengths, np.array(device_stops, np.int32), n_active)]
