@@ -404,13 +404,14 @@ def test_argmax_finds_the_unique_maximum(backend, dtype, rows, vocab, seed):
 @pytest.mark.parametrize("vocab", [32000, 128257])
 def test_argmax_large_vocab_and_ties(backend, dtype, vocab):
     rng = np.random.default_rng(vocab)
-    logits, winners = logits_with_unique_max(rng, 4, vocab, dtype)
+    logits, winners = logits_with_unique_max(rng, 5, vocab, dtype)
     ninf = np.array(-np.inf, NP_DTYPES[dtype])
     logits[1, [vocab - 1, 7, vocab // 2]] = 20.0   # a tie: the lowest index wins
+    logits[4, [18, 17]] = 20.0                   # a tie inside one thread's 16-byte load, not its first
     logits[2] = ninf                             # nothing but -inf: index 0
     logits[3] = np.array(np.nan, NP_DTYPES[dtype])   # nothing but NaN (the first NaN wins): index 0,
     got = to_host(backend, ops.argmax(device(backend, logits)))   # a token id, never one past the vocab
-    assert got.tolist() == reference.argmax(logits).tolist() == [winners[0], 7, 0, 0]
+    assert got.tolist() == reference.argmax(logits).tolist() == [winners[0], 7, 0, 0, 17]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

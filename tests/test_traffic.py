@@ -723,3 +723,16 @@ def test_linear_weight_loads_are_coalesced(dtype):
     assert w.sectors_loaded <= 1.05 * weight.nbytes / 32
     assert w.counts("load").sectors_per_request == 16.0
     assert w.counts("load").request_sectors == weight.nbytes // 32
+
+
+@pytest.mark.parametrize("dtype, vocab, vector_bytes", [("float32", 1000, 16), ("float16", 1000, 16), ("float32", 999, 4)])
+def test_argmax_reads_aligned_rows_in_16_byte_loads(dtype, vocab, vector_bytes):
+    """A row whose length is whole 16-byte vectors is read one uint4 a lane (a quarter, or an eighth, of the
+    loads); another row, element by element. The result does not show which path ran: the count does."""
+    backend = EmulatorBackend()
+    logits = backend.asarray(np.random.default_rng(0).standard_normal((2, vocab)).astype(dtype))
+    with testing.traffic(backend) as t:
+        ops.argmax(logits)
+    (launch,) = t.launches
+    loads = launch.of(logits).counts("load")
+    assert (loads.bytes, loads.accesses) == (logits.nbytes, logits.nbytes // vector_bytes), t.report()
