@@ -223,17 +223,16 @@ def test_bad_call_raises_its_error_and_changes_nothing(filled_cache, name, call,
 
 
 def test_reset_takes_each_slot_from_0_to_batch_minus_1():
-    for slot in range(SPEC.batch):
-        cache = cupykv.KVCache(SPEC, backend="emulator")
-        cache.advance([3, 5])
-        cache.reset(slot)
-        assert cache.lengths_host().tolist() == [0 if b == slot else n for b, n in enumerate([3, 5])]
-    # any int dtype, as a host array of slots (an object array of Python ints too)
-    for slots in (np.array([1], np.int64), np.array([1], np.uint8), np.array([0, 1], dtype=object)):
+    def lengths_after_reset(slots):
         cache = cupykv.KVCache(SPEC, backend="emulator")
         cache.advance([3, 5])
         cache.reset(slots)
-        assert cache.lengths_host().tolist() == [0 if b in slots.tolist() else n for b, n in enumerate([3, 5])]
+        return cache.lengths_host().tolist()
+
+    assert [lengths_after_reset(slot) for slot in range(SPEC.batch)] == [[0, 5], [3, 0]]
+    # any int dtype, as a host array of slots (an object array of Python ints too)
+    assert lengths_after_reset(np.array([1], np.int64)) == lengths_after_reset(np.array([1], np.uint8)) == [3, 0]
+    assert lengths_after_reset(np.array([0, 1], dtype=object)) == [0, 0]
 
 
 def test_advance_and_truncate_take_host_int_arrays_of_any_int_dtype():

@@ -120,7 +120,6 @@ def test_float32_attention_is_free_of_bank_conflicts(head_dim, group, q_len):
     assert requests > 0 and wavefronts == ideal
 
 
-
 # (dtype, head_dim, group, q_len): the CUDA-core kernel (attention.cu), the staged float32 kernel at its own
 # sizes and padded, the tensor-core kernel at one, two and four tiles, padded, and for fp8 caches
 EXTENT_CASES = [("float32", 18, 2, 1), ("bfloat16", 12, 4, 1), ("float8_e4m3", 24, 4, 1),
@@ -143,6 +142,7 @@ def test_declared_shared_memory_is_what_the_kernel_reaches(dtype, head_dim, grou
     unused = launch.shared_mem - launch.shared_extent()
     assert launch.shared_extent() > 0 and unused in (unread_tail if "_mma<" in launch.kernel else (0,)), \
         (launch.kernel, launch.shared_mem, launch.shared_extent())
+
 
 def test_split_kv_attention_conflicts_as_one_split_does():
     launch = attention_launch("bfloat16", 128, 4, 1, length=300, num_splits=3)
