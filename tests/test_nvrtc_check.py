@@ -172,6 +172,11 @@ SM80, SM90 = occupancy.LIMITS["sm_80"], occupancy.LIMITS["sm_90"]
     (SM80, 32, 128, 60944, 2, "shared"),          # past 48 KiB (opt-in): 167936 // 62080
     (SM80, 32, 128, 163 * 1024 + 1, 0, "shared"),  # past sm_80's 163 KiB a block (with 1 KB reserved): none
     (SM90, 32, 128, 163 * 1024 + 1, 1, "shared"),  # sm_90 allows 227 KiB a block
+    (SM80, 32, 128, 163 * 1024, 1, "shared"),     # exactly sm_80's largest block
+    (SM90, 32, 128, 227 * 1024, 1, "shared"),     # exactly sm_90's largest block
+    (SM90, 32, 128, 227 * 1024 + 1, 0, "shared"),  # one byte past it
+    (SM80, 16, 96, 0, 21, "threads"),             # 2048 // 96: whole blocks of 3 warps, not 21.3
+    (SM80, 16, 1, 0, 32, "blocks"),               # one thread is a block of one warp
     (SM80, 32, 100, 100, 16, "registers+threads"),  # 100 threads occupy 4 warps
     (SM80, 255, 1024, 0, 0, "registers"),         # 8192 per warp: 8 warps, a block needs 32
     (SM80, 100, 128, 0, 4, "registers"),          # 3200 -> 3328 per warp: 19 warps (20 unrounded: 5 blocks)
@@ -194,6 +199,12 @@ def test_shared_memory_is_allocated_in_128_byte_units_plus_1_kb_per_block():
 def test_occupancy_refuses_impossible_blocks(threads):
     with pytest.raises(ValueError, match="threads per block"):
         occupancy.blocks_per_sm(SM80, 32, threads, 0)
+
+
+@pytest.mark.parametrize("registers, shared", [(-1, 0), (0, -1)])
+def test_occupancy_refuses_a_negative_amount_of_either_resource(registers, shared):
+    with pytest.raises(ValueError, match=rf"must be >= 0, got {registers} and {shared}$"):
+        occupancy.blocks_per_sm(SM80, registers, 32, shared)
 
 
 def test_launch_bounds_are_read_from_the_ptx():
@@ -343,6 +354,18 @@ def test_a_planted_low_register_occupancy_fails():
             "__launch_bounds__ declares 4") in stderr
     fine = nvrtc_check.InstanceReport("sm_80", "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128>", 128, 0, 0, 0, 0, 128, 4)
     assert _report_exit([fine])[0] == 0
+
+
+def test_the_occupancy_table_lines_its_columns_up_under_the_header():
+    reports = [nvrtc_check.InstanceReport("sm_80", "cupykv_linear<float, 1>", 40, 0, 0, 0, 0, 128, 4),
+               nvrtc_check.InstanceReport("sm_90", "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 128>", 64, 0, 0,
+                                          0, 0, 128, 4)]
+    header, *lines = occupancy.format_rows(occupancy.rows(reports)).splitlines()
+    registers_end = header.index("regs") + len("regs")
+    assert len(lines) == 2
+    for line, report in zip(lines, reports):
+        assert line.startswith(f"{report.arch}  {report.instance} ")
+        assert line[:registers_end].endswith(f" {report.registers}"), (header, line)   # right-aligned under "regs"
 
 
 def test_an_instance_that_does_not_fit_an_sm_fails_without_a_declared_minimum():
