@@ -22,7 +22,7 @@ import argparse
 import contextlib
 import functools
 import sys
-from typing import Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -75,26 +75,52 @@ def check_coverage(launched, expected=None) -> None:
                             f"cupykv.validate_launches.launch_every_kernel")
 
 
-@contextlib.contextmanager
-def recording_launches() -> Iterator[list[tuple[str, str]]]:
-    """Record ``(op, instance)`` of every :meth:`Backend.launch` (any backend) inside the block.
+class LaunchRecord(NamedTuple):
+    """One :meth:`Backend.launch` as :func:`recording_launch_records` saw it."""
 
-    Yields the list the launches are appended to; ``Backend.launch`` is
-    restored on exit.
-    """
-    launched: list[tuple[str, str]] = []
+    op: str
+    instance: str
+    grid: tuple[int, ...]
+    block: tuple[int, ...]
+    shared_mem: int   # dynamic shared memory per block, in bytes
+
+
+@contextlib.contextmanager
+def _wrapping_launches(record: Callable[[LaunchRecord], None]) -> Iterator[None]:
+    """Call ``record`` before every :meth:`Backend.launch` (any backend) inside the block; restore it on exit."""
     original = Backend.launch
 
     @functools.wraps(original)
     def launch(self, op, instance, grid, block, args, shared_mem=0):
-        launched.append((op, instance))
+        record(LaunchRecord(op, instance, tuple(grid), tuple(block), shared_mem))
         return original(self, op, instance, grid, block, args, shared_mem)
 
     Backend.launch = launch  # type: ignore[method-assign]   # wrapped for the block, restored below
     try:
-        yield launched
+        yield
     finally:
         Backend.launch = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[list[tuple[str, str]]]:
+    """Record ``(op, instance)`` of every :meth:`Backend.launch` (any backend) inside the block.
+
+    Yields the list the launches are appended to, as they are made;
+    ``Backend.launch`` is restored on exit.
+    """
+    launched: list[tuple[str, str]] = []
+    with _wrapping_launches(lambda launch: launched.append((launch.op, launch.instance))):
+        yield launched
+
+
+@contextlib.contextmanager
+def recording_launch_records() -> Iterator[list[LaunchRecord]]:
+    """:func:`recording_launches` with each launch's geometry and dynamic shared memory: a
+    :class:`LaunchRecord` per launch."""
+    records: list[LaunchRecord] = []
+    with _wrapping_launches(records.append):
+        yield records
 
 
 def _attention_round(backend: Backend, dtype: str, io_dtype: str, head_dim: int, seed: int) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import cupykv.validate as validate
-from cupykv import ops
+from cupykv import occupancy, ops
 from cupykv.backends import cuda_available, get_backend
 from cupykv.backends.base import Backend
 from cupykv.bench.report import EMULATOR_LABEL as BENCH_EMULATOR_LABEL
@@ -29,7 +29,7 @@ from cupykv.kernels import KERNELS, KernelFile
 from cupykv.validate import (EMULATOR_BUDGETS, GPU_BUDGETS, MAX_FILES, NCU_KERNELS, NO_GPU, NOT_GPU_LABEL,
                              Part, Plan, build_plan, execute, junit_counts)
 from cupykv.validate_launches import (CoverageError, check_coverage, expected_instances, launch_every_kernel,
-                                      profile_workload, recording_launches)
+                                      profile_workload, recording_launch_records, recording_launches)
 from cupykv.validate_launches import main as launches_main
 
 GPU_ONLY = ("gpu_suite", "memcheck", "racecheck", "synccheck", "initcheck", "ncu")
@@ -356,21 +356,41 @@ def test_a_kernel_added_to_KERNELS_without_a_launch_fails(monkeypatch):
         check_coverage(launched_today)
 
 
-def test_launch_every_kernel_covers_KERNELS_on_the_emulator(monkeypatch):
+@pytest.fixture(scope="module")
+def every_kernel_launch():
+    """The :func:`launch_every_kernel` sweep on the emulator: ``(its return value, its LaunchRecords)``."""
+    with recording_launch_records() as records:
+        launched = launch_every_kernel("emulator")
+    return launched, records
+
+
+def test_launch_every_kernel_covers_KERNELS_on_the_emulator(every_kernel_launch):
     """Every instance is launched, and launches whole warps: a block of 129 threads would run a warp for one
     lane (the one-thread timing guard aside)."""
-    from cupykv.backends.base import Backend
-    blocks, original = {}, Backend.launch
-
-    def launch(self, op, instance, grid, block, args, shared_mem=0):
-        blocks.setdefault(instance, set()).add(math.prod(block))
-        return original(self, op, instance, grid, block, args, shared_mem)
-
-    monkeypatch.setattr(Backend, "launch", launch)
-    launched = launch_every_kernel("emulator")
-    assert set(launched) == expected_instances() and set(blocks) == {instance for _, instance in launched}
+    launched, records = every_kernel_launch
+    assert set(launched) == expected_instances() == {(r.op, r.instance) for r in records}
+    blocks = {}
+    for r in records:
+        blocks.setdefault(r.instance, set()).add(math.prod(r.block))
     assert blocks.pop("cupykv_delay") == {1}   # the bench's timing guard: one thread spinning on the clock
     assert all(threads % 32 == 0 for threads_seen in blocks.values() for threads in threads_seen), blocks
+
+
+def test_the_occupancy_check_describes_the_launches_the_host_code_makes(every_kernel_launch):
+    """``python -m cupykv check`` computes each attention and ``linear`` instance's occupancy from
+    :func:`cupykv.occupancy.launch_shape`: that must be the block and the dynamic shared memory the
+    host code launches it with. The generic attention instance is checked at its largest head_dim
+    (its least occupancy), so the sweep's head_dim 30 may ask for less."""
+    _, records = every_kernel_launch
+    checked = [r for r in records if occupancy.launch_shape(r.instance) is not None]
+    assert {r.op for r in checked} == {"attention", "attention_f32", "attention_mma", "linear", "linear_mma"}
+    for r in checked:
+        shape = occupancy.launch_shape(r.instance)
+        assert math.prod(r.block) == shape.threads, r
+        if r.instance.endswith(", 0>"):   # the generic attention instance
+            assert 0 < r.shared_mem < shape.dynamic_shared_bytes, r
+        else:
+            assert r.shared_mem == shape.dynamic_shared_bytes, r
 
 
 def test_profile_workload_launches_the_kernels_ncu_selects():
@@ -418,10 +438,12 @@ def test_launches_main_warms_up_first_and_goes_on_when_the_warm_up_fails(monkeyp
 def test_recording_launches_records_and_restores():
     original = Backend.launch
     a = get_backend("emulator").asarray(np.ones(8, np.float32))
-    with recording_launches() as launched:
+    with recording_launch_records() as records, recording_launches() as launched:
         ops.add(a, a)
-        assert Backend.launch is not original
+        assert Backend.launch is not original and launched == [("add", "cupykv_add<float>")]
     assert launched == [("add", "cupykv_add<float>")]
+    # 8 floats are 2 packs of 16 bytes: one block of one warp, no dynamic shared memory
+    assert records == [("add", "cupykv_add<float>", (1,), (32,), 0)]
     assert Backend.launch is original
 
 
