@@ -16,7 +16,7 @@ from typing import Hashable
 
 from cupykv import _args
 from cupykv._typing import ArrayLike, DeviceArray, FloatLike, IntLike
-from cupykv.attention_plan import AttentionPlan, check_operands, max_splits
+from cupykv.attention_plan import AttentionPlan, check_operands, check_split_keys, max_splits
 from cupykv.cache import KVCache
 from cupykv.rope import Rope
 
@@ -116,7 +116,7 @@ def attention(q: ArrayLike, cache: KVCache, layer: IntLike, *, scale: FloatLike 
     if num_splits is not None:
         num_splits = _args.check_int("num_splits", num_splits, 1, max_splits(spec.max_seq))
     if split_keys is not None:
-        split_keys = _args.check_int("split_keys", split_keys, 1)   # the plan checks the rest
+        split_keys = check_split_keys(split_keys, spec)
     operands = check_operands(cache, q_len, n_heads, q, layer, out, run_if)   # before a new plan allocates
     plan = plan_for(cache, q_len, n_heads, scale=scale, window=window, softcap=softcap, rope=rope,
                     num_splits=num_splits, split_keys=split_keys)

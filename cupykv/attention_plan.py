@@ -174,7 +174,7 @@ def plan_splits(spec: CacheSpec, q_len: int, n_heads: int, resident_blocks: int,
     return max(1, min(math.ceil(resident_blocks / blocks), spec.max_seq // MIN_KEYS_PER_SPLIT))
 
 
-def _check_split_keys(split_keys: object, spec: CacheSpec) -> int:
+def check_split_keys(split_keys: object, spec: CacheSpec) -> int:
     """``split_keys`` as an int: a multiple of CHUNK, at most ``max_seq`` rounded up, in at most MAX_SPLITS splits."""
     lo = max(CHUNK, math.ceil(spec.max_seq / MAX_SPLITS / CHUNK) * CHUNK)
     hi = max(lo, math.ceil(spec.max_seq / CHUNK) * CHUNK)
@@ -338,7 +338,7 @@ class AttentionPlan:
         self.block = (self.kernel.threads,)
         self.shared_mem_bytes = self.kernel.shared_mem_bytes
         backend = cache.kernel_view(0).backend
-        self.split_keys = None if split_keys is None else _check_split_keys(split_keys, spec)
+        self.split_keys = None if split_keys is None else check_split_keys(split_keys, spec)
         if self.split_keys is not None:
             if num_splits is not None:
                 raise ValueError(f"num_splits: expected None with split_keys (the splits follow from it), "

@@ -364,15 +364,24 @@ def test_split_keys_sets_the_split_count_and_reaches_the_kernel():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(split_keys=200), r"^split_keys: expected a multiple of 128 \(the kernel's key chunk\), got 200"),
-    (dict(split_keys=64), r"^split_keys: expected an int in 128\.\.1024, got 64"),
-    (dict(split_keys=2048), r"^split_keys: expected an int in 128\.\.1024, got 2048"),
+    (dict(split_keys=200), r"^split_keys: expected a multiple of 128 \(the kernel's key chunk\), got 200$"),
+    (dict(split_keys=64), r"^split_keys: expected an int in 128\.\.1024, got 64$"),
+    (dict(split_keys=1), r"^split_keys: expected an int in 128\.\.1024, got 1$"),
+    (dict(split_keys=0), r"^split_keys: expected an int in 128\.\.1024, got 0$"),
+    (dict(split_keys=2048), r"^split_keys: expected an int in 128\.\.1024, got 2048$"),
     (dict(split_keys=256, num_splits=4), r"^num_splits: expected None with split_keys"),
 ])
-def test_bad_split_keys_are_refused(kwargs, message):
+@pytest.mark.parametrize("form", ["plan", "attention"])
+def test_bad_split_keys_are_refused(monkeypatch, form, kwargs, message):
+    """By the plan and by the convenience form, with the same message, before anything is allocated."""
     cache = cupykv.KVCache(LONG, backend="emulator")
+    q = cache.to_device(np.zeros((LONG.batch, 1, 4, LONG.head_dim), np.float32))
+    monkeypatch.setattr(type(cache._backend), "zeros", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(ValueError, match=message):
-        cupykv.AttentionPlan(cache, 1, 4, **kwargs)
+        if form == "plan":
+            cupykv.AttentionPlan(cache, 1, 4, **kwargs)
+        else:
+            cupykv.attention(q, cache, 0, **kwargs)
 
 
 def test_split_keys_that_need_more_splits_than_a_grid_holds_are_refused_as_split_keys():
