@@ -13,6 +13,7 @@ from hypothesis import given, target, strategies as st
 
 import cupykv
 from cupykv import fp8, reference, testing, tolerances
+from cupykv.backends import get_backend
 from cupykv.spec import FP8_DTYPE, IO_DTYPES
 from backends import BACKENDS
 
@@ -90,6 +91,41 @@ def test_calibrate_scales_maps_each_heads_largest_value_to_448_without_saturatin
         fp8.calibrate_scales(np.full((1, 2, 3), np.nan))
     with pytest.raises(ValueError, match=r"samples: expected a non-empty array .* got shape \(2, 3\)"):
         fp8.calibrate_scales(np.ones((2, 3)))
+
+
+def test_calibrate_scales_keeps_a_scale_that_is_already_exact():
+    """A head whose largest value is 448 * 2**k gets exactly 2**k: rounding up is only for a quotient
+    that float32 rounded down (then the next float32 up keeps the largest value unsaturated)."""
+    samples = np.zeros((1, 2, 3, 4), np.float32)
+    samples[0, 1, 0, 2], samples[0, 0, 1, 3], samples[0, 1, 2, 0] = 448.0, -896.0, 448.0 / 1024
+    assert fp8.calibrate_scales(samples).tolist() == [[1.0, 2.0, 1 / 1024]]
+    # 450 / 448 rounds down to a float32 (450 / float32(450 / 448) > 448): the scale is the next one up;
+    # 449 / 448 rounds up, and is kept
+    rounded_down, rounded_up = np.float32(450 / 448), np.float32(449 / 448)
+    assert 450 / float(rounded_down) > 448 and 449 / float(rounded_up) < 448
+    scales = fp8.calibrate_scales(np.array([450.0, 449.0]).reshape(1, 1, 2, 1))
+    assert scales.tolist() == [[np.nextafter(rounded_down, np.float32(2)), rounded_up]]
+
+
+def test_calibrate_scales_takes_bfloat16_samples_and_refuses_ints():
+    samples = np.array([[[[3.0, -448.0 * 4]]]], ml_dtypes.bfloat16)   # [1 layer, 1 token, 1 head, 2]
+    assert fp8.calibrate_scales(samples).tolist() == [[4.0]]
+    with pytest.raises(TypeError, match=r"^samples: expected a float array .*, got dtype int32$"):
+        fp8.calibrate_scales(np.ones((1, 1, 1, 2), np.int32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_calibrate_scales_reads_a_device_array_of_either_backend_or_nested_lists(backend):
+    samples = np.random.default_rng(5).standard_normal((2, 3, 2, 8)).astype(np.float32)
+    on_device = get_backend(backend).asarray(samples)
+    assert fp8.calibrate_scales(on_device).tobytes() == fp8.calibrate_scales(samples).tobytes()
+    assert fp8.calibrate_scales(samples.tolist()).tobytes() == fp8.calibrate_scales(samples).tobytes()   # array_like
+
+
+def test_dequantize_reads_uint8_bit_patterns_as_the_codes_they_hold():
+    codes = np.array([0x38, 0xB8, 0x7E, 0x01], np.uint8)   # 1.0, -1.0, 448, the smallest subnormal 2**-9
+    assert fp8.dequantize_e4m3(codes, 2.0).tolist() == [2.0, -2.0, 896.0, 2.0**-8]
+    assert fp8.dequantize_e4m3(codes.view(E4M3), 2.0).tolist() == [2.0, -2.0, 896.0, 2.0**-8]
 
 
 # -- stores, bit for bit ------------------------------------------------------------------------
