@@ -486,3 +486,22 @@ def test_a_kernel_float_is_checked_as_the_kernel_rounds_it():
     with pytest.raises(ValueError, match=r"^softcap: expected a float in 1\.1754944e-38\.\.1\.8446744e\+19 \(why\), "
                                          r"got 3\.7e\+19$"):
         check_positive_float32("softcap", 3.7e19, 2.0**64, "why")
+
+
+def test_a_rope_theta_is_taken_from_1_to_the_largest_float64():
+    top = float(np.finfo(np.float64).max)
+    for theta in (1, 1.0, np.float16(1.0), 10000, top, 10**308):
+        assert cupykv.Rope(theta).theta == float(theta)
+    expected = r"^Rope\.theta: expected a float in 1\.\.1\.7976931e\+308 \(finite and >= 1, "
+    for bad in (np.nextafter(1.0, 0.0), 0, -1.0, float("inf"), float("nan"), 2**1024, -(2**1024)):
+        with pytest.raises(ValueError, match=expected):
+            cupykv.Rope(bad)
+    for bad in (True, "1e4", None, 1 + 0j):
+        with pytest.raises(TypeError, match=expected):
+            cupykv.Rope(bad)
+    # a refused value is shown whole up to 60 characters, as the argument layer shows one
+    assert len(repr(-(10**58))) == 60
+    with pytest.raises(ValueError, match=rf"got {-(10**58)}$"):
+        cupykv.Rope(-(10**58))
+    with pytest.raises(ValueError, match=r"got -1" + "0" * 43 + r"\.\.\." + "0" * 12 + "$"):   # 45 + 3 + 12
+        cupykv.Rope(-(10**59))
