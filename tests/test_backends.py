@@ -1,9 +1,14 @@
-"""Backend plumbing: each kernel is looked up once per backend; synchronize works outside capture."""
+"""Backend plumbing: each kernel is looked up once per backend; synchronize works outside capture;
+asarray keeps a host array as it is."""
+import math
+
 import numpy as np
+import pytest
 
 from cupykv.backends import get_backend
 from cupykv.backends.base import Backend
 from cupykv.kernels import KERNELS
+from backends import BACKENDS
 
 
 class CountingModule:
@@ -59,3 +64,20 @@ def test_the_emulator_returns_the_same_function_object_every_time():
 def test_synchronize_outside_capture_still_works_on_the_emulator():
     # cupykv.bench.timing calls backend.synchronize() between timed calls, outside any capture.
     get_backend("emulator").synchronize()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(), (0,), (2, 0, 3), (3,), (2, 3)], ids=str)
+def test_asarray_keeps_the_host_arrays_shape_dtype_and_values(backend, shape):
+    """As ``cupy.asarray`` keeps them: a 0-d array stays 0-d (NumPy's ``ascontiguousarray`` would make it
+    ``(1,)``, and an op that refuses 0-d operands would then run on the emulator only)."""
+    device = get_backend(backend)
+    host = np.arange(math.prod(shape), dtype=np.float32).reshape(shape) + 0.5
+    on_device = device.asarray(host)
+    assert device.is_device_array(on_device)
+    assert (on_device.shape, on_device.dtype) == (shape, np.float32)
+    back = device.to_host(on_device)
+    assert back.shape == shape and back.tobytes() == host.tobytes()
+    transposed = device.asarray(host.T)   # not C-contiguous: copied into a C-contiguous device array
+    assert transposed.shape == host.T.shape
+    assert device.to_host(transposed).tobytes() == np.ascontiguousarray(host.T).tobytes()

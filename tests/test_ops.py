@@ -534,6 +534,10 @@ BAD_CALLS = [
      ValueError, "out", APART + " ids"),
     (lambda a: ops.embedding(a["ids"], a["w"], error_flag=a["ids"][:1]), ValueError, "error_flag", APART + " ids"),
     (lambda a: ops.argmax(a["x"], out=a["x"].reshape(-1)[:2].view(np.int32)), ValueError, "out", APART + " logits"),
+    (lambda a: ops.add(a["scalar"], a["scalar"]), ValueError, "a",
+     r" an array of rank >= 1 with every size >= 1, got shape \(\)$"),
+    (lambda a: ops.silu_mul(a["empty"], a["empty"]), ValueError, "gate",
+     r" an array of rank >= 1 with every size >= 1, got shape \(2, 0\)$"),
 ]
 
 
@@ -555,7 +559,7 @@ def test_bad_inputs_are_rejected_naming_the_argument_and_write_nothing(call, err
         x=np.ones((2, 6), F32), x64=np.ones((2, 6)), w=np.ones((3, 6), F32), w16=np.ones((3, 6), F16),
         w_in5=np.ones((3, 5), F32), y16=np.ones((2, 6), F16), sq=np.ones((4, 4), F32), y=np.ones((2, 6), F32),
         ids=np.zeros(2, np.int32), ids64=np.zeros(2, np.int64), flag=np.zeros(1, np.int32),
-        buf=np.arange(20, dtype=F32))
+        buf=np.arange(20, dtype=F32), scalar=np.ones((), F32), empty=np.ones((2, 0), F32))
     before = {key: value.copy() for key, value in arrays.items()}
     with pytest.raises(error, match=rf"^{name}: expected{expected}"):
         call(arrays)
@@ -577,3 +581,39 @@ def test_an_output_one_element_past_an_input_is_refused_but_the_input_itself_is_
     want = getattr(reference, op)(to_host(backend, a), to_host(backend, b))
     assert getattr(ops, op)(a, b, out=a) is a
     assert_within_ulps(to_host(backend, a), want, fp32_error_ulps("float32", 7), f"{op} in place")
+
+
+def _launch_geometry(call, *arrays):
+    """``(grid, block)`` of the one launch ``call`` makes with ``arrays`` (float32 on the emulator)."""
+    from cupykv.validate_launches import recording_launch_records
+    backend = get_backend("emulator")
+    on_device = [backend.asarray(np.ascontiguousarray(a)) for a in arrays]
+    with recording_launch_records() as records:
+        call(*on_device)
+    (record,) = records
+    return record.grid, record.block
+
+
+@pytest.mark.parametrize("name, call, shapes, grid, block", [
+    # one block per row, a warp per 32 elements of the row, up to 256 (rmsnorm) or 512 (argmax) threads
+    ("rmsnorm 32", lambda x, w: ops.rmsnorm(x, w, 1e-6), [(3, 32), (32,)], (3,), (32,)),
+    ("rmsnorm 33", lambda x, w: ops.rmsnorm(x, w, 1e-6), [(3, 33), (33,)], (3,), (64,)),
+    ("rmsnorm 4096", lambda x, w: ops.rmsnorm(x, w, 1e-6), [(2, 4096), (4096,)], (2,), (256,)),
+    ("argmax 33", lambda x: ops.argmax(x), [(5, 33)], (5,), (64,)),
+    ("argmax 480", lambda x: ops.argmax(x), [(1, 480)], (1,), (480,)),
+    ("argmax 32000", lambda x: ops.argmax(x), [(2, 32000)], (2,), (512,)),
+    # elementwise: a thread per 16-byte pack (4 floats) rounded up to a warp, up to 256, then blocks of
+    # 256 up to 1024 (a grid-stride loop covers the rest)
+    ("add 8", lambda a, b: ops.add(a, b), [(8,), (8,)], (1,), (32,)),
+    ("add 33 packs", lambda a, b: ops.add(a, b), [(3, 44), (3, 44)], (1,), (64,)),
+    ("silu_mul 257 packs", lambda a, b: ops.silu_mul(a, b), [(1028,), (1028,)], (2,), (256,)),
+    ("add past 1024 blocks", lambda a, b: ops.add(a, b), [(1025 * 1024,), (1025 * 1024,)], (1024,), (256,)),
+], ids=lambda case: case if isinstance(case, str) else "")
+def test_the_small_ops_launch_the_geometry_their_kernel_headers_give(name, call, shapes, grid, block):
+    arrays = [np.ones(shape, np.float32) for shape in shapes]
+    assert _launch_geometry(call, *arrays) == (grid, block)
+
+
+def test_embedding_launches_a_block_of_128_threads_per_row():
+    ids, table = np.array([2, 0, 1], np.int32), np.ones((4, 40), np.float32)
+    assert _launch_geometry(lambda i, t: ops.embedding(i, t), ids, table) == ((3,), (128,))

@@ -144,7 +144,8 @@ class EmulatorBackend(Backend):
         return isinstance(array, DeviceArray)
 
     def _asarray(self, host_array):
-        return emulator.asarray(np.ascontiguousarray(host_array)).view(DeviceArray)
+        # np.asarray(order="C"), not np.ascontiguousarray, which turns a 0-d array into shape (1,)
+        return emulator.asarray(np.asarray(host_array, order="C")).view(DeviceArray)
 
     def _to_host(self, array):
         return np.array(array, copy=True)
