@@ -617,3 +617,14 @@ def test_the_small_ops_launch_the_geometry_their_kernel_headers_give(name, call,
 def test_embedding_launches_a_block_of_128_threads_per_row():
     ids, table = np.array([2, 0, 1], np.int32), np.ones((4, 40), np.float32)
     assert _launch_geometry(lambda i, t: ops.embedding(i, t), ids, table) == ((3,), (128,))
+
+
+def test_the_reference_ops_refuse_a_dtype_they_do_not_store():
+    x32, x16 = np.ones((2, 4), np.float32), np.ones((2, 4), np.float16)
+    with pytest.raises(TypeError, match=r"^x: expected dtype float32, float16 or bfloat16, got float64$"):
+        reference.linear(np.ones((2, 4)), x32)
+    with pytest.raises(TypeError, match=r"^weight: expected dtype float32, got float16$"):
+        reference.linear(x32, x16)
+    with pytest.raises(TypeError, match=r"^b: expected dtype float16, got float32$"):
+        reference.add(x16, x32)
+    assert reference.add(x16, x16).dtype == np.float16
