@@ -151,6 +151,19 @@ def test_linear_wide_enough_to_keep_in_features_in_one_warp(backend, dtype):
     run_linear(backend, dtype, 3, 9, out_features, seed=4)
 
 
+def test_the_linear_split_rules_are_the_ones_docs_performance_states():
+    """docs/performance.md explains each ``linear`` launch's split with numbers: they must be the code's."""
+    import re
+    from pathlib import Path
+    text = " ".join((Path(__file__).parent.parent / "docs" / "performance.md").read_text().split())
+    narrow = re.search(r"narrower than (\d+) outputs \(`ops\.LINEAR_SPLIT_K_BELOW_OUTS`\)", text)
+    assert narrow and int(narrow.group(1)) == ops.LINEAR_SPLIT_K_BELOW_OUTS
+    mma = re.search(r"`ops\.linear_mma_split_k` doubles the split while the launch has fewer than (\d+) warps "
+                    r"\(an H200's 132 SMs x 16\) and each part keeps at least (\d+) steps of (\d+) features", text)
+    assert mma and tuple(map(int, mma.groups())) == (ops.LINEAR_MMA_WARPS_WANTED, ops.LINEAR_MMA_MIN_STEPS,
+                                                     ops.LINEAR_MMA_STEP_FEATURES)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_rows_do_not_depend_on_the_row_tile(backend, dtype):
