@@ -24,6 +24,7 @@ from cupykv.backends import emulator as E
 from cupykv.backends.emulator import accounting, memory
 from cupykv.backends.emulator_backend import EmulatorBackend
 from cupykv.kernels import KERNEL_DIR, KERNELS
+from cupykv.spec import host_dtype
 
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 TRAFFIC_NAMES = ["strided_copy", "vector_copy", "sum_rows", "uneven_trips", "realigned_trips",
@@ -736,3 +737,24 @@ def test_argmax_reads_aligned_rows_in_16_byte_loads(dtype, vocab, vector_bytes):
     (launch,) = t.launches
     loads = launch.of(logits).counts("load")
     assert (loads.bytes, loads.accesses) == (logits.nbytes, logits.nbytes // vector_bytes), t.report()
+
+
+@pytest.mark.parametrize("dtype, hidden, vector_bytes", [("float32", 1024, 16), ("bfloat16", 576, 16),
+                                                          ("float32", 1023, 4), ("bfloat16", 577, 2)])
+def test_rmsnorm_reads_and_writes_aligned_rows_in_16_byte_accesses(dtype, hidden, vector_bytes):
+    """Both passes over x, the weight and the output move whole uint4 vectors when the row is whole
+    16-byte vectors (and every array 16-byte aligned); element by element otherwise. x is read twice
+    (the sum of squares, then the scaled write), the weight once per row."""
+    backend, rows = EmulatorBackend(), 3
+    rng = np.random.default_rng(0)
+    x = backend.asarray(rng.standard_normal((rows, hidden)).astype(host_dtype(dtype)))
+    weight = backend.asarray(rng.standard_normal(hidden).astype(host_dtype(dtype)))
+    out = backend.zeros((rows, hidden), x.dtype)
+    with testing.traffic(backend) as t:
+        ops.rmsnorm(x, weight, 1e-5, out=out)
+    (launch,) = t.launches
+    x_loads, weight_loads = launch.of(x).counts("load"), launch.of(weight).counts("load")
+    stores = launch.of(out).counts("store")
+    assert (x_loads.bytes, x_loads.accesses) == (2 * x.nbytes, 2 * x.nbytes // vector_bytes), t.report()
+    assert (weight_loads.bytes, weight_loads.accesses) == (rows * weight.nbytes, rows * weight.nbytes // vector_bytes)
+    assert (stores.bytes, stores.accesses) == (out.nbytes, out.nbytes // vector_bytes), t.report()
