@@ -758,3 +758,48 @@ def test_rmsnorm_reads_and_writes_aligned_rows_in_16_byte_accesses(dtype, hidden
     assert (x_loads.bytes, x_loads.accesses) == (2 * x.nbytes, 2 * x.nbytes // vector_bytes), t.report()
     assert (weight_loads.bytes, weight_loads.accesses) == (rows * weight.nbytes, rows * weight.nbytes // vector_bytes)
     assert (stores.bytes, stores.accesses) == (out.nbytes, out.nbytes // vector_bytes), t.report()
+
+
+def _aligned_or_shifted(backend, host, shift):
+    """``host`` on the device, 16-byte aligned, or ``shift`` elements into a fresh allocation (misaligned)."""
+    buffer = backend.zeros((host.size + shift,), host.dtype)
+    view = buffer[shift:].reshape(host.shape)
+    view[...] = host
+    return view
+
+
+@pytest.mark.parametrize("op", ["add", "silu_mul"])
+@pytest.mark.parametrize("dtype, n, shift, vector_bytes", [
+    ("float32", 1024, 0, 16), ("float16", 1000, 0, 16), ("float32", 1023, 0, 4), ("float16", 1001, 0, 2),
+    ("float32", 1024, 1, 4),   # whole vectors, but b starts 4 bytes past a 16-byte boundary
+], ids=["f32-aligned", "f16-aligned", "f32-odd", "f16-odd", "f32-misaligned"])
+def test_the_elementwise_ops_move_aligned_arrays_in_16_byte_accesses(op, dtype, n, shift, vector_bytes):
+    backend = EmulatorBackend()
+    rng = np.random.default_rng(1)
+    a = backend.asarray(rng.standard_normal(n).astype(host_dtype(dtype)))
+    b = _aligned_or_shifted(backend, rng.standard_normal(n).astype(host_dtype(dtype)), shift)
+    out = backend.zeros((n,), a.dtype)
+    with testing.traffic(backend) as t:
+        getattr(ops, op)(a, b, out=out)
+    (launch,) = t.launches
+    for array, kind in ((a, "load"), (b, "load"), (out, "store")):
+        counts = launch.of(array).counts(kind)
+        assert (counts.bytes, counts.accesses) == (array.nbytes, array.nbytes // vector_bytes), t.report()
+
+
+@pytest.mark.parametrize("dtype, hidden, shift, vector_bytes", [
+    ("float32", 64, 0, 16), ("bfloat16", 72, 0, 16), ("float32", 63, 0, 4), ("float32", 64, 2, 4)],
+    ids=["f32-aligned", "bf16-aligned", "f32-odd", "f32-misaligned-table"])
+def test_embedding_copies_aligned_rows_in_16_byte_accesses(dtype, hidden, shift, vector_bytes):
+    backend, vocab = EmulatorBackend(), 5
+    rng = np.random.default_rng(2)
+    table = _aligned_or_shifted(backend, rng.standard_normal((vocab, hidden)).astype(host_dtype(dtype)), shift)
+    ids = backend.asarray(np.array([4, 0, 4], np.int32))
+    out = backend.zeros((3, hidden), table.dtype)
+    with testing.traffic(backend) as t:
+        ops.embedding(ids, table, out=out)
+    (launch,) = t.launches
+    row_bytes = hidden * table.dtype.itemsize
+    loads, stores = launch.of(table).counts("load"), launch.of(out).counts("store")
+    assert (loads.bytes, loads.accesses) == (3 * row_bytes, 3 * row_bytes // vector_bytes), t.report()
+    assert (stores.bytes, stores.accesses) == (out.nbytes, out.nbytes // vector_bytes), t.report()
