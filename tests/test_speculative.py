@@ -257,15 +257,24 @@ def accept_rule(active, budget, verify_ids, target_ids, lengths, stops, max_leng
 @settings(max_examples=EXAMPLES)
 @given(data=st.data(), batch=st.integers(1, 300), k=st.integers(1, 8))
 def test_speculative_accept_follows_its_rule(data, batch, k):
-    backend = target(1).backend
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    stops = data.draw(st.lists(st.integers(0, 3), max_size=2))
+    device_stops = (stops + data.draw(st.sampled_from(([], [-1], [-1, 2])))) or [-1]   # unpadded: a stop id ends it
+    assert_speculative_accept_follows_its_rule(rng, batch, k, stops, device_stops, data.draw(st.integers(1, 32)))
+
+
+def test_speculative_accept_reaches_the_last_sequence_of_a_partial_block():
+    """257 sequences: two blocks of 256 threads, the second holding one sequence, which takes part."""
+    assert_speculative_accept_follows_its_rule(np.random.default_rng(5), 257, 3, [2], [2, -1], 20)
+
+
+def assert_speculative_accept_follows_its_rule(rng, batch, k, stops, device_stops, max_length):
+    backend = target(1).backend
     verify_ids = rng.integers(0, 3, (batch, k + 1)).astype(np.int32)     # few ids: long accepted prefixes happen
     target_ids = rng.integers(0, 3, (batch, k + 1)).astype(np.int32)
     active, budget = rng.integers(0, 2, batch).astype(np.int32), rng.integers(1, 10, batch).astype(np.int32)
+    active[-1] = 1   # the last sequence takes part: every output of it is written
     lengths = rng.integers(k + 2, 30, batch).astype(np.int32)
-    stops = data.draw(st.lists(st.integers(0, 3), max_size=2))
-    device_stops = (stops + data.draw(st.sampled_from(([], [-1], [-1, 2])))) or [-1]   # unpadded: a stop id ends it
-    max_length = data.draw(st.integers(1, 32))
     outputs = [backend.zeros(shape, np.int32) for shape in
                ((batch, k + 1), (batch,), (batch,), (batch,), (batch,), (batch, 2))]
     state = [backend.asarray(a) for a in (active, budget)]
@@ -304,6 +313,10 @@ def test_speculative_gather_reads_only_inside_src():
     grid = backend.zeros((2, 3), np.int32)
     decoding.speculative_gather(grid, src, row_stride=1, col_stride=2)
     assert backend.to_host(grid).tolist() == [[0, 2, 4], [1, 3, 5]]
+    many = backend.zeros((3, 100), np.int32)   # 300 elements: two blocks of 256 threads
+    wide = np.arange(1000, dtype=np.int32)
+    decoding.speculative_gather(many, backend.asarray(wide), offset=5, row_stride=3, col_stride=7)
+    assert np.array_equal(backend.to_host(many), wide[5 + 3 * np.arange(3)[:, None] + 7 * np.arange(100)])
     with pytest.raises(ValueError, match=r"^src: expected at least 7 elements .*got 6$"):
         decoding.speculative_gather(out, src, offset=2, row_stride=2)
     with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap src"):
