@@ -218,7 +218,7 @@ def test_decode_commit_follows_its_rule(data, batch):
 
 def test_decode_commit_reaches_the_last_sequence_of_a_partial_block():
     """One thread per sequence in blocks of 256: batch 257 puts sequence 256 alone in a second block."""
-    assert_decode_commit_follows_its_rule(np.random.default_rng(7), 257, [3], [3, -1], 9)
+    assert_decode_commit_follows_its_rule(np.random.default_rng(7), 257, [0, 3], [0, 3, -1], 9)   # id 0 stops
 
 
 def assert_decode_commit_follows_its_rule(rng, batch, stops, device_stops, max_length):
