@@ -280,7 +280,7 @@ class Env:
     def snapshot(self):
         cache = [testing.bits(np.array(a)).copy() for a in (self.cache.k, self.cache.v, self.cache.lengths,
                                                              self.cache.overflow)]
-        return cache + [np.array(a).view(np.uint8).copy() for a in self.made]
+        return cache + [np.array(a).reshape(-1).view(np.uint8).copy() for a in self.made]   # 0-d arrays too
 
 
 def host(array):
