@@ -27,6 +27,8 @@ rounds once, so it may land one rounding step away, plus its fp32 error:
 On failure the message gives the max and mean error and the worst element.
 """
 import math
+import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -38,6 +40,7 @@ from cupykv import ops, ops_reference as reference
 from cupykv.reference import round_to_storage
 from cupykv.backends import get_backend
 from cupykv.tolerances import UNIT_ROUNDOFF, ulp_distance
+from cupykv.validate_launches import recording_launch_records
 from backends import BACKENDS
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -153,8 +156,6 @@ def test_linear_wide_enough_to_keep_in_features_in_one_warp(backend, dtype):
 
 def test_the_linear_split_rules_are_the_ones_docs_performance_states():
     """docs/performance.md explains each ``linear`` launch's split with numbers: they must be the code's."""
-    import re
-    from pathlib import Path
     text = " ".join((Path(__file__).parent.parent / "docs" / "performance.md").read_text().split())
     narrow = re.search(r"narrower than (\d+) outputs \(`ops\.LINEAR_SPLIT_K_BELOW_OUTS`\)", text)
     assert narrow and int(narrow.group(1)) == ops.LINEAR_SPLIT_K_BELOW_OUTS
@@ -597,10 +598,9 @@ def test_an_output_one_element_past_an_input_is_refused_but_the_input_itself_is_
 
 
 def _launch_geometry(call, *arrays):
-    """``(grid, block)`` of the one launch ``call`` makes with ``arrays`` (float32 on the emulator)."""
-    from cupykv.validate_launches import recording_launch_records
+    """``(grid, block)`` of the one launch ``call`` makes with host ``arrays`` copied to the emulator."""
     backend = get_backend("emulator")
-    on_device = [backend.asarray(np.ascontiguousarray(a)) for a in arrays]
+    on_device = [backend.asarray(a) for a in arrays]
     with recording_launch_records() as records:
         call(*on_device)
     (record,) = records
