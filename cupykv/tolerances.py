@@ -83,8 +83,9 @@ def fp8_attention_bound(q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, sc
     -------
     float
         ``value_scale * (2**-4 + min(2, e^(2 eps_q) - 1)) + 2**-10 * max(v_scale)`` with
-        ``value_scale = max |v|`` and ``eps_q = scale * max_rows (2**-4 sum |q_d k_d| + 2**-10
-        max(k_scale) sum |q_d|)`` (see the module).
+        ``value_scale = max |v|`` and ``eps_q = |scale| (2**-4 max_(q, k rows) sum |q_d k_d| +
+        2**-10 max(k_scale) max_(q rows) sum |q_d|)`` (see the module; each maximum is taken
+        on its own, which bounds the largest sum of the two).
     """
     q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
     q_rows = np.abs(q64.reshape(-1, q64.shape[-1]))
@@ -149,13 +150,13 @@ def assert_attention_close(got: npt.ArrayLike, want: npt.ArrayLike, dtype: str, 
     if ratio <= 1.0:
         return
     error = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
-    worst = np.unravel_index(np.nanargmax(np.where(np.isnan(error), np.inf, error)), error.shape)
+    worst = tuple(int(i) for i in np.unravel_index(np.nanargmax(np.where(np.isnan(error), np.inf, error)), error.shape))
     raise AssertionError(
-        f"attention outside tolerance {context}: max error {np.nanmax(error):.3g} "
+        f"attention outside tolerance{' ' + context if context else ''}: max error {np.nanmax(error):.3g} "
         f"(tolerance {attention_tolerance(dtype, value_scale, logit_error):.3g}, {dtype}, value scale "
         f"{value_scale:.3g}, logit error {logit_error:.3g}), "
         f"mean error {np.nanmean(error):.3g}, NaNs {int(np.isnan(error).sum())}, worst at index {worst}: "
-        f"got {np.asarray(got, np.float64)[worst]!r}, want {np.asarray(want, np.float64)[worst]!r}")
+        f"got {float(np.asarray(got, np.float64)[worst])!r}, want {float(np.asarray(want, np.float64)[worst])!r}")
 
 
 def ulp_distance(a: npt.ArrayLike, b: npt.ArrayLike) -> npt.NDArray[np.int64]:

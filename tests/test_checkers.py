@@ -11,6 +11,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 import cupykv
 from cupykv import reference, testing, tolerances
@@ -40,6 +41,19 @@ def test_ulp_distance_counts_units_across_zero_and_reports_nan_as_the_largest(dt
     nan = np.array([np.nan], dtype)
     assert testing.ulp_distance(nan, one).tolist() == [np.iinfo(np.int64).max]
     assert testing.ulp_distance(one, nan).tolist() == [np.iinfo(np.int64).max]
+    # every magnitude bit counts on the negative side too: -2 has the exponent's top bit set
+    two = np.array([2.0], dtype)
+    two_up = (two.view(unsigned) + 1).view(dtype)
+    assert testing.ulp_distance(-two, -two_up).tolist() == [1]
+    assert testing.ulp_distance(-two, two).tolist() == [2 * int(two.view(unsigned)[0])]
+
+
+def test_ulp_distance_refuses_a_dtype_or_a_shape_that_differs():
+    one = np.ones(3, np.float32)
+    with pytest.raises(ValueError, match=r"^b: expected dtype float32 and shape \(3,\), got float16 and \(3,\)$"):
+        testing.ulp_distance(one, one.astype(np.float16))
+    with pytest.raises(ValueError, match=r"^b: expected dtype float32 and shape \(3,\), got float32 and \(1, 3\)$"):
+        testing.ulp_distance(one, one.reshape(1, 3))
 
 
 # -- the stated tolerances -----------------------------------------------------------------------
@@ -65,11 +79,96 @@ def test_attention_error_fails_what_lies_past_the_tolerance_and_every_nan():
     assert tolerances.attention_error(np.array([0, 0, np.nan, 0]), want, "bfloat16", 1.0) == math.inf
 
 
+def test_attention_error_is_the_worst_element_against_any_want():
+    edge = tolerances.attention_tolerance("float16", 2.0)
+    want = np.array([[-3.0, 1.5], [0.25, 7.0]])
+    got = want.copy()
+    got[1, 0] += 0.5 * edge                        # one element off; the others exact
+    assert tolerances.attention_error(got, want, "float16", 2.0) == pytest.approx(0.5, rel=1e-9)
+    got[0, 1] -= 3 * edge                          # the worst element decides, whatever its sign
+    assert tolerances.attention_error(got, want, "float16", 2.0) == pytest.approx(3.0, rel=1e-9)
+    # one element is an array like any other; nothing at all is within any tolerance
+    assert tolerances.attention_error([1.0 + edge / 4], [1.0], "float16", 2.0) == pytest.approx(0.25, rel=1e-9)
+    assert tolerances.attention_error(np.zeros((0, 4)), np.zeros((0, 4)), "float16", 2.0) == 0.0
+    with pytest.raises(ValueError, match=r"^got: expected shape \(2, 2\), got \(4,\)$"):
+        tolerances.attention_error(got.ravel(), want, "float16", 2.0)
+
+
+def test_assert_attention_close_passes_the_edge_and_reports_the_worst_element():
+    want = np.array([4.0, -2.0, 1.0])
+    edge = tolerances.attention_tolerance("float32", 4.0)
+    tolerances.assert_attention_close(want + edge, want, "float32", 4.0)        # exactly at the tolerance
+    got = want.copy()
+    got[1] += 2 * edge
+    error = f"{2 * edge:.3g}"
+    with pytest.raises(AssertionError, match=rf"max error {error} \(tolerance {edge:.3g}, float32, "
+                                             rf"value scale 4, logit error 0\), .* worst at index \(1,\): got -1.99987.*, want -2.0$"):
+        tolerances.assert_attention_close(got, want, "float32", 4.0)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_the_logits_tolerance_is_the_stated_formula(dtype):
     # logit_scale * n_layers * (8 rounding points x 2 u(dtype) + 256 u(fp32)); at least one layer
     assert tolerances.logits_tolerance(dtype, 10.0, 3) == 10.0 * 3 * (16 * U[dtype] + 256 * 2.0 ** -24)
+    assert tolerances.logits_tolerance(dtype, 10.0, 1) == 10.0 * (16 * U[dtype] + 256 * 2.0 ** -24)
     assert tolerances.logits_tolerance(dtype, 10.0, 0) == tolerances.logits_tolerance(dtype, 10.0, 1)
+
+
+def test_the_logit_error_bound_is_the_stated_formula():
+    # (head_dim + 4) u(fp32) |scale| max norm(q) max norm(k), over rows of any leading shape
+    head_dim = 3
+    q = np.zeros((2, 4, head_dim))
+    q[1, 2] = [2.0, 3.0, 6.0]                      # norm 7: the largest, not the first row
+    q[0, 0] = [1.0, 0.0, 0.0]
+    k = np.zeros((5, head_dim))
+    k[3] = [0.0, 3.0, 4.0]                         # norm 5
+    k[4] = [np.inf, 0.0, 0.0]                      # rows that are not finite are not attended: left out
+    k[0] = [np.nan, 1e30, 0.0]
+    bound = (head_dim + 4) * 2.0 ** -24 * 0.5 * 7.0 * 5.0
+    assert tolerances.logit_error_bound(q, k, 0.5) == bound
+    assert tolerances.logit_error_bound(q, k, -0.5) == bound      # a negative scale errs as much
+    assert tolerances.logit_error_bound(q, np.full((2, head_dim), np.nan), 0.5) == 0.0
+
+
+@given(head_dim=st.sampled_from([1, 2, 64, 128, 256]), magnitude=st.sampled_from([1e-3, 1.0, 1e3]),
+       scale=st.sampled_from([0.0625, 1.0, -3.0]), seed=st.integers(0, 2**32 - 1))
+def test_the_logit_error_bound_holds_for_fp32_dot_products_in_any_order(head_dim, magnitude, scale, seed):
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((3, head_dim)) * magnitude).astype(np.float32)
+    k = (rng.standard_normal((4, head_dim)) * magnitude).astype(np.float32)
+    k[1] = np.abs(k[1]) * np.sign(q[0])            # terms of one sign: no cancellation to hide the error
+    exact = scale * (q.astype(np.float64) @ k.astype(np.float64).T)
+    bound = tolerances.logit_error_bound(q, k, scale)
+    for order in (np.arange(head_dim), np.arange(head_dim)[::-1], rng.permutation(head_dim)):
+        total = np.zeros((3, 4), np.float32)
+        for d in order:                            # one fp32 rounding per product and per addition
+            total = (total + np.float32(1) * q[:, d:d + 1] * k[:, d]).astype(np.float32)
+        logits = (np.float32(scale) * total).astype(np.float32)
+        assert np.abs(logits - exact).max() <= bound
+
+
+def test_the_fp8_attention_bound_is_the_stated_formula():
+    # value_scale (2**-4 + min(2, e^(2 eps_q) - 1)) + 2**-10 max(v_scale), with
+    # eps_q = |scale| (2**-4 max_rows sum |q_d k_d| + 2**-10 max(k_scale) max_q sum |q_d|)
+    q = np.array([[[0.5, -0.25]], [[0.125, 1.0]]])                # two query rows, head_dim 2
+    k = np.array([[1.0, 2.0], [-4.0, 0.5], [0.0, 0.0]])
+    v = np.array([[0.5, -3.0], [1.0, 2.0], [0.0, 0.0]])
+    k_scale, v_scale = [0.5, 2.0], [0.25, 0.75]
+    # sum |q_d k_d| over pairs: the largest is row 0 with key 1 (2 + 0.125)
+    products = max(abs(qd * kd).sum() for qd in q.reshape(-1, 2) for kd in k)
+    assert products == 2.125
+    q_sum = max(np.abs(row).sum() for row in q.reshape(-1, 2))     # row 1: 1.125
+    eps_q = 0.1 * (2.0 ** -4 * products + 2.0 ** -10 * 2.0 * q_sum)
+    want = 3.0 * (2.0 ** -4 + math.expm1(2 * eps_q)) + 2.0 ** -10 * 0.75
+    assert tolerances.fp8_attention_bound(q, k, v, 0.1, k_scale, v_scale) == pytest.approx(want, rel=1e-12)
+    assert tolerances.fp8_attention_bound(q, k, v, -0.1, k_scale, v_scale) == pytest.approx(want, rel=1e-12)
+    # large logits: the weights move by at most 2 (both outputs are convex combinations of the same rows)
+    assert tolerances.fp8_attention_bound(q, k, v, 100.0, k_scale, v_scale) == 3.0 * (2.0 ** -4 + 2) + 2.0 ** -10 * 0.75
+    # one query and one key of one element are bounded like any other; no query or no key bounds nothing
+    one = tolerances.fp8_attention_bound([[2.0]], [[3.0]], [[5.0]], 1.0, 1.0, 1.0)
+    assert one == pytest.approx(5.0 * (2.0 ** -4 + math.expm1(2 * (6 * 2.0 ** -4 + 2 * 2.0 ** -10))) + 2.0 ** -10)
+    assert tolerances.fp8_attention_bound(np.zeros((0, 2)), k, v, 1.0, 1.0, 1.0) == 0.0
+    assert tolerances.fp8_attention_bound(q, np.zeros((0, 2)), v, 1.0, 1.0, 1.0) == 0.0
 
 
 # -- the whole-cache comparison and its helpers ------------------------------------------------------
