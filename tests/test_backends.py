@@ -67,6 +67,17 @@ def test_synchronize_outside_capture_still_works_on_the_emulator():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [5, np.int64(5), (5,), [2, 3], (), 0], ids=repr)
+def test_zeros_takes_a_shape_as_cupy_does(backend, shape):
+    """An int is one axis, as in ``cupy.zeros(5)``; a list is a tuple."""
+    device = get_backend(backend)
+    want = np.zeros(shape, np.float16)
+    got = device.zeros(shape, np.float16)
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    assert device.to_host(got).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", [(), (0,), (2, 0, 3), (3,), (2, 3)], ids=str)
 def test_asarray_keeps_the_host_arrays_shape_dtype_and_values(backend, shape):
     """As ``cupy.asarray`` keeps them: a 0-d array stays 0-d (NumPy's ``ascontiguousarray`` would make it

@@ -218,13 +218,14 @@ class Backend:
 
     # -- arrays --------------------------------------------------------------
     # Public array methods refuse to run inside a captured step; subclasses implement _zeros etc.
-    def zeros(self, shape: Sequence[int], dtype: DTypeLike) -> DeviceArray:
-        """A zero-filled device array.
+    def zeros(self, shape: int | Sequence[int], dtype: DTypeLike) -> DeviceArray:
+        """A zero-filled device array of ``shape`` (a tuple, or an int for one axis, as ``cupy.zeros``).
 
         Graph-safe: no — refused inside a captured step (CaptureError): it allocates. Preallocate, and
         pass ``out=``.
         """
-        refuse_in_capture(f"allocating a {tuple(shape)} {np.dtype(dtype)} array",
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        refuse_in_capture(f"allocating a {shape} {np.dtype(dtype)} array",
                                 "preallocate it outside the step and pass it in (out=...)")
         return self._zeros(shape, dtype)
 
