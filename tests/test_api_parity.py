@@ -398,6 +398,14 @@ def test_footprint_repr_and_creation_record(backend, caplog):
     assert [r.getMessage() for r in records] == [f"created {text}"]
     shared = cupykv.KVCache(spec, backend=backend, lengths=cache.lengths)
     assert shared.nbytes == cache.nbytes - 4 * spec.batch and repr(shared).endswith("MiB, shared lengths)")
+    # the reference leaves shared lengths out of its footprint alike (its own arrays: bool overflow flags,
+    # no device scratch, so its total is not the device cache's)
+    oracle = reference.KVCache(spec)
+    oracle_shared = reference.KVCache(spec, lengths=oracle.lengths)
+    assert (oracle.shares_lengths, oracle_shared.shares_lengths) == (False, True)
+    assert oracle.nbytes == spec.nbytes + 4 * spec.batch + spec.batch + 2 * 4 * spec.n_layers * spec.n_kv_heads
+    assert oracle_shared.nbytes == oracle.nbytes - 4 * spec.batch
+    assert repr(oracle_shared).endswith("MiB, shared lengths)") and repr(oracle).endswith("MiB)")
     # the memory check before allocating asks for exactly what a cache then holds
     assert cupykv.KVCache._bytes_needed(spec) == cache.nbytes
     assert cupykv.KVCache._bytes_needed(spec, own_lengths=False) == shared.nbytes
@@ -538,6 +546,11 @@ def test_bad_shared_lengths_are_refused_before_anything_is_allocated(backend, na
     ("int64", np.zeros(3, np.int64), TypeError, r"^lengths: expected a numpy int32 array, got ndarray of dtype int64$"),
     ("wrong shape", np.zeros(2, np.int32), ValueError, r"^lengths: expected shape \(3,\) \[batch\], got \(2,\)$"),
     ("a value past max_seq", np.array([0, 0, 9], np.int32), ValueError, r"^lengths: .*got lengths\[2\] = 9$"),
+    # shared lengths are written in place: a strided view or a read-only array cannot be (either alone)
+    ("strided", np.zeros(6, np.int32)[::2], ValueError,
+     r"^lengths: expected a C-contiguous, writeable array, got strides \(8,\) \(writeable=True\)$"),
+    ("read-only", np.frombuffer(bytes(12), np.int32),   # over immutable bytes: read-only
+     ValueError, r"^lengths: expected a C-contiguous, writeable array, got strides \(4,\) \(writeable=False\)$"),
 ])
 def test_the_reference_refuses_bad_shared_lengths_alike(name, lengths, error, message):
     with pytest.raises(error, match=message):
