@@ -100,6 +100,69 @@ def test_an_explicit_library_that_does_not_exist_fails_clearly(tmp_path):
         nvrtc_check.load_nvrtc(str(tmp_path))
 
 
+def test_no_loadable_library_names_every_candidate_it_tried(monkeypatch):
+    monkeypatch.setattr(nvrtc_check, "_candidate_libraries", lambda: ["/nowhere/libnvrtc.so.13"])
+    with pytest.raises(nvrtc_check.NvrtcError, match=r"^libnvrtc not found: install the test extra .* or point "
+                                                     r"CUDA_PATH at a CUDA toolkit; tried /nowhere/libnvrtc.so.13: "):
+        nvrtc_check.load_nvrtc()
+    monkeypatch.setattr(nvrtc_check, "_candidate_libraries", lambda: [])
+    with pytest.raises(nvrtc_check.NvrtcError, match=r"^libnvrtc not found: .* CUDA toolkit$"):
+        nvrtc_check.load_nvrtc()
+
+
+# What ptxas -v writes (NVRTC 13.5, sm_80): a kernel with static shared memory, and one without.
+PTXAS_LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z1bPf' for 'sm_80'
+ptxas info    : Function properties for _Z1bPf
+ptxas         .     16 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 10 registers, used 1 barriers, 1024 bytes smem, 360 bytes cmem[0]
+ptxas info    : Compile time = 3.870 ms
+ptxas info    : Compiling entry function '_Z1aPf' for 'sm_80'
+ptxas info    : Function properties for _Z1aPf
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 8 registers, used 0 barriers, 360 bytes cmem[0]
+ptxas info    : Compile time = 0.940 ms
+"""
+
+
+def test_the_ptxas_log_gives_each_instance_its_own_figures():
+    reports = nvrtc_check.parse_ptxas_log(PTXAS_LOG, {"_Z1aPf": "a", "_Z1bPf": "b"}, "sm_80")
+    assert reports == [nvrtc_check.InstanceReport("sm_80", "a", 8, 0, 0, 0, 0),        # no smem line: 0 bytes
+                       nvrtc_check.InstanceReport("sm_80", "b", 10, 16, 4, 8, 1024)]
+
+
+@pytest.mark.parametrize("dropped", ["Used 8 registers", "0 bytes stack frame"])
+def test_an_instance_missing_either_ptxas_line_fails(dropped):
+    log = "\n".join(line for line in PTXAS_LOG.splitlines() if dropped not in line)
+    with pytest.raises(nvrtc_check.NvrtcError, match=r"^no ptxas report for a \(_Z1aPf\) on sm_80"):
+        nvrtc_check.parse_ptxas_log(log, {"_Z1aPf": "a", "_Z1bPf": "b"}, "sm_80")
+
+
+def test_launch_bounds_multiply_every_axis_of_maxntid():
+    # __launch_bounds__ only ever writes (n, 1, 1); a hand-written PTX may give all three axes
+    ptx = ".visible .entry _Z1aPf(\n\t.param .u64 p\n)\n.maxntid 8, 4, 2\n.minnctapersm 3\n{\n\tret;\n}\n"
+    assert nvrtc_check.parse_launch_bounds(ptx, {"_Z1aPf": "a"}) == {"a": (64, 3)}
+
+
+def _process_of(nvrtc, item):
+    """A worker's answer for map_in_processes: the item and the process that computed it."""
+    return item, os.getpid()
+
+
+@pytest.mark.parametrize("cores", [2, 3, None])
+def test_several_items_run_in_worker_processes_and_a_lone_item_runs_here(monkeypatch, cores):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    nvrtc = nvrtc_check.load_nvrtc()
+    done = nvrtc_check.map_in_processes(_process_of, range(5), nvrtc)
+    assert [item for item, _ in done] == list(range(5))
+    workers = {pid for _, pid in done}
+    if cores is None:   # the core count unknown: one process, this one
+        assert workers == {os.getpid()}
+    else:               # a worker per core, none of them this process
+        assert len(workers) == cores and os.getpid() not in workers
+    assert nvrtc_check.map_in_processes(_process_of, [7], nvrtc) == [(7, os.getpid())]
+
+
 def test_a_compile_error_fails_with_the_compiler_log():
     nvrtc = nvrtc_check.load_nvrtc()
     source = "__global__ void broken(float* x) { x[0] = undeclared_name; }\n"
@@ -143,7 +206,8 @@ def test_a_spilling_kernel_is_reported_as_spilling():
     assert code == 1 and "FAILED, register spills in 1 instance(s): spiller (sm_80)" in stderr
 
 
-@pytest.mark.parametrize("stores, loads", [(4, 0), (0, 4)], ids=["stores", "loads"])
+@pytest.mark.parametrize("stores, loads", [(4, 0), (0, 4), (1, 0), (0, 1)],
+                         ids=["stores", "loads", "one byte stored", "one byte loaded"])
 def test_spill_stores_or_loads_alone_fail_the_check(stores, loads):
     spilled = nvrtc_check.InstanceReport("sm_90", "cupykv_write<float, float>", registers=32, stack_bytes=8,
                                          spill_store_bytes=stores, spill_load_bytes=loads, shared_bytes=0)
