@@ -163,6 +163,34 @@ def test_several_items_run_in_worker_processes_and_a_lone_item_runs_here(monkeyp
     assert nvrtc_check.map_in_processes(_process_of, [7], nvrtc) == [(7, os.getpid())]
 
 
+def _die(nvrtc, status):
+    """A worker that exits with ``status`` before it answers (as one NVRTC crashed in would)."""
+    os._exit(status)
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_a_worker_that_dies_without_answering_fails_the_map(monkeypatch, status):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(nvrtc_check.NvrtcError, match=rf"^an NVRTC worker process failed \(exit status {status}\)$"):
+        nvrtc_check.map_in_processes(_die, [status, status], nvrtc_check.load_nvrtc())
+
+
+def test_the_command_fails_with_status_1_when_nvrtc_cannot_load(tmp_path, capsys):
+    assert nvrtc_check.main(str(tmp_path)) == 1
+    assert capsys.readouterr().err == f"cupykv check: FAILED\nno libnvrtc.so under {tmp_path}\n"
+
+
+def test_the_resource_table_lines_its_columns_up_under_the_header():
+    reports = [nvrtc_check.InstanceReport("sm_80", "short", 32, 0, 0, 0, 0),
+               nvrtc_check.InstanceReport("sm_90", "a_much_longer_instance<float, 128>", 255, 16, 4, 8, 1024)]
+    header, *rows = nvrtc_check.format_table(reports).splitlines()
+    assert len({len(header), *map(len, rows)}) == 1
+    assert [row.split() for row in rows] == [["sm_80", "short", "32", "0", "0", "0", "0"],
+                                             ["sm_90", "a_much_longer_instance<float,", "128>", "255", "16", "4", "8",
+                                              "1024"]]
+    assert header.index("regs") + len("regs") == rows[1].index("255") + len("255")
+
+
 def test_a_compile_error_fails_with_the_compiler_log():
     nvrtc = nvrtc_check.load_nvrtc()
     source = "__global__ void broken(float* x) { x[0] = undeclared_name; }\n"
