@@ -87,7 +87,7 @@ def test_attention_error_is_the_worst_element_against_any_want():
     assert tolerances.attention_error(got, want, "float16", 2.0) == pytest.approx(0.5, rel=1e-9)
     got[0, 1] -= 3 * edge                          # the worst element decides, whatever its sign
     assert tolerances.attention_error(got, want, "float16", 2.0) == pytest.approx(3.0, rel=1e-9)
-    # one element is an array like any other; nothing at all is within any tolerance
+    # one element is an array like any other; an empty one is within any tolerance
     assert tolerances.attention_error([1.0 + edge / 4], [1.0], "float16", 2.0) == pytest.approx(0.25, rel=1e-9)
     assert tolerances.attention_error(np.zeros((0, 4)), np.zeros((0, 4)), "float16", 2.0) == 0.0
     with pytest.raises(ValueError, match=r"^got: expected shape \(2, 2\), got \(4,\)$"):
