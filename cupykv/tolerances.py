@@ -149,14 +149,15 @@ def assert_attention_close(got: npt.ArrayLike, want: npt.ArrayLike, dtype: str, 
     ratio = attention_error(got, want, dtype, value_scale, logit_error)
     if ratio <= 1.0:
         return
-    error = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    error = np.abs(got - want)
     worst = tuple(int(i) for i in np.unravel_index(np.nanargmax(np.where(np.isnan(error), np.inf, error)), error.shape))
     raise AssertionError(
         f"attention outside tolerance{' ' + context if context else ''}: max error {np.nanmax(error):.3g} "
         f"(tolerance {attention_tolerance(dtype, value_scale, logit_error):.3g}, {dtype}, value scale "
         f"{value_scale:.3g}, logit error {logit_error:.3g}), "
         f"mean error {np.nanmean(error):.3g}, NaNs {int(np.isnan(error).sum())}, worst at index {worst}: "
-        f"got {float(np.asarray(got, np.float64)[worst])!r}, want {float(np.asarray(want, np.float64)[worst])!r}")
+        f"got {float(got[worst])!r}, want {float(want[worst])!r}")
 
 
 def ulp_distance(a: npt.ArrayLike, b: npt.ArrayLike) -> npt.NDArray[np.int64]:

@@ -346,7 +346,7 @@ def test_a_window_of_one_reads_only_each_querys_own_row(dtype, head_dim):
     """The narrowest window, which the property above draws only by chance: three queries at 17..19
     read rows 17..19 and nothing below (the mask alone would keep the output right)."""
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=40, batch=2, dtype=dtype)
-    read_attended_rows(spec, [17, 0], 3, 1, 1, {"num_splits": 1}, 0)
+    read_attended_rows(spec, [17, 0], q_len=3, group=1, window=1, splits={"num_splits": 1}, layer=0)
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("float32", 64), ("bfloat16", 128)])
