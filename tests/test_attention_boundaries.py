@@ -11,6 +11,7 @@ tiles), the split plan and the combine. These tests fix the contract at the plac
 - windows that start just before, at and just after a tile (chunk, split) edge;
 - NaN and +-inf in rows that are pending but not attended, past the live rows, below a window and in
   the other layer: the output must stay finite and within tolerance;
+- a query whose every logit is infinite or NaN comes out NaN, at the cache's last position too;
 - the split-KV combine across graph replays while lengths change on the device;
 - empty history (lengths 0) with q_len > 1, and rows that attend only themselves (exact).
 
@@ -501,6 +502,45 @@ def test_a_non_finite_attended_row_is_never_hidden(backend, dtype, io_dtype, hea
             got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, window=window,
                                                     num_splits=num_splits), spec, io=True).astype(np.float64)
             context = f"({spec}, {where} = {value} in half the dims, window {window}, {num_splits} splits)"
+            assert_non_finite_kept(got, want, spec.io_dtype, scale, context)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, io_dtype, head_dim", NON_FINITE_KERNELS, ids=lambda v: str(v) or "-")
+def test_a_query_whose_every_logit_is_infinite_is_nan_up_to_the_last_position(backend, dtype, io_dtype, head_dim):
+    """A query row with -inf (or +inf, or NaN) in a dim where every key of its kv head is 1 has every
+    logit -inf (+inf, NaN): the reference's softmax gives NaN (e^(-inf - (-inf))), and so must the
+    kernel, though no weight was summed, unlike a row that attends nothing and returns zeros. Sequence
+    0 fills the cache, so its last query sits at ``max_seq - 1``, where a kernel that judged "attends
+    nothing" from the position alone (as a window does) would return zeros; sequence 1 does not.
+    """
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=2 * CHUNK + 40, batch=2,
+                            dtype=dtype, io_dtype=io_dtype)
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(head_dim + 1)
+    q_len, group = 3, 2
+    lengths = [spec.max_seq - q_len, 20]
+    testing.fill(cache, oracle, [n + q_len for n in lengths], rng)
+    for c in (cache, oracle):
+        c.set_lengths(lengths)
+    stored = np.array(testing.to_numpy(cache.k, spec))
+    for array in (stored, oracle.k):
+        _nhd(array, spec)[0, :, :, 0, 0] = 1.0   # kv head 0, dim 0: every key positive
+    cache.k[...] = cache.to_device(stored.astype(cache.k.dtype))
+    q = testing.random_rows(rng, spec, (spec.batch, q_len, 2 * group, head_dim))
+    poisoned = {(0, q_len - 1, 0): -INF, (0, 0, 1): -INF, (1, q_len - 1, 1): INF, (1, 1, 0): NAN}
+    for (b, i, h), value in poisoned.items():
+        q[b, i, h, 0] = value
+    scale = testing.value_scale(oracle, 0)
+    for window in (None, 5):
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = reference.attention(q, oracle, 0, window=window)
+        assert np.isnan(want[tuple(zip(*poisoned))]).all() and np.isfinite(want[:, :, group:]).all()
+        for num_splits in (1, 3):
+            got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, window=window,
+                                                    num_splits=num_splits), spec, io=True).astype(np.float64)
+            context = f"({spec}, window {window}, {num_splits} splits)"
+            assert np.isnan(got[tuple(zip(*poisoned))]).all(), f"a poisoned query is not NaN {context}"
             assert_non_finite_kept(got, want, spec.io_dtype, scale, context)
 
 
