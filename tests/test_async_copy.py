@@ -279,6 +279,20 @@ def test_the_kernels_compile_with_nvrtc_without_spills(arch):
     for instruction in ("cp.async.cg.shared.global", "cp.async.ca.shared.global", "cp.async.commit_group",
                         "cp.async.wait_group 1", "cp.async.wait_all"):
         assert instruction in program.ptx, instruction
+    # Each copy as async_copy.cuh means it: the source converted from a 64-bit generic address, the
+    # destination the 32-bit shared-window one (a 64-bit register there would be the generic pointer),
+    # 16 bytes as .cg (past L1: K/V rows are read once) and 4 or 8 as .ca, the only size .ca-only allows.
+    lines = [text.strip() for text in program.ptx.splitlines()]
+    copies = [(before, text) for before, text in zip(lines, lines[1:]) if re.match(r"cp\.async\.c[ag]\.", text)]
+    assert copies
+    sizes = set()
+    for before, text in copies:
+        assert re.fullmatch(r"cvta\.to\.global\.u64 src_global, %rd\d+;", before), (before, text)
+        found = re.fullmatch(r"cp\.async\.(ca|cg)\.shared\.global \[%r\d+\], \[src_global\], (\d+), %r\d+;", text)
+        assert found, text
+        assert (found.group(1) == "cg") == (found.group(2) == "16"), text
+        sizes.add(int(found.group(2)))
+    assert sizes == {4, 8, 16}
 
 
 @pytest.mark.parametrize("poison", [0x41, 0xFF])
