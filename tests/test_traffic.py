@@ -604,6 +604,24 @@ def test_linear_reads_the_weight_exactly_once_with_an_odd_out_features(out_featu
     assert w.bytes_loaded == weight.nbytes
 
 
+@pytest.mark.parametrize("in_features", [64, 13], ids=["vector", "scalar"])
+@pytest.mark.parametrize("out_features", [9, ops.LINEAR_SPLIT_K_BELOW_OUTS + 1], ids=["split-k", "whole-k"])
+def test_linear_on_cuda_cores_reads_x_once_per_pair_of_outputs_and_nothing_for_none(in_features, out_features):
+    """The CUDA-core kernel (float32): each warp pair that owns outputs reads x once (its warps a
+    half each, or one warp all of it) and the weight once; the last block's pairs past out_features
+    (one of two with 9 outputs split-k, three of four warps with 16385 whole-k) read nothing, and a
+    pair with one output does not load its missing second row, on the vector path and the scalar one."""
+    backend = EmulatorBackend()
+    x = backend.zeros((3, in_features), np.float32)
+    weight = backend.zeros((out_features, in_features), np.float32)
+    with testing.traffic("emulator") as t:
+        ops.linear(x, weight, backend=backend)
+    launch = only_launch(t)
+    assert launch.kernel.startswith("cupykv_linear<float,"), launch.kernel
+    assert launch.of(weight).bytes_loaded == weight.nbytes
+    assert launch.of(x).bytes_loaded == -(-out_features // 2) * x.nbytes
+
+
 # ---- graphs -------------------------------------------------------------------------------
 def traffic_signature(launch, arrays):
     """What a launch did, independent of where the buffers live."""
