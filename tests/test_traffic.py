@@ -610,16 +610,18 @@ def test_linear_on_cuda_cores_reads_x_once_per_pair_of_outputs_and_nothing_for_n
     """The CUDA-core kernel (float32): each warp pair that owns outputs reads x once (its warps a
     half each, or one warp all of it) and the weight once; the last block's pairs past out_features
     (one of two with 9 outputs split-k, three of four warps with 16385 whole-k) read nothing, and a
-    pair with one output does not load its missing second row, on the vector path and the scalar one."""
+    pair with one output does not load its missing second row, on the vector path and the scalar one;
+    and each output is stored once."""
     backend = EmulatorBackend()
     x = backend.zeros((3, in_features), np.float32)
     weight = backend.zeros((out_features, in_features), np.float32)
     with testing.traffic("emulator") as t:
-        ops.linear(x, weight, backend=backend)
+        out = ops.linear(x, weight, backend=backend)
     launch = only_launch(t)
     assert launch.kernel.startswith("cupykv_linear<float,"), launch.kernel
     assert launch.of(weight).bytes_loaded == weight.nbytes
     assert launch.of(x).bytes_loaded == -(-out_features // 2) * x.nbytes
+    assert launch.of(out).bytes_stored == out.nbytes and launch.of(out).bytes_loaded == 0   # one lane per output
 
 
 # ---- graphs -------------------------------------------------------------------------------
