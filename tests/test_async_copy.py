@@ -281,7 +281,7 @@ def test_the_kernels_compile_with_nvrtc_without_spills(arch):
         assert instruction in program.ptx, instruction
     # Each copy as async_copy.cuh means it: the source converted from a 64-bit generic address, the
     # destination the 32-bit shared-window one (a 64-bit register there would be the generic pointer),
-    # 16 bytes as .cg (past L1: K/V rows are read once) and 4 or 8 as .ca, the only size .ca-only allows.
+    # 16 bytes as .cg (past L1: K/V rows are read once), and 4 or 8 as .ca (.cg takes 16 bytes only).
     lines = [text.strip() for text in program.ptx.splitlines()]
     copies = [(before, text) for before, text in zip(lines, lines[1:]) if re.match(r"cp\.async\.c[ag]\.", text)]
     assert copies
