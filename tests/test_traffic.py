@@ -624,6 +624,26 @@ def test_linear_on_cuda_cores_reads_x_once_per_pair_of_outputs_and_nothing_for_n
     assert launch.of(out).bytes_stored == out.nbytes and launch.of(out).bytes_loaded == 0   # one lane per output
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows, in_features, out_features", [(3, 64, 72), (3, 64, 9), (11, 256, 40)])
+def test_linear_on_tensor_cores_reads_x_once_per_8_outputs_and_nothing_past_them(dtype, rows, in_features,
+                                                                                  out_features):
+    """The tensor-core kernel: each warp slot of 8 outputs that owns one reads x once and the weight
+    once; a slot that starts at out_features (the second of the last block's 8 with 72 outputs)
+    reads nothing, and each output is stored once."""
+    backend = EmulatorBackend()
+    storage = backend.storage_dtype(dtype)
+    x = backend.zeros((rows, in_features), storage)
+    weight = backend.zeros((out_features, in_features), storage)
+    with testing.traffic("emulator") as t:
+        out = ops.linear(x, weight, backend=backend)
+    launch = only_launch(t)
+    assert launch.kernel.startswith("cupykv_linear_mma<"), launch.kernel
+    assert launch.of(weight).bytes_loaded == weight.nbytes
+    assert launch.of(x).bytes_loaded == -(-out_features // 8) * x.nbytes
+    assert launch.of(out).bytes_stored == out.nbytes and launch.of(out).bytes_loaded == 0
+
+
 # ---- graphs -------------------------------------------------------------------------------
 def traffic_signature(launch, arrays):
     """What a launch did, independent of where the buffers live."""
