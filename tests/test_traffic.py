@@ -604,33 +604,21 @@ def test_linear_reads_the_weight_exactly_once_with_an_odd_out_features(out_featu
     assert w.bytes_loaded == weight.nbytes
 
 
-@pytest.mark.parametrize("in_features", [64, 13], ids=["vector", "scalar"])
-@pytest.mark.parametrize("out_features", [9, ops.LINEAR_SPLIT_K_BELOW_OUTS + 1], ids=["split-k", "whole-k"])
-def test_linear_on_cuda_cores_reads_x_once_per_pair_of_outputs_and_nothing_for_none(in_features, out_features):
-    """The CUDA-core kernel (float32): each warp pair that owns outputs reads x once (its warps a
-    half each, or one warp all of it) and the weight once; the last block's pairs past out_features
-    (one of two with 9 outputs split-k, three of four warps with 16385 whole-k) read nothing, and a
-    pair with one output does not load its missing second row, on the vector path and the scalar one;
-    and each output is stored once."""
-    backend = EmulatorBackend()
-    x = backend.zeros((3, in_features), np.float32)
-    weight = backend.zeros((out_features, in_features), np.float32)
-    with testing.traffic("emulator") as t:
-        out = ops.linear(x, weight, backend=backend)
-    launch = only_launch(t)
-    assert launch.kernel.startswith("cupykv_linear<float,"), launch.kernel
-    assert launch.of(weight).bytes_loaded == weight.nbytes
-    assert launch.of(x).bytes_loaded == -(-out_features // 2) * x.nbytes
-    assert launch.of(out).bytes_stored == out.nbytes and launch.of(out).bytes_loaded == 0   # one lane per output
+# (dtype, rows, in_features, out_features): the CUDA-core kernel (float32) on its vector path (64) and
+# its scalar one (13), split-k (9 outputs: the last block's second pair owns none) and whole-k (16385:
+# three of the last block's four warps own none); the tensor-core kernel (16-bit) at 72 outputs (the
+# last block's second slot starts at out_features), 9, and 40 with 11 rows (fragment rows 8..15).
+WHOLE_K = ops.LINEAR_SPLIT_K_BELOW_OUTS + 1
+LINEAR_SLOT_CASES = [("float32", 3, 64, 9), ("float32", 3, 13, 9), ("float32", 3, 64, WHOLE_K),
+                     ("float32", 3, 13, WHOLE_K), ("float16", 3, 64, 72), ("bfloat16", 3, 64, 72),
+                     ("float16", 3, 64, 9), ("bfloat16", 11, 256, 40)]
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("rows, in_features, out_features", [(3, 64, 72), (3, 64, 9), (11, 256, 40)])
-def test_linear_on_tensor_cores_reads_x_once_per_8_outputs_and_nothing_past_them(dtype, rows, in_features,
-                                                                                  out_features):
-    """The tensor-core kernel: each warp slot of 8 outputs that owns one reads x once and the weight
-    once; a slot that starts at out_features (the second of the last block's 8 with 72 outputs)
-    reads nothing, and each output is stored once."""
+@pytest.mark.parametrize("dtype, rows, in_features, out_features", LINEAR_SLOT_CASES, ids=str)
+def test_linear_reads_x_once_per_slot_of_outputs_and_nothing_past_them(dtype, rows, in_features, out_features):
+    """Each warp slot that owns outputs (2 on CUDA cores, 8 on tensor cores) reads x once (its split-k
+    parts a piece each) and its weight rows once; a slot past out_features reads nothing, a slot with
+    fewer outputs than it could own loads no missing row, and each output is stored once."""
     backend = EmulatorBackend()
     storage = backend.storage_dtype(dtype)
     x = backend.zeros((rows, in_features), storage)
@@ -638,9 +626,11 @@ def test_linear_on_tensor_cores_reads_x_once_per_8_outputs_and_nothing_past_them
     with testing.traffic("emulator") as t:
         out = ops.linear(x, weight, backend=backend)
     launch = only_launch(t)
-    assert launch.kernel.startswith("cupykv_linear_mma<"), launch.kernel
+    tensor_cores = dtype != "float32"
+    assert launch.kernel.startswith("cupykv_linear_mma<" if tensor_cores else "cupykv_linear<"), launch.kernel
+    outs_per_slot = 8 if tensor_cores else 2
     assert launch.of(weight).bytes_loaded == weight.nbytes
-    assert launch.of(x).bytes_loaded == -(-out_features // 8) * x.nbytes
+    assert launch.of(x).bytes_loaded == -(-out_features // outs_per_slot) * x.nbytes
     assert launch.of(out).bytes_stored == out.nbytes and launch.of(out).bytes_loaded == 0
 
 
