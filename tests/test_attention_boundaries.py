@@ -12,6 +12,7 @@ tiles), the split plan and the combine. These tests fix the contract at the plac
 - NaN and +-inf in rows that are pending but not attended, past the live rows, below a window and in
   the other layer: the output must stay finite and within tolerance;
 - a query whose every logit is infinite or NaN comes out NaN, at the cache's last position too;
+- a row's max logit at every key position of a chunk (a max reduction that skips one overflows);
 - the split-KV combine across graph replays while lengths change on the device;
 - empty history (lengths 0) with q_len > 1, and rows that attend only themselves (exact).
 
@@ -661,3 +662,28 @@ def test_a_scale_whose_product_with_q_overflows_still_gives_the_logits(backend, 
                 expected = np.broadcast_to(np.repeat(row, group, axis=0), got[b].shape)
                 assert np.array_equal(want[b], expected), f"the reference does not pick the marked key {context}"
                 assert np.array_equal(got[b], expected), f"not the marked key's V row, bit for bit {context}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", KERNEL_CASES)
+def test_the_row_max_is_found_at_every_key_position_of_a_chunk(backend, dtype, head_dim):
+    """Sequence b's one query has logit 0 for every key but key b, where it is 1000 (scale 1000): e^-1000
+    is 0 in float32, so the query returns V row b bit for bit. A max reduction that skips a position of
+    a chunk, a step or a lane's stride (lane + 32 k) shifts that sequence's weights by less than the
+    logit, and e^(1000 - shift) overflows to inf: the row comes out inf or NaN. One sequence per
+    position of the first CHUNK keys, all attended by a query at position CHUNK - 1.
+    """
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=CHUNK, batch=CHUNK, dtype=dtype)
+    cache = cupykv.KVCache(spec, backend=backend)
+    keys = np.zeros(spec.shape, spec.np_dtype)
+    values = np.random.default_rng(head_dim).standard_normal(spec.shape).astype(spec.np_dtype)
+    for b in range(CHUNK):
+        _nhd(keys, spec)[0, b, b, 0, 0] = 1
+    cache.k[...], cache.v[...] = cache.to_device(keys), cache.to_device(values)
+    cache.set_lengths([CHUNK - 1] * CHUNK)
+    q = np.zeros((CHUNK, 1, 1, head_dim), spec.io_np_dtype)
+    q[..., 0] = 1
+    got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, scale=1000.0), spec, io=True)
+    want = np.stack([_nhd(values, spec)[0, b, b] for b in range(CHUNK)])[:, None]   # [batch, 1, n_heads, hd]
+    wrong = [b for b in range(CHUNK) if not np.array_equal(got[b], want[b])]
+    assert not wrong, f"key positions {wrong} do not give their V row ({spec})"
