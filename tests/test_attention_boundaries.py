@@ -235,6 +235,20 @@ def test_q_len_and_group_on_the_specialised_head_dims(backend, head_dim, dtype):
         attend(backend, spec, lengths, q_len, group, num_splits=2, marked=marked, seed=q_len * group)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", [("float32", 130), ("float32", 255), ("float16", 132), ("bfloat16", 250)])
+def test_the_generic_cuda_core_kernel_past_head_dim_128(backend, dtype, head_dim):
+    """Heads past 128 that are neither whole 16-byte copies nor a staged float32 size run on the
+    generic CUDA-core kernel (attention.cu), where each thread owns a second dim, tid + 128. A block's
+    keys end on a multiple of 4 or one past it (its 4-key V loop, then its one-key tail), unsplit and split."""
+    assert attention_plan.attention_kernel(dtype, head_dim).instance.startswith("cupykv_attention<")
+    spec = _spec(CHUNK + 40, batch=3, n_kv=2, head_dim=head_dim, dtype=dtype)
+    q_len, group, lengths = 3, 2, [CHUNK + 6, 30, 29]   # keys to 137 and 33 (a tail of 1), and 32
+    marked = {b: [0, n - 1, n + q_len - 1] for b, n in enumerate(lengths)}
+    for num_splits in (1, 2):
+        attend(backend, spec, lengths, q_len, group, num_splits=num_splits, marked=marked, seed=head_dim)
+
+
 # -- 3. split counts 1..64: uneven last splits and empty splits ---------------------------------------
 def _split_ranges(splits):
     """Key ranges T * splits + 1 for today's chunk and for one other boundary size T in turn, one key,
