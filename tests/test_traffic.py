@@ -578,14 +578,20 @@ def linear_cases(draw):
             draw(st.sampled_from(("float32", "float16", "bfloat16"))))
 
 
-def linear_traffic(rows, in_features, out_features, dtype):
+def linear_launch(rows, in_features, out_features, dtype):
+    """The traffic of one ``linear`` of zeros on the emulator: (launch, x, weight, out)."""
     backend = EmulatorBackend()
     storage = backend.storage_dtype(dtype)
     x = backend.zeros((rows, in_features), storage)
     weight = backend.zeros((out_features, in_features), storage)
     with testing.traffic("emulator") as t:
-        ops.linear(x, weight, backend=backend)
-    return only_launch(t).of(weight), weight
+        out = ops.linear(x, weight, backend=backend)
+    return only_launch(t), x, weight, out
+
+
+def linear_traffic(rows, in_features, out_features, dtype):
+    launch, _, weight, _ = linear_launch(rows, in_features, out_features, dtype)
+    return launch.of(weight), weight
 
 
 @settings(max_examples=EXAMPLES)
@@ -619,13 +625,7 @@ def test_linear_reads_x_once_per_slot_of_outputs_and_nothing_past_them(dtype, ro
     """Each warp slot that owns outputs (2 on CUDA cores, 8 on tensor cores) reads x once (its split-k
     parts a piece each) and its weight rows once; a slot past out_features reads nothing, a slot with
     fewer outputs than it could own loads no missing row, and each output is stored once."""
-    backend = EmulatorBackend()
-    storage = backend.storage_dtype(dtype)
-    x = backend.zeros((rows, in_features), storage)
-    weight = backend.zeros((out_features, in_features), storage)
-    with testing.traffic("emulator") as t:
-        out = ops.linear(x, weight, backend=backend)
-    launch = only_launch(t)
+    launch, x, weight, out = linear_launch(rows, in_features, out_features, dtype)
     tensor_cores = dtype != "float32"
     assert launch.kernel.startswith("cupykv_linear_mma<" if tensor_cores else "cupykv_linear<"), launch.kernel
     outs_per_slot = 8 if tensor_cores else 2
