@@ -546,16 +546,17 @@ def test_a_query_whose_every_logit_is_infinite_is_nan_up_to_the_last_position(ba
     poisoned = {(0, q_len - 1, 0): -INF, (0, 0, 1): -INF, (1, q_len - 1, 1): INF, (1, 1, 0): NAN}
     for (b, i, h), value in poisoned.items():
         q[b, i, h, 0] = value
+    poisoned_rows = tuple(zip(*poisoned))   # (batch, query, head) index arrays of those rows
     scale = testing.value_scale(oracle, 0)
     for window in (None, 1, 5):   # 1: the last query attends its own row alone
         with np.errstate(invalid="ignore", over="ignore"):
             want = reference.attention(q, oracle, 0, window=window)
-        assert np.isnan(want[tuple(zip(*poisoned))]).all() and np.isfinite(want[:, :, group:]).all()
+        assert np.isnan(want[poisoned_rows]).all() and np.isfinite(want[:, :, group:]).all()
         for num_splits in (1, 3):
             got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, window=window,
                                                     num_splits=num_splits), spec, io=True).astype(np.float64)
             context = f"({spec}, window {window}, {num_splits} splits)"
-            assert np.isnan(got[tuple(zip(*poisoned))]).all(), f"a poisoned query is not NaN {context}"
+            assert np.isnan(got[poisoned_rows]).all(), f"a poisoned query is not NaN {context}"
             assert_non_finite_kept(got, want, spec.io_dtype, scale, context)
 
 
@@ -691,13 +692,13 @@ def test_the_row_max_is_found_at_every_key_position_of_a_chunk(backend, dtype, h
     cache = cupykv.KVCache(spec, backend=backend)
     keys = np.zeros(spec.shape, spec.np_dtype)
     values = np.random.default_rng(head_dim).standard_normal(spec.shape).astype(spec.np_dtype)
-    for b in range(CHUNK):
-        _nhd(keys, spec)[0, b, b, 0, 0] = 1
+    sequences = np.arange(CHUNK)
+    _nhd(keys, spec)[0, sequences, sequences, 0, 0] = 1   # sequence b: key b
     cache.k[...], cache.v[...] = cache.to_device(keys), cache.to_device(values)
     cache.set_lengths([CHUNK - 1] * CHUNK)
     q = np.zeros((CHUNK, 1, 1, head_dim), spec.io_np_dtype)
     q[..., 0] = 1
     got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, scale=1000.0), spec, io=True)
-    want = np.stack([_nhd(values, spec)[0, b, b] for b in range(CHUNK)])[:, None]   # [batch, 1, n_heads, hd]
+    want = _nhd(values, spec)[0, sequences, sequences][:, None]   # V row b of sequence b: [batch, 1, n_heads, hd]
     wrong = [b for b in range(CHUNK) if not np.array_equal(got[b], want[b])]
     assert not wrong, f"key positions {wrong} do not give their V row ({spec})"
