@@ -146,7 +146,7 @@ def test_live_length_clamps_the_stored_length_to_the_cache(module):
     np.testing.assert_array_equal(np.asarray(lengths), np.clip(stored, 0, 512))
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", nvrtc_check.ARCHS)
 def test_same_source_compiles_with_nvrtc(arch):
     nvrtc = nvrtc_check.load_nvrtc()
     nvrtc_check.compile_file(nvrtc, SOURCE.name, SOURCE.read_text(), [], arch, include_dirs=(KERNEL_DIR,))
