@@ -15,6 +15,7 @@ exact, so those tests compare bit for bit with a float64 matmul; random inputs a
 for bit with that stated order, and within 2 (K + 1) 2^-24 (|C| + sum |A||B|) of float64, a
 bound any fp32 summation order (truncating or rounding) meets.
 """
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -327,3 +328,71 @@ def test_the_kernels_compile_with_nvrtc_to_the_intended_instructions_without_spi
         for trans in (False, True):
             body = entry_ptx(program, f"ldmatrix_lanes<{matrices}, {'true' if trans else 'false'}>")
             assert f"ldmatrix.sync.aligned.m8n8.x{matrices}{'.trans' if trans else ''}.shared.b16" in body
+
+
+# ---- the inline PTX binds its operands in fragment order (the emulator never runs it) ------------
+OPERAND_ORDER = [f"mma_operand_order<{t}>" for t in DTYPES] + [
+    f"ldmatrix_operand_order<{m}, {t}>" for m in (1, 2, 4) for t in ("false", "true")]
+
+
+def registers(operand_list):
+    return re.findall(r"%\w+", operand_list)
+
+
+def definition(body, register):
+    """The one instruction of an entry's PTX that writes `register`."""
+    found = re.findall(rf"^\s*([\w.]+\s+{re.escape(register)},[^;]*);", body, re.MULTILINE)
+    assert len(found) == 1, (register, found)
+    return found[0]
+
+
+def constant_of(body, register):
+    move = re.fullmatch(r"mov\.(?:u32|b32|f32)\s+%\w+,\s*(0f[0-9A-F]{8}|\d+)", definition(body, register))
+    return move and move.group(1)
+
+
+def stored_offsets(body):
+    """register -> byte offset of its st.global into the kernel's one output pointer."""
+    return {register: int(offset or 0)
+            for offset, register in re.findall(r"st\.global\.\w+\s+\[%rd\d+(?:\+(\d+))?\],\s*(%\w+);", body)}
+
+
+def float_bits(x):
+    return f"0f{int(np.float32(x).view(np.uint32)):08X}"
+
+
+@pytest.fixture(scope="module", params=nvrtc_check.ARCHS)
+def operand_program(request):
+    return nvrtc_check.compile_program(nvrtc_check.load_nvrtc(), SOURCE.name, SOURCE.read_text(), OPERAND_ORDER,
+                                       request.param, include_dirs=(str(KERNELS), KERNEL_DIR))
+
+
+@pytest.mark.parametrize("cuda_type", DTYPES)
+def test_mma_ptx_takes_a_b_c_and_gives_d_in_fragment_order(operand_program, cuda_type):
+    """mma_operand_order puts constants 0xA0A0..0xA3A3 in a0..a3, 0xB0B0, 0xB1B1 in b0, b1 and
+    0.5..3.5 in c0..c3, and stores d0..d3 to out[0..3]."""
+    body = entry_ptx(operand_program, f"mma_operand_order<{cuda_type}>")
+    (d, a, b, c), = re.findall(r"\n\s*mma\.sync\.aligned\.\S+\s+\{([^}]*)\},\s*\{([^}]*)\},\s*\{([^}]*)\},"
+                               r"\s*\{([^}]*)\};", body)
+    assert [constant_of(body, r) for r in registers(a)] == [str(0xA0A0), str(0xA1A1), str(0xA2A2), str(0xA3A3)]
+    assert [constant_of(body, r) for r in registers(b)] == [str(0xB0B0), str(0xB1B1)]
+    assert [constant_of(body, r) for r in registers(c)] == [float_bits(x) for x in (0.5, 1.5, 2.5, 3.5)]
+    offsets = stored_offsets(body)
+    assert [offsets.get(r) for r in registers(d)] == [0, 4, 8, 12]
+
+
+@pytest.mark.parametrize("matrices", [1, 2, 4])
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_ptx_gives_r_in_matrix_order_from_a_shared_address(operand_program, matrices, trans):
+    """ldmatrix_operand_order stores r[m] to out[m]; the row address is a 32-bit offset into the
+    shared tile (cvta-to-shared of its generic address), not a generic 64-bit pointer."""
+    instance = f"ldmatrix_operand_order<{matrices}, {'true' if trans else 'false'}>"
+    body = entry_ptx(operand_program, instance)
+    (r, address), = re.findall(r"\n\s*ldmatrix\.sync\.aligned\.\S+\s+\{([^}]*)\},\s*\[([^\]]*)\];", body)
+    offsets = stored_offsets(body)
+    assert [offsets.get(x) for x in registers(r)] == [4 * m for m in range(matrices)]
+    assert re.fullmatch(r"%r\d+", address), address
+    tile = re.search(r"\.shared\s.*?(\w+rows)\[", body).group(1)
+    sources = registers(definition(body, address).split(",", 1)[1])
+    assert any(re.search(rf"mov\.u32\s+%r\d+,\s*{tile}$", definition(body, s)) for s in sources), \
+        definition(body, address)

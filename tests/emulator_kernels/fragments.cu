@@ -84,3 +84,25 @@ __global__ void tile_products(const T* __restrict__ x, const T* __restrict__ k, 
         o[row * 8 + col] = values[i];
     }
 }
+
+// The operand order of mma.cuh's inline PTX, read from the PTX itself (the emulator never runs
+// it): each input register holds its own constant and each output is stored to its own slot of
+// out, so a swapped, repeated or misnumbered operand shows as a constant or a store in the wrong
+// place. Not launched; NVRTC only.
+template <typename T>
+__global__ void mma_operand_order(float* __restrict__ out) {
+    const unsigned a[4] = {0xA0A0u, 0xA1A1u, 0xA2A2u, 0xA3A3u};
+    const unsigned b[2] = {0xB0B0u, 0xB1B1u};
+    const float c[4] = {0.5f, 1.5f, 2.5f, 3.5f};
+    float d[4];
+    mma_m16n8k16<T>(d, a, b, c);
+    for (int i = 0; i < 4; ++i) out[i] = d[i];
+}
+
+template <int MATRICES, bool TRANS>
+__global__ void ldmatrix_operand_order(unsigned* __restrict__ out) {
+    __shared__ __align__(16) unsigned short rows[4 * 8 * 8];
+    unsigned r[MATRICES];
+    ldmatrix<MATRICES, TRANS>(r, rows + 8 * (threadIdx.x % 32));
+    for (int m = 0; m < MATRICES; ++m) out[m] = r[m];
+}
