@@ -385,6 +385,43 @@ def test_speculative_verification_reads_k_and_v_once_per_64_query_rows(dtype, he
             assert loaded == sum(n + q_len for n in lengths) * spec.n_kv_heads * head_dim * spec.itemsize
 
 
+
+# (dtype, io_dtype, head_dim): attention.cu (float32 at 8), attention_f32.cu at each instance,
+# attention_mma.cu for float16 and bfloat16, and its fp8 form
+STORE_CASES = [("float32", "", 8), ("float32", "", 32), ("float32", "", 64), ("float32", "", 128),
+               ("float32", "", 256), ("float16", "", 64), ("bfloat16", "", 128), ("float8_e4m3", "float16", 64)]
+
+
+@pytest.mark.parametrize("dtype, io_dtype, head_dim", STORE_CASES, ids=lambda v: str(v) or "-")
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_stores_each_output_and_each_splits_partials_once(dtype, io_dtype, head_dim, q_len, num_splits):
+    """Each query row's output is stored once (by the merge, when split), and each split stores each
+    row's partial output, max and sum once, empty splits included (sequence 1 has a single key):
+    one lane per row, not every thread that holds its value. Each block counts once on its tile's
+    counter and never stores to it."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=300, batch=2, dtype=dtype,
+                            io_dtype=io_dtype or None)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    cache.advance([290, 0])
+    q = cache._backend.zeros((2, q_len, 8, head_dim), cache._backend.storage_dtype(spec.io_dtype))
+    with testing.traffic(cache) as t:
+        out = cupykv.attention(q, cache, 0, num_splits=num_splits)
+    launch, = t.launches
+    rows = 2 * q_len * 8
+    written = launch.of(out)
+    assert written.bytes_stored == out.nbytes == rows * head_dim * out.itemsize
+    assert written.touched("store").all()
+    if num_splits == 1:
+        return
+    for index, floats_per_row in ((1, head_dim), (2, 1), (3, 1)):   # partial_out, partial_max, partial_sum
+        partial = launch.argument(index)
+        assert partial.bytes_stored == num_splits * rows * floats_per_row * 4, (index, partial.bytes_stored)
+        assert partial.touched("store").sum() == num_splits * rows * floats_per_row * 4, index
+    counters = launch.argument(4)
+    assert counters.counts("atomic").accesses == launch.grid[0] * launch.grid[1]
+    assert counters.bytes_stored == 0
+
 class PatchedBackend(EmulatorBackend):
     """The emulator backend with one line of one kernel file replaced before it is compiled.
 
