@@ -101,3 +101,4 @@ def test_rope_softcap_and_window_match_the_reference(backend, head_dim, options)
         got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 1, num_splits=num_splits, **options), spec)
         assert_attention_close(got.astype(np.float64), want, "float32", float(np.abs(oracle.v).max()),
                                context=f"{options}, num_splits {num_splits}")
+

@@ -23,7 +23,7 @@ from cupykv.attention_plan import attention_kernel, max_splits
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import accounting, memory
 from cupykv.backends.emulator_backend import EmulatorBackend
-from cupykv.kernels import KERNEL_DIR, KERNELS
+from cupykv.kernels import KERNEL_DIR, KERNELS, attention_f32_head_dim, attention_mma_head_dim
 from cupykv.spec import host_dtype
 
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
@@ -421,6 +421,50 @@ def test_attention_stores_each_output_and_each_splits_partials_once(dtype, io_dt
     counters = launch.argument(4)
     assert counters.counts("atomic").accesses == launch.grid[0] * launch.grid[1]
     assert counters.bytes_stored == 0
+
+
+# (dtype, io_dtype, head_dim) of the staged kernels: attention_f32.cu at each instance and padded (24 on
+# 32), attention_mma.cu at each instance and padded (40 on 64), and its fp8 form
+STAGED_CASES = [("float32", "", 32), ("float32", "", 64), ("float32", "", 128), ("float32", "", 256),
+                ("float32", "", 24), ("float16", "", 64), ("bfloat16", "", 96), ("float16", "", 128),
+                ("bfloat16", "", 256), ("float16", "", 40), ("float8_e4m3", "bfloat16", 64)]
+
+
+@pytest.mark.parametrize("dtype, io_dtype, head_dim", STAGED_CASES, ids=lambda v: str(v) or "-")
+@pytest.mark.parametrize("window, splits, keys_per_block", [
+    (40, dict(num_splits=1), [40]),                 # keys [260, 300): a range far from key 0
+    (None, dict(split_keys=128), [128, 128, 44]),   # [0, 128), [128, 256), [256, 300)
+    (200, dict(split_keys=128), [28, 128, 44]),     # the window starts inside the first split
+], ids=["window", "split_keys", "window-split_keys"])
+def test_each_block_copies_the_steps_of_its_own_keys_and_no_more(dtype, io_dtype, head_dim, window, splits,
+                                                                 keys_per_block):
+    """A staged kernel's block copies ceil(keys / step keys) steps of K and V into its stages, whole
+    (zero-filled past its keys and past a padded head's dims), and none beyond them. A step count
+    taken from where the range ends instead of how long it is would copy and score empty steps: the
+    output and the global traffic would not change, so only the shared-memory stores show it. The
+    copies that fill with zeros read nothing: the global loads are the attended rows' bytes, once.
+    One tile (q_len 1, GQA 4) at position 299 of 300."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=300, batch=1, dtype=dtype,
+                            io_dtype=io_dtype or None)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    cache.advance([299])
+    q = cache._backend.zeros((1, 1, 4, head_dim), cache._backend.storage_dtype(spec.io_dtype))
+    with testing.traffic(cache, banks=True) as t:
+        cupykv.attention(q, cache, 0, window=window, **splits)
+    launch, = t.launches
+    assert launch.grid[1] == len(keys_per_block)
+    if dtype == "float32":
+        instance = attention_f32_head_dim(dtype, head_dim)
+        tiling = KERNELS["attention_f32"].constants("attention_f32_tiling")
+        step_keys = tiling["kWideStepKeys"] if instance == 256 else tiling["kStepKeys"]
+    else:
+        instance = attention_mma_head_dim(dtype, head_dim)
+        step_keys = KERNELS["attention_mma"].constants("attention_mma_tiling")["kStepKeys"]
+    assert launch.kernel.startswith("cupykv_attention_f32" if dtype == "float32" else "cupykv_attention_mma")
+    steps = sum(-(-keys // step_keys) for keys in keys_per_block)
+    copied = sum(s.bytes for s in launch.shared_sites if s.kind == "store" and s.site.startswith("async_copy.cuh"))
+    assert copied == steps * 2 * step_keys * instance * spec.itemsize
+    assert_reads_exactly_the_attended_rows(launch, cache, 0, [299], 1, 4, window)
 
 class PatchedBackend(EmulatorBackend):
     """The emulator backend with one line of one kernel file replaced before it is compiled.
