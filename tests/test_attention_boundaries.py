@@ -320,6 +320,47 @@ def test_windows_start_at_tile_edges(backend, tile, edge, variant):
            marked=marked, values=POISONS[edge + 1], seed=tile + edge)
 
 
+
+# Windows of at least a step (32 keys, 16 at head_dim 256 and on tensor cores) with one head a row
+# (group 1), so that a tile's rows sit at consecutive positions; and split_keys cuts that end a split
+# a key or two into a step.
+UNMASKED_STEPS = [(2, 32, dict(num_splits=1)), (2, 65, dict(num_splits=1)), (3, 40, dict(num_splits=1)),
+                  (1, 150, dict(split_keys=128)), (2, 150, dict(split_keys=128))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, head_dim", KERNEL_CASES)
+@pytest.mark.parametrize("q_len, window, splits", UNMASKED_STEPS, ids=lambda v: str(v))
+def test_a_step_left_unmasked_holds_only_keys_every_row_attends(backend, dtype, head_dim, q_len, window, splits):
+    """The staged kernels mask only the steps that hold a key some live row does not attend. Every key
+    here has a logit near -SPIKE and a V row near +1, but query 0's first key (o), whose logit is
+    near +SPIKE and V row near -1: a later query of the tile (one position on, so its window starts
+    at o + 1) that took o's step as unmasked would return about -1, and a zero-filled key past a
+    split's end taken for a live one (logit 0, V 0) would pull the row to about 0. Query 0's window
+    starts at offsets o = 1, 2, 17, 31, 32, 33, across a step; the rows below it are poisoned."""
+    offsets = [1, 2, 17, 31, 32, 33]
+    lengths = [o + window - 1 for o in offsets]   # query 0 (position lengths[b]) attends from o on
+    spec = _spec(max(lengths) + q_len + 3, batch=len(offsets), dtype=dtype, head_dim=head_dim, n_layers=1)
+    rng = np.random.default_rng(window + q_len)
+    oracle, q = _oracle(spec, q_len, 1, rng, layer=0, marked={b: [o] for b, o in enumerate(offsets)})
+    keys, values = _nhd(oracle.k, spec)[0], _nhd(oracle.v, spec)[0]   # [batch, max_seq, n_kv, hd]
+    for b, o in enumerate(offsets):
+        spike = keys[b, o].astype(np.float64)   # logit about +SPIKE for every query of sequence b
+        others = np.arange(spec.max_seq) != o
+        keys[b, others] = (-spike + 0.05 * rng.standard_normal(keys[b, others].shape)).astype(keys.dtype)
+        values[b] = (1.0 + 0.1 * rng.standard_normal(values[b].shape)).astype(values.dtype)
+        values[b, o] *= -1
+    oracle.set_lengths(lengths)
+    k, v = _poisoned(oracle, spec, 0, [n + q_len for n in lengths], below=offsets)
+    cache = cupykv.KVCache(spec, backend=backend)
+    cache.k[...], cache.v[...] = cache.to_device(k), cache.to_device(v)
+    cache.set_lengths(lengths)
+    got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, window=window, **splits), spec)
+    want = reference.attention(q, oracle, 0, window=window)
+    assert np.abs(want[:, 0] + 1.0).max() < 0.5 and np.all(np.abs(want[:, 1:] - 1.0) < 0.5)   # o's -1, others' +1
+    assert_attention_close(got.astype(np.float64), want, dtype, float(np.abs(values.astype(np.float64)).max()),
+                           context=f"{dtype} {head_dim}, q_len {q_len}, window {window}, {splits}")
+
 # -- 5. NaN and +-inf in pending rows a query does not attend ------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("q_len", [2, 5, 16])
