@@ -5,13 +5,15 @@ The boundary suite (test_attention_boundaries.py) takes this kernel in turn with
 tile, step, split and row-count edge; test_traffic.py holds its coalescing figures, test_races.py
 its two stage barriers, and test_attention_mma.py's split_keys test its bit-identical rows.
 """
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import cupykv
 from cupykv import attention_plan, reference, testing
 from cupykv import kernels
-from cupykv.kernels import KERNELS
+from cupykv.kernels import KERNEL_DIR, KERNELS
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
 
@@ -101,4 +103,40 @@ def test_rope_softcap_and_window_match_the_reference(backend, head_dim, options)
         got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 1, num_splits=num_splits, **options), spec)
         assert_attention_close(got.astype(np.float64), want, "float32", float(np.abs(oracle.v).max()),
                                context=f"{options}, num_splits {num_splits}")
+
+
+def source_line(needle):
+    """``attention_f32.cu:N`` of the one line holding ``needle``: a shared-memory site of the traffic counter."""
+    text = (Path(KERNEL_DIR) / "attention_f32.cu").read_text().splitlines()
+    hits = [i + 1 for i, line in enumerate(text) if needle in line]
+    assert len(hits) == 1, (needle, hits)
+    return f"attention_f32.cu:{hits[0]}"
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+def test_each_warp_scores_only_its_live_rows(head_dim, rows):
+    """Warp w scores rows w, w + 4, ... of the tile (a compile-time count of 0 to 4): each step reads
+    each live row of the q tile once (every lane: 32 x its score dims), and the K and V stages once
+    per warp with a live row. A warp that ran the step
+    for more rows than it has (a count one too high) would only add work the output never shows.
+    One tile of `rows` heads (q_len 1, GQA `rows`) over 100 keys."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=128, batch=1, dtype="float32")
+    cache = cupykv.KVCache(spec, backend="emulator")
+    cache.advance([99])
+    q = cache._backend.zeros((1, 1, rows, head_dim), np.float32)
+    with testing.traffic(cache, banks=True) as t:
+        cupykv.attention(q, cache, 0, num_splits=1)
+    launch, = t.launches
+    step_keys = TILING["kWideStepKeys"] if head_dim == 256 else TILING["kStepKeys"]
+    steps, lanes, score_dims = -(-100 // step_keys), 32, head_dim // (32 // step_keys)
+    live_warps = min(rows, TILING["kWarps"])
+
+    def loaded(needle):
+        site = source_line(needle)
+        return sum(s.bytes for s in launch.shared_sites if s.kind == "load" and s.site == site)
+
+    assert loaded("const float4 q4 =") == steps * rows * lanes * score_dims * 4
+    # a warp with a live row reads the whole K and V stage of each step once
+    assert loaded("const float4 k4 =") == loaded("v4[piece] =") == steps * live_warps * step_keys * head_dim * 4
 
