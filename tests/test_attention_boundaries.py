@@ -8,7 +8,8 @@ tiles), the split plan and the combine. These tests fix the contract at the plac
 - query-row counts (q_len x group) that straddle every row tile, and q_len 1..16 at every GQA group 1..8;
 - split counts 1..64 with live ranges k*T*splits + 1 (an uneven last split), more splits than keys
   (empty splits), and the split counts plan_splits gives an H200 (132 SMs x 4..6 blocks);
-- windows that start just before, at and just after a tile (chunk, split) edge;
+- windows that start just before, at and just after a tile (chunk, split) edge, and steps a staged
+  kernel leaves unmasked, which must hold only keys every row of the tile attends;
 - NaN and +-inf in rows that are pending but not attended, past the live rows, below a window and in
   the other layer: the output must stay finite and within tolerance;
 - a query whose every logit is infinite or NaN comes out NaN, at the cache's last position too;

@@ -3,7 +3,8 @@ the properties its design claims that the boundary suite does not pin by itself.
 
 The boundary suite (test_attention_boundaries.py) takes this kernel in turn with the others at every
 tile, step, split and row-count edge; test_traffic.py holds its coalescing figures, test_races.py
-its two stage barriers, and test_attention_mma.py's split_keys test its bit-identical rows.
+its two stage barriers, and test_attention_mma.py's split_keys test its bit-identical rows. Its
+shared-memory reads (traffic(banks=True)) show that each warp works on its own live rows only.
 """
 from pathlib import Path
 

@@ -14,6 +14,9 @@ nearest (products of 16-bit values are exact in fp32). Integer-valued inputs mak
 exact, so those tests compare bit for bit with a float64 matmul; random inputs are compared bit
 for bit with that stated order, and within 2 (K + 1) 2^-24 (|C| + sum |A||B|) of float64, a
 bound any fp32 summation order (truncating or rounding) meets.
+
+The emulator never runs the wrappers' inline PTX, so its operand order is read from NVRTC's PTX:
+each operand register traced to the constant it holds or the store that takes it.
 """
 import re
 from pathlib import Path

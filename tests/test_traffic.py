@@ -3,9 +3,10 @@
 The counter (cupykv/backends/emulator/traffic.cpp) sees every global access of a kernel. These
 tests check it first on kernels whose traffic is known (tests/emulator_kernels/traffic.cu),
 then hold cupykv's kernels to their contracts, exactly: attention reads the K/V bytes of the
-attended rows and not one byte more, append writes its rows and reads nothing of the cache,
-the length ops touch only their arrays, linear reads its weight once, and a graph replay
-moves the bytes of the eager step. Planted over-reads (a patched attention.cu and a small
+attended rows and not one byte more, stores each output and each split's partials once, and (the
+staged kernels) copies the steps of its own keys into shared memory and no more; append writes its
+rows and reads nothing of the cache, the length ops touch only their arrays, linear reads its
+weight once, and a graph replay moves the bytes of the eager step. Planted over-reads (a patched attention.cu and a small
 kernel) show that the checks fail when they should, and a protected cache tail makes a
 whole-axis read fault. The coalescing figures of the decode kernels are held at the end.
 """
