@@ -321,7 +321,6 @@ def test_windows_start_at_tile_edges(backend, tile, edge, variant):
            marked=marked, values=POISONS[edge + 1], seed=tile + edge)
 
 
-
 # Windows of at least a step (32 keys, 16 at head_dim 256 and on tensor cores) with one head a row
 # (group 1), so that a tile's rows sit at consecutive positions; and split_keys cuts that end a split
 # a key or two into a step.
@@ -361,6 +360,7 @@ def test_a_step_left_unmasked_holds_only_keys_every_row_attends(backend, dtype, 
     assert np.abs(want[:, 0] + 1.0).max() < 0.5 and np.all(np.abs(want[:, 1:] - 1.0) < 0.5)   # o's -1, others' +1
     assert_attention_close(got.astype(np.float64), want, dtype, float(np.abs(values.astype(np.float64)).max()),
                            context=f"{dtype} {head_dim}, q_len {q_len}, window {window}, {splits}")
+
 
 # -- 5. NaN and +-inf in pending rows a query does not attend ------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)

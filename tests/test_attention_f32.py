@@ -119,9 +119,8 @@ def source_line(needle):
 def test_each_warp_scores_only_its_live_rows(head_dim, rows):
     """Warp w scores rows w, w + 4, ... of the tile (a compile-time count of 0 to 4): each step reads
     each live row of the q tile once (every lane: 32 x its score dims), and the K and V stages once
-    per warp with a live row. A warp that ran the step
-    for more rows than it has (a count one too high) would only add work the output never shows.
-    One tile of `rows` heads (q_len 1, GQA `rows`) over 100 keys."""
+    per warp with a live row. A warp that ran the step for more rows than it has (a count one too
+    high) would only add work the output never shows. One tile of `rows` heads (q_len 1, GQA `rows`) over 100 keys."""
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=128, batch=1, dtype="float32")
     cache = cupykv.KVCache(spec, backend="emulator")
     cache.advance([99])
@@ -140,4 +139,3 @@ def test_each_warp_scores_only_its_live_rows(head_dim, rows):
     assert loaded("const float4 q4 =") == steps * rows * lanes * score_dims * 4
     # a warp with a live row reads the whole K and V stage of each step once
     assert loaded("const float4 k4 =") == loaded("v4[piece] =") == steps * live_warps * step_keys * head_dim * 4
-
