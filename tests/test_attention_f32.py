@@ -15,6 +15,7 @@ import cupykv
 from cupykv import attention_plan, reference, testing
 from cupykv import kernels
 from cupykv.kernels import KERNEL_DIR, KERNELS
+from cupykv.step_instructions import StagedInstance
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
 
@@ -42,7 +43,7 @@ def test_float32_caches_run_the_staged_kernel_at_its_sizes_and_padded_onto_them(
         assert plan.kernel.instance == f"cupykv_attention_f32<{head_dim}>"
         assert plan.block == (TILING["kThreads"],) and plan.kernel.rows_per_block == TILING["kTileRows"]
         # the q tile and two stages of K and V, rows padded by kRowPad floats but the last
-        keys = TILING["kWideStepKeys"] if head_dim == 256 else TILING["kStepKeys"]   # 16-key steps at 256
+        keys = StagedInstance(head_dim).step_keys   # 16-key steps at 256
         stages = (TILING["kStages"] * 2 * keys - 1) * (head_dim + TILING["kRowPad"]) + head_dim
         assert plan.shared_mem_bytes == (TILING["kTileRows"] * head_dim + stages) * 4
         assert plan.kernel.opts_in_to_shared_memory == (head_dim >= 128)   # 75760 bytes at 128, 82928 at 256
@@ -128,7 +129,7 @@ def test_each_warp_scores_only_its_live_rows(head_dim, rows):
     with testing.traffic(cache, banks=True) as t:
         cupykv.attention(q, cache, 0, num_splits=1)
     launch, = t.launches
-    step_keys = TILING["kWideStepKeys"] if head_dim == 256 else TILING["kStepKeys"]
+    step_keys = StagedInstance(head_dim).step_keys
     steps, lanes, score_dims = -(-100 // step_keys), 32, head_dim // (32 // step_keys)
     live_warps = min(rows, TILING["kWarps"])
 

@@ -6,9 +6,9 @@ then hold cupykv's kernels to their contracts, exactly: attention reads the K/V 
 attended rows and not one byte more, stores each output and each split's partials once, and (the
 staged kernels) copies the steps of its own keys into shared memory and no more; append writes its
 rows and reads nothing of the cache, the length ops touch only their arrays, linear reads its
-weight once, and a graph replay moves the bytes of the eager step. Planted over-reads (a patched attention.cu and a small
-kernel) show that the checks fail when they should, and a protected cache tail makes a
-whole-axis read fault. The coalescing figures of the decode kernels are held at the end.
+weight once, and a graph replay moves the bytes of the eager step. Planted over-reads (a patched
+attention.cu and a small kernel) show that the checks fail when they should, and a protected cache
+tail makes a whole-axis read fault. The coalescing figures of the decode kernels are held at the end.
 """
 
 import re
@@ -26,6 +26,7 @@ from cupykv.backends.emulator import accounting, memory
 from cupykv.backends.emulator_backend import EmulatorBackend
 from cupykv.kernels import KERNEL_DIR, KERNELS, attention_f32_head_dim, attention_mma_head_dim
 from cupykv.spec import host_dtype
+from cupykv.step_instructions import StagedInstance
 
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 TRAFFIC_NAMES = ["strided_copy", "vector_copy", "sum_rows", "uneven_trips", "realigned_trips",
@@ -324,12 +325,19 @@ def attention_cases(draw):
     return spec, lengths, q_len, group, window, splits, draw(st.integers(0, spec.n_layers - 1))
 
 
-def read_attended_rows(spec, lengths, q_len, group, window, splits, layer):
-    """One attention call under the traffic counter, checked by :func:`assert_reads_exactly_the_attended_rows`."""
+def cache_and_zero_queries(spec, lengths, q_len, group):
+    """An emulator cache of ``spec`` advanced to ``lengths`` and zero queries ``[batch, q_len, group *
+    n_kv_heads, head_dim]`` in its io dtype: what the byte counts below need (the values do not matter)."""
     cache = cupykv.KVCache(spec, backend="emulator")
     cache.advance(lengths)
     q = cache._backend.zeros((spec.batch, q_len, group * spec.n_kv_heads, spec.head_dim),
-                             cache._backend.storage_dtype(spec.dtype))
+                             cache._backend.storage_dtype(spec.io_dtype))
+    return cache, q
+
+
+def read_attended_rows(spec, lengths, q_len, group, window, splits, layer):
+    """One attention call under the traffic counter, checked by :func:`assert_reads_exactly_the_attended_rows`."""
+    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
     with testing.traffic(cache) as t:
         cupykv.attention(q, cache, layer, window=window, **splits)
     assert len(t.launches) == 1   # split or not: the splits are merged inside the launch
@@ -369,9 +377,7 @@ def test_speculative_verification_reads_k_and_v_once_per_64_query_rows(dtype, he
     per 16 rows."""
     lengths = [200, 37]
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=256, batch=2, dtype=dtype)
-    cache = cupykv.KVCache(spec, backend="emulator")
-    cache.advance(lengths)
-    q = cache._backend.zeros((2, q_len, 2 * group, head_dim), cache._backend.storage_dtype(dtype))
+    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
     with testing.traffic(cache) as t:
         cupykv.attention(q, cache, 0, num_splits=2)
     rows = q_len * group
@@ -384,7 +390,6 @@ def test_speculative_verification_reads_k_and_v_once_per_64_query_rows(dtype, he
         assert loaded == sum(per_block) * spec.n_kv_heads * head_dim * spec.itemsize
         if rows <= 64:   # one block: each live row once
             assert loaded == sum(n + q_len for n in lengths) * spec.n_kv_heads * head_dim * spec.itemsize
-
 
 
 # (dtype, io_dtype, head_dim): attention.cu (float32 at 8), attention_f32.cu at each instance,
@@ -402,10 +407,8 @@ def test_attention_stores_each_output_and_each_splits_partials_once(dtype, io_dt
     one lane per row, not every thread that holds its value. Each block counts once on its tile's
     counter and never stores to it."""
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=300, batch=2, dtype=dtype,
-                            io_dtype=io_dtype or None)
-    cache = cupykv.KVCache(spec, backend="emulator")
-    cache.advance([290, 0])
-    q = cache._backend.zeros((2, q_len, 8, head_dim), cache._backend.storage_dtype(spec.io_dtype))
+                            io_dtype=io_dtype)
+    cache, q = cache_and_zero_queries(spec, [290, 0], q_len, 4)
     with testing.traffic(cache) as t:
         out = cupykv.attention(q, cache, 0, num_splits=num_splits)
     launch, = t.launches
@@ -446,18 +449,15 @@ def test_each_block_copies_the_steps_of_its_own_keys_and_no_more(dtype, io_dtype
     copies that fill with zeros read nothing: the global loads are the attended rows' bytes, once.
     One tile (q_len 1, GQA 4) at position 299 of 300."""
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=300, batch=1, dtype=dtype,
-                            io_dtype=io_dtype or None)
-    cache = cupykv.KVCache(spec, backend="emulator")
-    cache.advance([299])
-    q = cache._backend.zeros((1, 1, 4, head_dim), cache._backend.storage_dtype(spec.io_dtype))
+                            io_dtype=io_dtype)
+    cache, q = cache_and_zero_queries(spec, [299], 1, 4)
     with testing.traffic(cache, banks=True) as t:
         cupykv.attention(q, cache, 0, window=window, **splits)
     launch, = t.launches
     assert launch.grid[1] == len(keys_per_block)
     if dtype == "float32":
         instance = attention_f32_head_dim(dtype, head_dim)
-        tiling = KERNELS["attention_f32"].constants("attention_f32_tiling")
-        step_keys = tiling["kWideStepKeys"] if instance == 256 else tiling["kStepKeys"]
+        step_keys = StagedInstance(instance).step_keys
     else:
         instance = attention_mma_head_dim(dtype, head_dim)
         step_keys = KERNELS["attention_mma"].constants("attention_mma_tiling")["kStepKeys"]
@@ -466,6 +466,7 @@ def test_each_block_copies_the_steps_of_its_own_keys_and_no_more(dtype, io_dtype
     copied = sum(s.bytes for s in launch.shared_sites if s.kind == "store" and s.site.startswith("async_copy.cuh"))
     assert copied == steps * 2 * step_keys * instance * spec.itemsize
     assert_reads_exactly_the_attended_rows(launch, cache, 0, [299], 1, 4, window)
+
 
 class PatchedBackend(EmulatorBackend):
     """The emulator backend with one line of one kernel file replaced before it is compiled.
