@@ -1,6 +1,7 @@
 """Signals during an emulator launch: Ctrl-C stops a hung kernel, and a fault is reported only
 where that is well defined (kernel code, the kernels' memcpy), else the process stops loudly."""
 
+import ctypes
 import os
 import resource
 import signal
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from cupykv.backends import emulator as E
+from cupykv.backends.emulator import build, memory
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
 SIGNALS = KERNELS / "signals.cu"
@@ -128,6 +130,35 @@ def test_out_of_bounds_memcpy_is_reported(kernels):
         kernels.get_function("copy_floats")(1, 32, (y, x, np.int32(65)))
     kernels.get_function("copy_floats")(1, 32, (y, x, np.int32(64)))
     assert y[:64].tolist() == list(range(64))
+
+
+def test_a_fault_just_below_the_fiber_stacks_is_out_of_bounds_not_a_stack_overflow(kernels, monkeypatch):
+    """The guard page after a buffer mapped right below the first fiber's stack is not that
+    stack's guard: there is no fiber below fiber 0 whose stack could have run into it."""
+    x = E.asarray(np.arange(64, dtype=np.float32))
+    y = E.zeros(65, np.float32)
+    kernels.get_function("copy_floats")(1, 32, (y, x, np.int32(64)))   # the fibers' stacks exist
+    lo, hi = ctypes.c_uint64(), ctypes.c_uint64()
+    build.runtime().cuemu_fiber_stacks(ctypes.byref(lo), ctypes.byref(hi))
+    assert lo.value and hi.value > lo.value
+    placed_mmap, map_fixed_noreplace = memory._mmap, 0x100000
+    for pages_below in range(3, 17):   # 64 floats: guard, one data page, guard; the last guard
+        hint = lo.value - pages_below * memory.PAGE   # page is within 64 KiB below the stacks
+        monkeypatch.setattr(memory, "_mmap", lambda _, length, prot, flags, fd, offset:
+                            placed_mmap(hint, length, prot, flags | map_fixed_noreplace, fd, offset))
+        try:
+            below = E.asarray(np.arange(64, dtype=np.float32))
+        except MemoryError:
+            continue   # something else is mapped there
+        finally:
+            monkeypatch.setattr(memory, "_mmap", placed_mmap)
+        if memory._owner(below).map_addr == hint:
+            break
+    else:
+        pytest.fail(f"no free pages in the 64 KiB below the fiber stacks at {lo.value:#x}")
+    with pytest.raises(E.EmulatorFault, match=r"thread \(0,0,0\): out-of-bounds read of argument 1 at "
+                                              r"element 64"):
+        kernels.get_function("copy_floats")(1, 32, (y, below, np.int32(65)))
 
 
 def test_memmove_and_memset(kernels):

@@ -957,11 +957,19 @@ CUEMU_EXPORT long long cuemu_clock64(void) { return (long long)__builtin_ia32_rd
 // and after, Python's own handler gets it. cuemu_launch then returns CUEMU_ERR_INTERRUPTED.
 
 // Whether `a` lies in the guard page of fiber `f`'s stack, or below it in the stack of the
-// fiber before (stack-clash probes stride by one page).
+// fiber before (stack-clash probes stride by one page). Fiber 0 has no fiber before it: below
+// its guard lies whatever else is mapped there (a buffer's guard page, for one).
 static bool in_stack_guard(const Fiber* f, uint64_t a) {
   if (!f || !g_stacks.base) return false;
   const uint64_t guard = (uint64_t)(g_stacks.base + (size_t)f->tid * g_stacks.stride);
-  return a >= guard - g_stacks.size && a < guard + g_stacks.page;
+  return a >= guard - (f->tid ? g_stacks.size : 0) && a < guard + g_stacks.page;
+}
+
+// The address span of every fiber's stack with its guard page, [*lo, *hi); both 0 before the
+// first launch. Tests use it to place a buffer beside the stacks.
+CUEMU_EXPORT void cuemu_fiber_stacks(uint64_t* lo, uint64_t* hi) {
+  *lo = (uint64_t)g_stacks.base;
+  *hi = *lo + (uint64_t)g_stacks.count * g_stacks.stride;
 }
 
 static CodeRange code_range_of(const void* code) {
