@@ -8,6 +8,7 @@ but the N most recent groups (empty groups count), wait_all commits first, src-s
 read and the rest zero-filled. The same source compiles with NVRTC for sm_80 and sm_90 without
 spills, so what runs here is what a GPU will run.
 """
+import functools
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from cupykv import nvrtc_check
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import build
 from cupykv.kernels import KERNEL_DIR
+from source_lines import source_site
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
 SOURCE = KERNELS / "async_copy.cu"
@@ -26,11 +28,7 @@ NAMES = ["async_roundtrip<4>", "async_roundtrip<8>", "async_roundtrip<16>", "asy
          "async_early_read"]
 
 
-def line(needle, path=SOURCE):
-    """``'file:LINE'`` of the only line of ``path`` holding ``needle``."""
-    hits = [i + 1 for i, text in enumerate(path.read_text().splitlines()) if needle in text]
-    assert len(hits) == 1, (needle, hits)
-    return f"{path.name}:{hits[0]}"
+line = functools.partial(source_site, SOURCE)   # 'async_copy.cu:LINE' of a needle
 
 
 ISSUE = line("cp_async<BYTES>(dst, from_src, src_bytes);")   # the kernel line of the copy

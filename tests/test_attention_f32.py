@@ -6,6 +6,7 @@ tile, step, split and row-count edge; test_traffic.py holds its coalescing figur
 its two stage barriers, and test_attention_mma.py's split_keys test its bit-identical rows. Its
 shared-memory reads (traffic(banks=True)) show that each warp works on its own live rows only.
 """
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from cupykv.kernels import KERNEL_DIR, KERNELS
 from cupykv.step_instructions import StagedInstance
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
+from source_lines import source_site
 
 TILING = KERNELS["attention_f32"].constants("attention_f32_tiling")
 
@@ -107,12 +109,8 @@ def test_rope_softcap_and_window_match_the_reference(backend, head_dim, options)
                                context=f"{options}, num_splits {num_splits}")
 
 
-def source_line(needle):
-    """``attention_f32.cu:N`` of the one line holding ``needle``: a shared-memory site of the traffic counter."""
-    text = (Path(KERNEL_DIR) / "attention_f32.cu").read_text().splitlines()
-    hits = [i + 1 for i, line in enumerate(text) if needle in line]
-    assert len(hits) == 1, (needle, hits)
-    return f"attention_f32.cu:{hits[0]}"
+# 'attention_f32.cu:LINE' of a needle: a shared-memory site of the traffic counter
+source_line = functools.partial(source_site, Path(KERNEL_DIR) / "attention_f32.cu")
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)

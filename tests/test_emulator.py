@@ -16,6 +16,7 @@ import pytest
 from cupykv import nvrtc_check
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import build
+from source_lines import line_number
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
 GOOD = KERNELS / "good.cu"
@@ -37,12 +38,6 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "local_array_past_end", "row_index_past_row", "local_array_before_start",
              "barrier_kinds_differ", "shuffle_after_lanes_exited", "packed_head_before_start",
              "atomic_past_end", "atomic_past_end_last"]
-
-
-def line_of(path, needle, nth=0):
-    """1-based line number of the nth line of ``path`` containing ``needle``."""
-    hits = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if needle in line]
-    return hits[nth]
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +358,7 @@ def test_a_barrier_inside_branch(good, bugs):
         bugs.get_function("barrier_in_branch")(1, 64, (E.zeros(64),))
     msg = str(e.value)
     assert "'barrier_in_branch'" in msg and "block (0,0,0)" in msg
-    assert f"bugs.cu:{line_of(BUGS, '__syncthreads();', 0)}" in msg
+    assert f"bugs.cu:{line_number(BUGS, '__syncthreads();', 0)}" in msg
     assert "threads 0-31" in msg and "threads 32-63" in msg and "exited" in msg
     assert_still_works(good)
 
@@ -386,7 +381,7 @@ def test_barriers_of_different_kinds_at_one_call_site_never_meet(good, bugs):
     with pytest.raises(E.BarrierError, match=r"divergent barriers: threads wait at different __syncthreads\(\) "
                                              r"call sites or kinds of barrier") as e:
         bugs.get_function("barrier_kinds_differ")(1, 64, (E.zeros(1, np.int32),))
-    site = f"{BUGS}:{line_of(BUGS, '__syncthreads_and(1) : __syncthreads_or(1)')}"
+    site = f"{BUGS}:{line_number(BUGS, '__syncthreads_and(1) : __syncthreads_or(1)')}"
     message = str(e.value)
     assert f"waiting at __syncthreads_and() {site}" in message and f"waiting at __syncthreads_or() {site}" in message
     assert_still_works(good)
@@ -399,7 +394,7 @@ def test_c_read_past_end(good, bugs):
     assert "thread (63,0,0)" in msg and "read of argument 0 at element 64" in msg
     assert "first byte past the end" in msg and "float32 array of shape (64,)" in msg
     # the faulting instruction's line (a page fault: the signal's pc)
-    assert f") at bugs.cu:{line_of(BUGS, 'y[threadIdx.x] = x[threadIdx.x + 1];')} " in msg, msg
+    assert f") at bugs.cu:{line_number(BUGS, 'y[threadIdx.x] = x[threadIdx.x + 1];')} " in msg, msg
     assert_still_works(good)
 
 
@@ -421,7 +416,7 @@ def test_d_write_into_padding_is_caught_at_once(good, bugs):
     """248 bytes end 8 bytes before the guard page (16-byte aligned start): the write into that
     padding fails when it happens, naming the thread and the element, as past a page would."""
     y = E.zeros(62)
-    line = line_of(BUGS, "__global__ void write_past_end(float* y) { y[threadIdx.x + 1] = 2.f; }")
+    line = line_number(BUGS, "__global__ void write_past_end(float* y) { y[threadIdx.x + 1] = 2.f; }")
     with pytest.raises(E.EmulatorFault, match=r"thread \(61,0,0\): out-of-bounds write of argument 0 at "
                                               r"element 62 \(byte offset 248, the first byte past the end.*\) "
                                               rf"at bugs.cu:{line}"):
@@ -436,7 +431,7 @@ def test_c_reads_just_outside_an_argument_fail_whatever_its_size(good, bugs, mon
     guard page, or into the padding and slack beside the buffer (which a CPU could read)."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
     x = E.asarray(np.arange(elements, dtype=np.float32))
-    past, before = line_of(BUGS, "y[threadIdx.x] = x[threadIdx.x + 1];"), line_of(BUGS, "x[(int)threadIdx.x - 1]")
+    past, before = line_number(BUGS, "y[threadIdx.x] = x[threadIdx.x + 1];"), line_number(BUGS, "x[(int)threadIdx.x - 1]")
     with pytest.raises(E.EmulatorFault, match=rf"thread \({elements - 1},0,0\): out-of-bounds read of argument 0 "
                                               rf"at element {elements} \(byte offset {4 * elements}, the first byte"
                                               rf".*\) at bugs.cu:{past}"):
@@ -462,7 +457,7 @@ def test_x_y_a_load_that_starts_inside_and_ends_in_the_padding_fails(good, bugs,
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
     x = E.asarray(np.arange(elements, dtype=np.float32))
     with pytest.raises(E.EmulatorFault, match=rf"out-of-bounds read of argument 1 at element {elements} \(byte offset "
-                                              rf"{4 * elements}, the first byte past the end.*bugs.cu:{line_of(BUGS, needle)}"):
+                                              rf"{4 * elements}, the first byte past the end.*bugs.cu:{line_number(BUGS, needle)}"):
         bugs.get_function(kernel)(1, 1, (E.zeros(1), x, np.int32(elements)))
     y = E.zeros(1)
     bugs.get_function(kernel)(1, 1, (y, E.asarray(np.arange(64, dtype=np.float32)), np.int32(64)))
@@ -472,7 +467,7 @@ def test_x_y_a_load_that_starts_inside_and_ends_in_the_padding_fails(good, bugs,
 
 def test_a_range_that_starts_before_the_array_and_ends_inside_fails(good, bugs):
     # a 32-byte packed struct (a range g++ instruments whole) from 2 floats before the array
-    line = line_of(BUGS, "const PackedEight eight = *reinterpret_cast<const PackedEight*>(x - shift);")
+    line = line_number(BUGS, "const PackedEight eight = *reinterpret_cast<const PackedEight*>(x - shift);")
     with pytest.raises(E.EmulatorFault, match=rf"out-of-bounds read 8 bytes before the start of argument 1 .* at "
                                               rf"bugs\.cu:{line}(?!\d)"):
         bugs.get_function("packed_head_before_start")(1, 1, (E.zeros(1), E.asarray(np.arange(8, dtype=np.float32)),
@@ -492,7 +487,7 @@ def test_an_atomic_past_the_end_fails_as_a_write_at_the_kernels_line(good, bugs,
     # byte is padding (a guard span the access hook checks); past 4 and 64 it is a guard page.
     with pytest.raises(E.EmulatorFault, match=rf"out-of-bounds write of argument 0 at element {n} \(byte offset "
                                               rf"{4 * n}, the first byte past the end.* at "
-                                              rf"bugs\.cu:{line_of(BUGS, needle)}(?!\d)"):
+                                              rf"bugs\.cu:{line_number(BUGS, needle)}(?!\d)"):
         bugs.get_function(kernel)(1, 1, (E.zeros(n, np.int32), np.int32(n)))
     counter = E.zeros(n, np.int32)
     bugs.get_function(kernel)(1, 1, (counter, np.int32(n - 1)))
@@ -511,7 +506,7 @@ def test_f_dynamic_shared_memory_out_of_bounds(good, bugs, shared_mem):
     """One float past the end of dynamic shared memory (only the last thread writes there): the
     guard page at 256 bytes, the padding before it at 248."""
     last = shared_mem // 4 - 1
-    line = line_of(BUGS, "s[threadIdx.x + 1] = 1.f;")
+    line = line_number(BUGS, "s[threadIdx.x + 1] = 1.f;")
     with pytest.raises(E.EmulatorFault, match=rf"thread \({last},0,0\): out-of-bounds dynamic shared "
                                               rf"memory write at byte offset {shared_mem} .*{shared_mem} bytes "
                                               rf"of dynamic shared memory\) at bugs.cu:{line}"):
@@ -538,7 +533,7 @@ def test_static_shared_memory_out_of_bounds(good, bugs, monkeypatch, racecheck, 
     """An access outside a static __shared__ variable fails, naming the variable, its kernel, the
     offset and the line, with the race checker on or off."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
-    with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_of(BUGS, needle)}"):
+    with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_number(BUGS, needle)}"):
         bugs.get_function(kernel)(1, threads, (E.zeros(threads),))
     assert_still_works(good)
 
@@ -570,7 +565,7 @@ def test_an_index_outside_an_arrays_bound_fails(good, bugs, monkeypatch, raceche
     inside the array. Memory checks cannot see these:
     the bytes belong to something else, or to the same array."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
-    with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_of(BUGS, needle)} \(column \d+\)"):
+    with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_number(BUGS, needle)} \(column \d+\)"):
         bugs.get_function(kernel)(1, threads, arguments())
     assert_still_works(good)
 
@@ -669,13 +664,13 @@ def test_reads_of_unwritten_shared_memory_fail(good, bugs, kernel, grid, threads
         bugs.get_function(kernel)(grid, threads, args(), shared_mem=shared_mem)
     message = str(caught.value)
     assert f"no thread of its block wrote ({reads} read{'s' * (reads != 1)} at 1 call site)" in message, message
-    assert re.search(memory + rf", at bugs.cu:{line_of(BUGS, needle)} by block", message), message
+    assert re.search(memory + rf", at bugs.cu:{line_number(BUGS, needle)} by block", message), message
     assert sum(read.count for read in caught.value.reads) == reads
     assert_still_works(good)
 
 
 def test_v_a_fault_inside_memcpy_names_the_kernel_line_that_called_it(good, bugs):
-    line = line_of(BUGS, "memcpy(&v, x + n - 1, (size_t)bytes);")
+    line = line_number(BUGS, "memcpy(&v, x + n - 1, (size_t)bytes);")
     x = E.asarray(np.arange(64, dtype=np.float32))   # 256 bytes: the guard page follows at once
     with pytest.raises(E.EmulatorFault, match=r"out-of-bounds read of argument 1 at element 64 \(byte offset 256, "
                                               rf"the first byte past the end.*\) at bugs.cu:{line}"):
@@ -718,7 +713,7 @@ def test_p_misaligned_vector_load(good, bugs):
     """A 16-byte load one float past a 16-byte boundary runs on the CPU but ends the launch on
     a GPU (cudaErrorMisalignedAddress): the emulator fails it, naming the argument, the element,
     the offset and the line."""
-    line = line_of(BUGS, "reinterpret_cast<const uint4*>(x + 1)[threadIdx.x]")
+    line = line_number(BUGS, "reinterpret_cast<const uint4*>(x + 1)[threadIdx.x]")
     x = E.asarray(np.arange(64, dtype=np.float32))
     with pytest.raises(E.EmulatorFault) as caught:
         bugs.get_function("misaligned_vector_load")(1, 8, (E.zeros(8), x))
@@ -735,7 +730,7 @@ def test_p_misaligned_vector_load(good, bugs):
 def test_p2_a_misaligned_float4_read_by_components_fails_as_one_16_byte_read(good, bugs):
     """``float4 v = p[i]`` then ``v.x + v.y + ...``: modules keep the copy one 16-byte access
     (build.KEEP_VECTORS_WHOLE), so its alignment is checked as the GPU checks it."""
-    line = line_of(BUGS, "reinterpret_cast<const float4*>(x + 1)[threadIdx.x]")
+    line = line_number(BUGS, "reinterpret_cast<const float4*>(x + 1)[threadIdx.x]")
     x = E.asarray(np.arange(64, dtype=np.float32))
     with pytest.raises(E.EmulatorFault, match=rf"misaligned 16-byte read at argument 1 \(float32 array of shape "
                                               rf"\(64,\)\) element \d+ .* at bugs.cu:{line}"):
@@ -746,7 +741,7 @@ def test_p2_a_misaligned_float4_read_by_components_fails_as_one_16_byte_read(goo
 def test_q_misaligned_atomic(good, bugs):
     """An atomic on an int at an address 2 bytes past a multiple of 4 fails the same way; the
     site is the atomic's line, also when it ends the kernel (no tail call past the kernel)."""
-    line = line_of(BUGS, "atomicAdd(reinterpret_cast<int*>(reinterpret_cast<char*>(counts) + 2), 1)")
+    line = line_number(BUGS, "atomicAdd(reinterpret_cast<int*>(reinterpret_cast<char*>(counts) + 2), 1)")
     with pytest.raises(E.EmulatorFault, match=(
             r"misaligned 4-byte atomic at argument 0 \(int32 array of shape \(4,\)\) element 0 "
             rf"\(byte offset 2\) \(2 bytes past a multiple of 4; .*\) at bugs.cu:{line}\b")):
@@ -834,7 +829,7 @@ def test_j_failing_device_assert(good, bugs):
         bugs.get_function("failing_assert")(1, 8, (x,))
     msg = str(e.value)
     assert "thread (5,0,0)" in msg and "x[threadIdx.x] != 5" in msg
-    assert f"bugs.cu:{line_of(BUGS, 'assert(x[')}" in msg
+    assert f"bugs.cu:{line_number(BUGS, 'assert(x[')}" in msg
     assert_still_works(good)
 
 

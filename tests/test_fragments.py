@@ -18,6 +18,7 @@ bound any fp32 summation order (truncating or rounding) meets.
 The emulator never runs the wrappers' inline PTX, so its operand order is read from NVRTC's PTX:
 each operand register traced to the constant it holds or the store that takes it.
 """
+import functools
 import re
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import pytest
 from cupykv import nvrtc_check
 from cupykv.backends import emulator as E
 from cupykv.kernels import KERNEL_DIR
+from source_lines import source_site
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
 SOURCE = KERNELS / "fragments.cu"
@@ -38,10 +40,7 @@ NAMES = [f"mma_lanes<{t}>" for t in DTYPES] + LDMATRIX + [f"tile_products<{t}>" 
 K = 16
 
 
-def line(needle):
-    hits = [i + 1 for i, text in enumerate(SOURCE.read_text().splitlines()) if needle in text]
-    assert len(hits) == 1, (needle, hits)
-    return f"{SOURCE.name}:{hits[0]}"
+line = functools.partial(source_site, SOURCE)   # 'fragments.cu:LINE' of a needle
 
 
 # ---- the PTX ISA's fragment tables (groupID = lane >> 2, threadID_in_group = lane % 4) ----------

@@ -8,6 +8,7 @@ reached the checkers: two threads doing it raced unreported, and advance's updat
 ``lengths`` counted as a load only. The planted kernels are tests/emulator_kernels/instrumentation.cu.
 """
 
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,16 +20,13 @@ import cupykv
 from cupykv import testing
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import build, host
+from source_lines import source_site
 
 SOURCE = Path(__file__).parent / "emulator_kernels" / "instrumentation.cu"
 NAMES = ["add_one", "add_one_half", "grow", "copy_row", "every_access"]
 
 
-def line_of(needle):
-    """``'instrumentation.cu:LINE'`` of the only line of the source that contains ``needle``."""
-    hits = [i + 1 for i, line in enumerate(SOURCE.read_text().splitlines()) if needle in line]
-    assert len(hits) == 1, f"{needle!r} is on lines {hits}"
-    return f"{SOURCE.name}:{hits[0]}"
+line_of = functools.partial(source_site, SOURCE)   # 'instrumentation.cu:LINE' of a needle
 
 
 @pytest.fixture(scope="module")

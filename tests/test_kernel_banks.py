@@ -27,14 +27,14 @@ import cupykv
 from cupykv import attention_plan, ops, testing
 from cupykv.backends import get_backend
 from cupykv.kernels import KERNEL_DIR
-from test_races import line_of
+from source_lines import line_number
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def source_line(filename, text):
     """The line number in ``filename`` (in cupykv/kernels) of the only line that holds ``text``."""
-    return int(line_of(Path(KERNEL_DIR) / filename, text).rsplit(":", 1)[1])
+    return line_number(Path(KERNEL_DIR) / filename, text)
 
 
 def site_class(site, filename, named_lines):

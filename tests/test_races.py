@@ -19,19 +19,13 @@ from cupykv import ops
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator_backend import EmulatorBackend
 from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
+from source_lines import source_site
 
 RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
 RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
               "clear_while_counting"]
-
-
-def line_of(path, needle):
-    """``'name:LINE'`` of the only line of ``path`` that contains ``needle``."""
-    hits = [i + 1 for i, line in enumerate(Path(path).read_text().splitlines()) if needle in line]
-    assert len(hits) == 1, f"{needle!r} is on lines {hits} of {path}"
-    return f"{Path(path).name}:{hits[0]}"
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +67,8 @@ def test_missing_syncwarp_in_a_warp_exchange_is_reported(races):
         fn(1, 64, (E.zeros(64, np.int32), np.int32(0)))
     message = str(caught.value)
     assert message.startswith("kernel 'warp_exchange': data race in shared memory")
-    found = hazards_between(caught.value, line_of(RACES, "slots[tid] = 10 * tid;"),
-                            line_of(RACES, "out[tid] = slots[tid ^ 1];"))
+    found = hazards_between(caught.value, source_site(RACES, "slots[tid] = 10 * tid;"),
+                            source_site(RACES, "out[tid] = slots[tid ^ 1];"))
     for hazard in found:
         assert hazard.memory == "shared" and hazard.kind in ("read-after-write", "write-after-read")
         assert hazard.where == "static __shared__ slots (in warp_exchange)"
@@ -103,8 +97,8 @@ def test_a_write_after_reads_races_with_whichever_read_record_holds_an_unordered
     fn = races.get_function("overwrite_after_reads")
     with pytest.raises(E.RaceError) as caught:
         fn(1, threads, (E.zeros(threads, np.int32), np.int32(sync), np.int32(writer)))
-    (hazard,) = hazards_between(caught.value, line_of(RACES, "out[threadIdx.x] = word;"),
-                                line_of(RACES, "if ((int)threadIdx.x == writer) word = 8;"))
+    (hazard,) = hazards_between(caught.value, source_site(RACES, "out[threadIdx.x] = word;"),
+                                source_site(RACES, "if ((int)threadIdx.x == writer) word = 8;"))
     assert hazard.kind == "write-after-read" and hazard.memory == "shared" and hazard.count == 1
     assert (hazard.first.thread[0], hazard.second.thread[0]) == (reader, writer)
     out = E.zeros(64, np.int32)
@@ -119,8 +113,8 @@ def test_a_plain_store_racing_with_atomics_is_reported_in_either_order(races, mo
     fn = races.get_function("clear_while_counting")
     with pytest.raises(E.RaceError) as caught:
         fn(1, 64, (E.zeros(1, np.int32), np.int32(0), np.int32(increment)))
-    found = hazards_between(caught.value, line_of(RACES, "if (threadIdx.x == 0) tally = 0;"),
-                            line_of(RACES, "if (threadIdx.x != 0) atomicAdd(&tally, increment);"))
+    found = hazards_between(caught.value, source_site(RACES, "if (threadIdx.x == 0) tally = 0;"),
+                            source_site(RACES, "if (threadIdx.x != 0) atomicAdd(&tally, increment);"))
     assert all(h.kind == "write-after-write" and h.memory == "shared" for h in found)
     assert all({h.first.kind, h.second.kind} == {"write", "atomic"} for h in found)   # a plain store, an atomic
     out = E.zeros(1, np.int32)
@@ -132,8 +126,8 @@ def test_a_half_warp_syncwarp_orders_its_lanes_only(races):
     fn = races.get_function("half_warp_exchange")
     with pytest.raises(E.RaceError) as caught:
         fn(1, 32, (E.zeros(32, np.int32), np.int32(0)))
-    found = hazards_between(caught.value, line_of(RACES, "halves[lane] = 3 * lane;"),
-                            line_of(RACES, "v = halves[lane ^ 8];"))
+    found = hazards_between(caught.value, source_site(RACES, "halves[lane] = 3 * lane;"),
+                            source_site(RACES, "v = halves[lane ^ 8];"))
     assert all(h.first.thread[0] < 16 and h.second.thread[0] < 16 for h in found)
     out = E.zeros(32, np.int32)
     fn(1, 32, (out, np.int32(1)))
@@ -147,8 +141,8 @@ def test_warp_synchronisation_is_transitive(races):
         fn(1, 32, (E.zeros(1, np.int32), np.int32(0)))
     hazard = only_hazard(caught.value)
     assert hazard.count == 1 and {hazard.first.thread, hazard.second.thread} == {(0, 0, 0), (2, 0, 0)}
-    assert {hazard.first.site, hazard.second.site} == {line_of(RACES, "if (lane == 0) shared_value = 42;"),
-                                                       line_of(RACES, "if (lane == 2) out[0] = shared_value;")}
+    assert {hazard.first.site, hazard.second.site} == {source_site(RACES, "if (lane == 0) shared_value = 42;"),
+                                                       source_site(RACES, "if (lane == 2) out[0] = shared_value;")}
     out = E.zeros(1, np.int32)
     fn(1, 32, (out, np.int32(1)))  # lane 0 -> lane 1 -> lane 2: ordered
     assert out[0] == 42
@@ -159,7 +153,7 @@ def test_result_read_before_the_barrier_that_publishes_it(races):
     x = E.asarray(np.arange(128, dtype=np.float32))
     with pytest.raises(E.RaceError) as caught:
         fn(1, 128, (x, E.zeros(128), np.int32(0)))
-    hazards_between(caught.value, line_of(RACES, "total = t;"), line_of(RACES, "out[tid] = total;"))
+    hazards_between(caught.value, source_site(RACES, "total = t;"), source_site(RACES, "out[tid] = total;"))
     assert "on static __shared__ total (in publish_total), byte offset 0 (" in str(caught.value)
     out = E.zeros(128)
     fn(1, 128, (x, out, np.int32(1)))
@@ -170,8 +164,8 @@ def test_plain_read_of_a_count_other_threads_update_atomically(races):
     fn = races.get_function("atomic_count")
     with pytest.raises(E.RaceError) as caught:
         fn(1, 96, (E.zeros(1, np.int32), np.int32(0)))
-    found = hazards_between(caught.value, line_of(RACES, "atomicAdd(&count, 1);"),
-                            line_of(RACES, "out[0] = count;"))
+    found = hazards_between(caught.value, source_site(RACES, "atomicAdd(&count, 1);"),
+                            source_site(RACES, "out[0] = count;"))
     for hazard in found:
         assert {hazard.first.kind, hazard.second.kind} == {"atomic", "read"}
     out = E.zeros(1, np.int32)
@@ -243,10 +237,10 @@ def test_attention_without_the_barrier_before_pv_is_reported_at_q_len_1():
         one_query_attention(PatchedBackend("attention", attention_without_barrier_before_pv))
     message = str(caught.value)
     assert message.startswith("kernel 'cupykv_attention<float, float, 0>': data race in shared memory")
-    softmax_writes = {line_of(path, "row[c] = p;"), line_of(path, "row_rescale[r] = rescale;")}
-    pv_reads = {line_of(path, "const float rescale = row_rescale[r];"),
-                line_of(path, "const float4 p = *reinterpret_cast<const float4*>(scores + r * kChunk + c);"),
-                line_of(path, "const float p = scores[r * kChunk + c];")}
+    softmax_writes = {source_site(path, "row[c] = p;"), source_site(path, "row_rescale[r] = rescale;")}
+    pv_reads = {source_site(path, "const float rescale = row_rescale[r];"),
+                source_site(path, "const float4 p = *reinterpret_cast<const float4*>(scores + r * kChunk + c);"),
+                source_site(path, "const float p = scores[r * kChunk + c];")}
     pairs = [h for h in caught.value.hazards if {h.first.site, h.second.site} & softmax_writes
              and {h.first.site, h.second.site} & pv_reads]
     assert pairs, message
@@ -269,10 +263,10 @@ def assert_reports_an_early_stage_access(caught, head_dim, access_lines):
     path = Path(KERNEL_DIR) / "attention_f32.cu"
     message = str(caught.value)
     assert message.startswith(f"kernel 'cupykv_attention_f32<{head_dim}>'"), message
-    assert any(f"at {line_of(path, line)} " in message for line in access_lines), message
+    assert any(f"at {source_site(path, line)} " in message for line in access_lines), message
     if isinstance(caught.value, E.AsyncCopyError):   # the copy: issued by load_step at one of its two calls
-        calls = {line_of(path, "if (steps > 0) load_step(0, 0);"),
-                 line_of(path, "if (n + 1 < steps) load_step(n + 1, (n + 1) % kStages);")}
+        calls = {source_site(path, "if (steps > 0) load_step(0, 0);"),
+                 source_site(path, "if (n + 1 < steps) load_step(n + 1, (n + 1) % kStages);")}
         issued = re.search(r"cp.async issued by thread \(\d+,0,0\) at async_copy.cuh:\d+ \(inlined into (\S+)\)",
                            message)
         assert issued and issued.group(1) in calls, message
@@ -314,8 +308,8 @@ def test_rmsnorm_without_its_barrier_is_reported():
         ops.rmsnorm(patched.asarray(x), patched.asarray(weight), 1e-5, backend=patched)
     message = str(caught.value)
     assert message.startswith("kernel 'cupykv_rmsnorm<float>': data race in shared memory")
-    found = hazards_between(caught.value, line_of(path, "if (lane == 0) warp_totals[warp] = sum_sq;"),
-                            line_of(path, "total += warp_totals[w];"))
+    found = hazards_between(caught.value, source_site(path, "if (lane == 0) warp_totals[warp] = sum_sq;"),
+                            source_site(path, "total += warp_totals[w];"))
     for hazard in found:
         assert hazard.kind in ("read-after-write", "write-after-read")
         assert hazard.where == "static __shared__ warp_totals (in cupykv_rmsnorm<float>)"
@@ -348,8 +342,8 @@ def test_a_hand_off_missing_one_step_is_a_race(races, steps, missing):
         run_last_block_sums(races, steps)
     message = str(caught.value)
     assert message.startswith("kernel 'last_block_sums': data race"), missing
-    publish, sum_up = (line_of(RACES, "partial[blockIdx.x * blockDim.x + column] ="),
-                       line_of(RACES, "sum += partial[b * blockDim.x + column];"))
+    publish, sum_up = (source_site(RACES, "partial[blockIdx.x * blockDim.x + column] ="),
+                       source_site(RACES, "sum += partial[b * blockDim.x + column];"))
     across_blocks = [h for h in caught.value.hazards if {h.first.site, h.second.site} == {publish, sum_up}]
     if steps == 3:   # thread 0 acquired in program order: the race is the other threads' reads
         assert across_blocks and all(h.second.thread != (0, 0, 0) for h in across_blocks), message
@@ -368,7 +362,7 @@ def test_two_blocks_writing_one_output_element(races):
     assert hazard.kind == "write-after-write" and hazard.count == 3  # blocks 2, 3, 4 overwrite
     assert hazard.first.block != hazard.second.block
     assert hazard.first.thread == hazard.second.thread == (0, 0, 0)
-    assert hazard.first.site == hazard.second.site == line_of(RACES, "out[separate ? blockIdx.x : 0]")
+    assert hazard.first.site == hazard.second.site == source_site(RACES, "out[separate ? blockIdx.x : 0]")
     assert "argument 0 (float32 array of shape (4,)) element 0, byte offset 0" in message
     assert_names_threads(message, hazard)
     out = E.zeros(4)
