@@ -14,6 +14,7 @@ import cupykv
 from cupykv import ops, reference, testing
 from cupykv.backends import get_backend
 from backends import BACKENDS
+from test_ops import read_only
 
 SPEC = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=8, max_seq=16, batch=2, dtype="float16")
 
@@ -325,11 +326,6 @@ def test_a_mask_over_shared_lengths_names_the_calling_cache_first():
         with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap the cache's lengths, "
                                              r"got one that shares 8 bytes with it$"):
             cache.additive_mask(1, out=cache.lengths.view(np.float32).reshape(2, 1, 1, 1))
-
-
-def read_only(array):
-    array.flags.writeable = False
-    return array
 
 
 # Emulator only: CuPy arrays have no read-only flag. Before issue 17 the emulator found these after the kernel ran.

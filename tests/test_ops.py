@@ -556,6 +556,7 @@ BAD_CALLS = [
 
 
 def read_only(array):
+    """``array``, its writeable flag cleared (host and emulator arrays: CuPy's have none)."""
     array.flags.writeable = False
     return array
 
