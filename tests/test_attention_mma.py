@@ -20,17 +20,22 @@ those tolerances are too loose to see, or where its own tiling has edges:
   never read into a product;
 - bit-identical rows across q_len with split_keys (speculative verification equals greedy);
 - padded heads (80 on the 96 instance, 40 on 64, ...): nothing read past a row (NaN after it, the
-  buffer's end after the last), nothing written past it, rope at the cache's own head size.
+  buffer's end after the last), nothing written past it, rope at the cache's own head size;
+- masks only in the steps a mask cuts: in blocks of rows at several positions, the V stage is read
+  for non-finite elements (traffic(banks=True)) in those steps and no others.
 """
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import cupykv
 from cupykv import reference, testing
 from cupykv.attention_plan import attention_kernel, block_row_choices
-from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNELS, attention_mma_head_dim
+from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS, attention_mma_head_dim
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
+from source_lines import source_site
 
 MMA = KERNELS["attention_mma"].constants("attention_mma_tiling")
 STEP = MMA["kStepKeys"]
@@ -533,3 +538,68 @@ def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backen
     finite[dims] = False
     assert not np.isfinite(want[:, 2:, :, ~finite]).any() and np.isfinite(want[:, 2:, :, finite]).all()
     assert np.isnan(got[:, 2:]).all()
+
+
+def steps_the_mask_cuts(positions, window, begin, end):
+    """How many of the 16-key steps of keys [begin, end) hold a key that some row (at ``positions``)
+    does not attend, or that lies at or past ``end``: the steps that must be masked."""
+    def attended(key, position):
+        return key < end and key <= position and (window is None or key > position - window)
+    return sum(not all(attended(key, p) for p in positions for key in range(first, first + STEP))
+               for first in range(begin, end, STEP))
+
+
+# (q_len, group, lengths, window, splits): rows at several positions per block (verification)
+CUT_STEP_CASES = [
+    (8, 1, [200, 7], None, dict(num_splits=1)),     # keys [0, 208): the last step cut; [0, 15): one step
+    (8, 1, [200, 7], 40, dict(num_splits=1)),       # keys [161, 208): first and last cut, middle open
+    (4, 4, [300, 130], 100, dict(split_keys=128)),  # 16 rows at 4 positions; splits cut the window's keys
+    (3, 2, [37, 0], None, dict(split_keys=128)),    # 6 rows: steps [0, 16), [16, 32) open, [32, 40) cut
+    (16, 4, [250, 90], 70, dict(num_splits=1)),     # 64 rows: four row tiles, two row groups
+    (8, 1, [143, 60], 23, dict(split_keys=128)),    # positions 143..150: step [128, 144) is open, exactly
+    (4, 2, [300, 20], None, dict(split_keys=128)),  # whole splits before the queries: open to their last key
+]
+
+
+@pytest.mark.parametrize("dtype, io_dtype, head_dim",
+                         [(d, "", hd) for d, hd in EDGE_CASES] + [("float16", "", 40), ("float8_e4m3", "bfloat16", 64)],
+                         ids=[f"{d}-{hd}" for d, hd in EDGE_CASES] + ["float16-40", "fp8-64"])
+@pytest.mark.parametrize("q_len, group, lengths, window, splits", CUT_STEP_CASES,
+                         ids=[f"q{q}xg{g}-w{w}" for q, g, _, w, _ in CUT_STEP_CASES])
+def test_only_the_steps_the_mask_cuts_look_for_non_finite_v(dtype, io_dtype, head_dim, q_len, group, lengths,
+                                                            window, splits):
+    """A block whose rows sit at several positions reads its V stage for NaN and infinity (step 4) in
+    each step that its mask cuts, and in no other: a step whose every key every row attends runs
+    unmasked and unchecked. Masking an open step changes no output (every key passes the mask), so
+    only this work shows a step test that is too cautious, or that leaves the mask open too long
+    (the outputs show that too). Each warp sharing a stage reads its 16 rows once, at the instance's
+    width: 16 x instance x itemsize bytes a cut step."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype,
+                            io_dtype=io_dtype)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    cache.advance(lengths)
+    q = cache._backend.zeros((2, q_len, group, head_dim), cache._backend.storage_dtype(spec.io_dtype))
+    with testing.traffic(cache, banks=True) as t:
+        cupykv.attention(q, cache, 0, window=window, **splits)
+    launch, = t.launches
+    kernel = attention_kernel(dtype, head_dim, io_dtype or None, query_rows=q_len * group)
+    assert launch.kernel.startswith("cupykv_attention_mma")
+    instance = attention_mma_head_dim(dtype, head_dim)
+    row_groups = kernel.threads // (32 * WARPS[instance])
+    split_keys = splits.get("split_keys", spec.max_seq)
+    cut_steps = 0
+    for length in lengths:
+        for first_row in range(0, q_len * group, kernel.rows_per_block):
+            positions = {length + row // group for row in range(first_row, min(first_row + kernel.rows_per_block,
+                                                                              q_len * group))}
+            if len(positions) == 1:
+                continue   # rows at one position attend the same keys: no step checks V
+            begin = 0 if window is None else max(0, min(positions) - window + 1)
+            end = min(max(positions) + 1, spec.max_seq)
+            for split_begin in range(0, spec.max_seq, split_keys):
+                split = max(begin, split_begin), min(end, split_begin + split_keys)
+                cut_steps += steps_the_mask_cuts(positions, window, *split) if split[0] < split[1] else 0
+    site = source_site(Path(KERNEL_DIR) / "kv_codec.cuh", "if (word_has_non_finite<T>(reinterpret_cast")
+    checked = sum(s.bytes for s in launch.shared_sites if s.kind == "load" and s.site.startswith(f"{site} (inlined"))
+    assert cut_steps > 0
+    assert checked == row_groups * cut_steps * STEP * instance * spec.itemsize, (checked, cut_steps)
