@@ -556,6 +556,7 @@ CUT_STEP_CASES = [
     (4, 4, [300, 130], 100, dict(split_keys=128)),  # 16 rows at 4 positions; splits cut the window's keys
     (3, 2, [37, 0], None, dict(split_keys=128)),    # 6 rows: steps [0, 16), [16, 32) open, [32, 40) cut
     (16, 4, [250, 90], 70, dict(num_splits=1)),     # 64 rows: four row tiles, two row groups
+    (16, 8, [250, 90], None, dict(num_splits=1)),   # 128 rows: a second block, from position 258 on
     (8, 1, [143, 60], 23, dict(split_keys=128)),    # positions 143..150: step [128, 144) is open, exactly
     (4, 2, [300, 20], None, dict(split_keys=128)),  # whole splits before the queries: open to their last key
 ]
