@@ -36,6 +36,7 @@ from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS, attention_m
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
 from source_lines import source_site
+from test_traffic import cache_and_zero_queries
 
 MMA = KERNELS["attention_mma"].constants("attention_mma_tiling")
 STEP = MMA["kStepKeys"]
@@ -577,9 +578,7 @@ def test_only_the_steps_the_mask_cuts_look_for_non_finite_v(dtype, io_dtype, hea
     width: 16 x instance x itemsize bytes a cut step."""
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype,
                             io_dtype=io_dtype)
-    cache = cupykv.KVCache(spec, backend="emulator")
-    cache.advance(lengths)
-    q = cache._backend.zeros((2, q_len, group, head_dim), cache._backend.storage_dtype(spec.io_dtype))
+    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
     with testing.traffic(cache, banks=True) as t:
         cupykv.attention(q, cache, 0, window=window, **splits)
     launch, = t.launches
