@@ -6,6 +6,7 @@ clear error, after which the emulator must still run a good launch correctly). B
 files also compile with NVRTC when libnvrtc is installed: same source, two targets.
 """
 
+import functools
 import re
 from pathlib import Path
 
@@ -16,11 +17,12 @@ import pytest
 from cupykv import nvrtc_check
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import build
-from source_lines import line_number
+from source_lines import line_number, source_site
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
 GOOD = KERNELS / "good.cu"
 BUGS = KERNELS / "bugs.cu"
+bug_site = functools.partial(source_site, BUGS)   # "bugs.cu:LINE" of the only line holding a needle
 GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "reverse_chunks",
               "reverse_float4", "indices3d", "axpy<float>", "axpy<__half>",
               "axpy<__nv_bfloat16>", "convert", "barrier_preds", "scalars", "maybe_null",
@@ -394,7 +396,7 @@ def test_c_read_past_end(good, bugs):
     assert "thread (63,0,0)" in msg and "read of argument 0 at element 64" in msg
     assert "first byte past the end" in msg and "float32 array of shape (64,)" in msg
     # the faulting instruction's line (a page fault: the signal's pc)
-    assert f") at bugs.cu:{line_number(BUGS, 'y[threadIdx.x] = x[threadIdx.x + 1];')} " in msg, msg
+    assert f") at {bug_site('y[threadIdx.x] = x[threadIdx.x + 1];')} " in msg, msg
     assert_still_works(good)
 
 
@@ -457,7 +459,7 @@ def test_x_y_a_load_that_starts_inside_and_ends_in_the_padding_fails(good, bugs,
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
     x = E.asarray(np.arange(elements, dtype=np.float32))
     with pytest.raises(E.EmulatorFault, match=rf"out-of-bounds read of argument 1 at element {elements} \(byte offset "
-                                              rf"{4 * elements}, the first byte past the end.*bugs.cu:{line_number(BUGS, needle)}"):
+                                              rf"{4 * elements}, the first byte past the end.*{bug_site(needle)}"):
         bugs.get_function(kernel)(1, 1, (E.zeros(1), x, np.int32(elements)))
     y = E.zeros(1)
     bugs.get_function(kernel)(1, 1, (y, E.asarray(np.arange(64, dtype=np.float32)), np.int32(64)))
@@ -533,7 +535,7 @@ def test_static_shared_memory_out_of_bounds(good, bugs, monkeypatch, racecheck, 
     """An access outside a static __shared__ variable fails, naming the variable, its kernel, the
     offset and the line, with the race checker on or off."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
-    with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_number(BUGS, needle)}"):
+    with pytest.raises(E.EmulatorFault, match=message + rf" at {bug_site(needle)}"):
         bugs.get_function(kernel)(1, threads, (E.zeros(threads),))
     assert_still_works(good)
 
@@ -565,7 +567,7 @@ def test_an_index_outside_an_arrays_bound_fails(good, bugs, monkeypatch, raceche
     inside the array. Memory checks cannot see these:
     the bytes belong to something else, or to the same array."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
-    with pytest.raises(E.EmulatorFault, match=message + rf" at bugs.cu:{line_number(BUGS, needle)} \(column \d+\)"):
+    with pytest.raises(E.EmulatorFault, match=message + rf" at {bug_site(needle)} \(column \d+\)"):
         bugs.get_function(kernel)(1, threads, arguments())
     assert_still_works(good)
 
@@ -664,7 +666,7 @@ def test_reads_of_unwritten_shared_memory_fail(good, bugs, kernel, grid, threads
         bugs.get_function(kernel)(grid, threads, args(), shared_mem=shared_mem)
     message = str(caught.value)
     assert f"no thread of its block wrote ({reads} read{'s' * (reads != 1)} at 1 call site)" in message, message
-    assert re.search(memory + rf", at bugs.cu:{line_number(BUGS, needle)} by block", message), message
+    assert re.search(memory + rf", at {bug_site(needle)} by block", message), message
     assert sum(read.count for read in caught.value.reads) == reads
     assert_still_works(good)
 
@@ -829,7 +831,7 @@ def test_j_failing_device_assert(good, bugs):
         bugs.get_function("failing_assert")(1, 8, (x,))
     msg = str(e.value)
     assert "thread (5,0,0)" in msg and "x[threadIdx.x] != 5" in msg
-    assert f"bugs.cu:{line_number(BUGS, 'assert(x[')}" in msg
+    assert bug_site('assert(x[') in msg
     assert_still_works(good)
 
 

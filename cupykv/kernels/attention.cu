@@ -52,6 +52,7 @@
 #include "attention_keys.cuh"
 #include "attention_merge.cuh"
 #include "kv_codec.cuh"
+#include "shared_layout.cuh"
 
 namespace attention_tiling {
 constexpr int kThreads = 128;
@@ -102,11 +103,12 @@ __global__ void __launch_bounds__(attention_tiling::kThreads, attention_min_bloc
     const int tile_rows = min(kTileRows, q_len * group - first_row);
 
     extern __shared__ float smem[];
-    float* q_tile = smem;                                            // [kTileRows][head_dim]
-    float* scores = q_tile + kTileRows * head_dim;                   // [kTileRows][kChunk]
-    float* row_max = scores + kTileRows * kChunk;                    // [kTileRows]
-    float* row_sum = row_max + kTileRows;                            // [kTileRows]
-    float* row_rescale = row_sum + kTileRows;                        // [kTileRows]
+    cupykv::SharedLayout shared_memory(reinterpret_cast<unsigned char*>(smem));
+    float* q_tile = shared_memory.take<float>(kTileRows * head_dim, "q_tile");        // [kTileRows][head_dim]
+    float* scores = shared_memory.take<float>(kTileRows * kChunk, "scores");          // [kTileRows][kChunk]
+    float* row_max = shared_memory.take<float>(kTileRows, "row_max");                 // [kTileRows]
+    float* row_sum = shared_memory.take<float>(kTileRows, "row_sum");                 // [kTileRows]
+    float* row_rescale = shared_memory.take<float>(kTileRows, "row_rescale");         // [kTileRows]
 
     const int length = cupykv::live_length(lengths[b], max_seq);
     // The logit factor: scale (fp8: scale * k_scale, so that it turns the dot product with raw codes

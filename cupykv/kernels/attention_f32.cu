@@ -61,6 +61,7 @@
 #include "async_copy.cuh"
 #include "attention_keys.cuh"
 #include "attention_merge.cuh"
+#include "shared_layout.cuh"
 
 namespace attention_f32_tiling {
 constexpr int kThreads = 128;
@@ -132,8 +133,10 @@ cupykv_attention_f32(
     const int tile_rows = min(kTileRows, q_len * group - first_row);
 
     extern __shared__ __align__(16) float smem[];
-    float* q_tile = smem;                                // [kTileRows][HEAD_DIM]
-    float* stages = q_tile + kTileRows * HEAD_DIM;       // [kStages][K, V][kKeys][kRow]
+    cupykv::SharedLayout shared_memory(reinterpret_cast<unsigned char*>(smem));
+    float* q_tile = shared_memory.take<float>(kTileRows * HEAD_DIM, "q_tile");   // [kTileRows][HEAD_DIM]
+    // [kStages][K, V][kKeys][kRow], the last row without its padding (kShared<HEAD_DIM>)
+    float* stages = shared_memory.take<float>((kStages * 2 * kKeys - 1) * kRow + HEAD_DIM, "stages");
 
     const int length = cupykv::live_length(lengths[b], max_seq);
     // 1. The tile's q rows, rotated at their position, unscaled; rows past the tile are zeros (never read).

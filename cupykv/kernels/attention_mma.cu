@@ -106,6 +106,7 @@
 #include "attention_merge.cuh"
 #include "kv_codec.cuh"
 #include "mma.cuh"
+#include "shared_layout.cuh"
 
 namespace attention_mma_tiling {
 constexpr int kTileRows = 16;      // query rows of one m16 tile: the m of mma.m16n8k16
@@ -325,8 +326,9 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
     }
 
     extern __shared__ __align__(16) unsigned char smem_bytes[];
-    M* q_tile = reinterpret_cast<M*>(smem_bytes);                     // [kQPieces][kBlockRows][kRow]
-    T* stages = reinterpret_cast<T*>(smem_bytes + kQBytes);           // [key warps][kStageCount][K, V][kTile]
+    cupykv::SharedLayout loop_memory(smem_bytes);   // steps 1-4; the merge reuses the bytes (step 5)
+    M* q_tile = loop_memory.take<M>(kQBytes / (int)sizeof(M), "q_tile");                  // [kQPieces][kBlockRows][kRow]
+    T* stages = loop_memory.take<T>(kStageBytes / (int)sizeof(T), "stages");  // [key warps][kStageCount][K, V][kTile]
 
     // 1. The block's queries as 16-bit pieces: q (exact), or q rotated at its position in fp32 (or a
     //    float q) cut into hi + mid + lo. Rows past the block are zeros. Half operands of a q that is
@@ -687,9 +689,10 @@ __global__ void __launch_bounds__(attention_mma_warps<HEAD_DIM>() * attention_mm
         for (int half = 0; half < 2; ++half)
             marked_rows |= (row_mark(warp_first_row + t * kTileRows + quad_row + 8 * half) != 0 ? 1u : 0u) << (2 * t + half);
     __syncthreads();   // every warp is done with the q pieces and its stages: they become the accumulators
-    float* warp_acc = reinterpret_cast<float*>(smem_bytes);         // [key warps][kBlockRows][kAccRow]
-    float* warp_max = reinterpret_cast<float*>(smem_bytes + kAccBytes);   // [key warps][kBlockRows]
-    float* warp_sum = warp_max + kWarps * kBlockRows;                     // [key warps][kBlockRows]
+    cupykv::SharedLayout merge_memory(smem_bytes);
+    float* warp_acc = merge_memory.take<float>(kAccBytes / (int)sizeof(float), "warp_acc");   // [key warps][kBlockRows][kAccRow]
+    float* warp_max = merge_memory.take<float>(kWarps * kBlockRows, "warp_max");              // [key warps][kBlockRows]
+    float* warp_sum = merge_memory.take<float>(kWarps * kBlockRows, "warp_sum");              // [key warps][kBlockRows]
     for (int t = 0; t < kWarpTiles; ++t)
         for (int half = 0; half < 2; ++half) {
             const int r = warp_first_row + t * kTileRows + quad_row + 8 * half;

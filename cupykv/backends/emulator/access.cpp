@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "cuemu_signals.h"
@@ -90,6 +91,19 @@ struct StaticVariable {
 };
 std::vector<StaticVariable> g_static_variables;
 uint64_t g_block_serial = 0;  // counts every block of every launch
+
+// Dynamic shared memory carved by cupykv::SharedLayout (cuemu_shared_array): the running block's
+// layouts in the order its threads began them, and per thread how many it has begun (its own is the
+// last of those; 0: none, so its accesses may touch the dynamic_size bytes the launch asked for).
+struct SharedArray {
+  uint64_t offset, bytes;  // where it lies on a GPU
+  uintptr_t lo, hi;        // where it lies here
+  const char* name;
+};
+std::vector<std::vector<SharedArray>> g_layouts;
+std::vector<uint32_t> g_thread_layout;
+uint64_t g_dynamic_size = 0;  // the dynamic shared memory the launch asked for
+bool g_dynamic_carvable = false;  // mapped with gaps beyond it (the module carves it)
 
 // ---- shadow bytes ---------------------------------------------------------------------
 bool g_shadow_ready = false;
@@ -204,6 +218,59 @@ void check_static_bounds(const Region& stat, uintptr_t addr, size_t size, uint8_
   }
 }
 
+// Where [addr, addr + size) of the dynamic shared memory lies, in words: in an array of `layout`, or
+// in the gap between two: past the end of the one before, or before the start of the one after,
+// whichever is nearer (an index run on from the first, or back from the second); each array with
+// its bytes on a GPU.
+std::string dynamic_place(const std::vector<SharedArray>& layout, uintptr_t addr, size_t size) {
+  const SharedArray* before = nullptr;  // the last array that starts at or before addr
+  const SharedArray* after = nullptr;   // the first that starts after it
+  for (const SharedArray& a : layout) {
+    if (a.lo <= addr && (!before || a.lo > before->lo)) before = &a;
+    if (a.lo > addr && (!after || a.lo < after->lo)) after = &a;
+  }
+  auto named = [](const SharedArray& a) {
+    return "shared array '" + std::string(a.name) + "' (" + std::to_string(a.bytes) + " bytes at [" +
+           std::to_string(a.offset) + ", " + std::to_string(a.offset + a.bytes) + ") of the dynamic shared memory)";
+  };
+  auto bytes = [](uint64_t n) { return n == 1 ? std::string("1 byte") : std::to_string(n) + " bytes"; };
+  std::string text;
+  if (before && addr < before->hi) {
+    text = "byte offset " + std::to_string(addr - before->lo) + " of " + named(*before) + ", running " +
+           bytes(addr + size - before->hi) + " past its end";
+  } else if (before && (!after || addr - before->hi < after->lo - addr)) {  // nearer the end of one
+    text = (addr == before->hi ? std::string("the first byte") : bytes(addr - before->hi)) + " past the end of " +
+           named(*before);
+  } else if (after) {                                                        // than the start of the next
+    text = bytes(after->lo - addr) + " before the start of " + named(*after);
+  } else {
+    text = "dynamic shared memory byte offset " + std::to_string(addr - g_regions[0].lo);
+  }
+  return text;
+}
+
+// Ends the launch when [addr, addr + size) leaves the arrays of the running thread's layout of the
+// dynamic shared memory (SharedLayout), or, before it began one, the bytes the launch asked for.
+void check_dynamic_bounds(const Region& dyn, uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
+  const uint32_t begun = T.tid < g_thread_layout.size() ? g_thread_layout[T.tid] : 0;
+  const std::vector<SharedArray>* layout = begun ? &g_layouts[begun - 1] : nullptr;
+  if (layout) {
+    for (const SharedArray& a : *layout)
+      if (addr >= a.lo && addr + size <= a.hi) return;
+  } else if (addr + size <= dyn.lo + g_dynamic_size) {
+    return;
+  }
+  char size_text[64];
+  snprintf(size_text, sizeof size_text, " of %llu bytes at ", (unsigned long long)size);
+  const std::string where = layout ? dynamic_place(*layout, addr, size)
+                                   : std::string("dynamic shared memory byte offset ") +
+                                         std::to_string(addr - dyn.lo) + " (past the end of the " +
+                                         std::to_string(g_dynamic_size) + " bytes the launch asked for)";
+  const std::string msg = std::string("out-of-bounds ") + access_word(kind) + size_text + where + " at " +
+                          site_text((uint32_t)((uintptr_t)ra - T.module_base));
+  fail_launch(CUEMU_ERR_BAD_ACCESS, msg.c_str());
+}
+
 // An access whose first or last byte lies in a guard span ends the launch as a fault there.
 inline void check_guards(const Region* first, uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   const Region* last = first && addr + size <= first->hi ? first : find_region(addr + size - 1);
@@ -225,6 +292,7 @@ inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
   if (!g_guards.empty()) check_guards(r, addr, size, kind, ra);
   if (!r) return;
   if (r->space == CUEMU_SHARED_STATIC) check_static_bounds(*r, addr, size, kind, ra);
+  if (r->space == CUEMU_SHARED_DYNAMIC && g_dynamic_carvable) check_dynamic_bounds(*r, addr, size, kind, ra);
   const size_t room = r->hi - addr;
   Access a;
   a.addr = addr;
@@ -327,8 +395,12 @@ bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr
   g_regions.assign(2 + p->nregions, Region());
   Region& dyn = g_regions[0];
   dyn.lo = (uintptr_t)p->dyn_smem;
-  dyn.hi = dyn.lo + p->dyn_smem_size;
+  g_dynamic_size = p->dyn_smem_size;
+  g_dynamic_carvable = p->dyn_smem_room > p->dyn_smem_size;
+  dyn.hi = dyn.lo + (g_dynamic_carvable ? p->dyn_smem_room : p->dyn_smem_size);
   dyn.space = CUEMU_SHARED_DYNAMIC;
+  g_layouts.clear();
+  g_thread_layout.assign(nthreads, 0);
   Region& stat = g_regions[1];
   size_t static_size;
   static_shared_range(p, T.module_base, &stat.lo, &static_size);
@@ -384,6 +456,8 @@ void trace_launch_end() {
 
 void trace_block_begin(uint64_t block_linear) {
   ++g_block_serial;  // every static __shared__ variable is poisoned again when first reached
+  g_layouts.clear();  // each block carves its dynamic shared memory anew
+  std::fill(g_thread_layout.begin(), g_thread_layout.end(), 0u);
   for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->block_begin(block_linear);
 }
 
@@ -465,6 +539,82 @@ void static_shared_reached(uintptr_t box_lo, size_t value_size, size_t box_size)
     rebuild_watch();
     T.active = true;
   }
+}
+
+uint64_t dynamic_shared_gpu_offset(uint32_t tid, uint64_t offset) {
+  if (!g_dynamic_carvable || g_layouts.empty()) return offset;
+  const uintptr_t addr = g_regions[0].lo + offset;
+  const uint32_t begun = tid < g_thread_layout.size() ? g_thread_layout[tid] : 0;
+  for (size_t i = 0; i <= g_layouts.size(); ++i) {  // the thread's own layout first, then any
+    const size_t which = i == 0 ? (begun ? begun - 1 : g_layouts.size()) : i - 1;
+    if (which >= g_layouts.size()) continue;
+    for (const SharedArray& a : g_layouts[which])
+      if (addr >= a.lo && addr < a.hi) return a.offset + (addr - a.lo);
+  }
+  return offset;
+}
+
+// The calling thread begins its next layout of the dynamic shared memory (cuemu_shared_layout_begin).
+void shared_layout_begun() {
+  if (T.tid >= g_thread_layout.size()) return;
+  const uint32_t begun = ++g_thread_layout[T.tid];
+  if (begun > g_layouts.size()) g_layouts.emplace_back();
+}
+
+// The calling thread takes array `index` of its layout (cuemu_shared_array); the first thread to
+// take it places it, the others must take the same one. Returns its address here.
+uintptr_t shared_array_taken(uintptr_t base, uint64_t offset, uint64_t bytes, uint64_t align, uint32_t index,
+                             const char* name, const void* ra) {
+  const uint32_t begun = T.tid < g_thread_layout.size() ? g_thread_layout[T.tid] : 0;
+  const std::string site = site_text((uint32_t)((uintptr_t)ra - T.module_base));
+  char msg[512];
+  if (!begun) {
+    snprintf(msg, sizeof msg, "shared array '%s' taken outside a SharedLayout at %s", name, site.c_str());
+    fail_launch(CUEMU_ERR_BAD_ACCESS, msg);
+  }
+  if (!g_dynamic_carvable || base != g_regions[0].lo) {
+    snprintf(msg, sizeof msg, "shared array '%s' carved from %s at %s: a SharedLayout carves the dynamic "
+             "shared memory (extern __shared__) of a module that includes shared_layout.cuh", name,
+             base == g_regions[0].lo ? "dynamic shared memory mapped without gaps" : "another address", site.c_str());
+    fail_launch(CUEMU_ERR_BAD_ACCESS, msg);
+  }
+  if (align && offset % align) {
+    snprintf(msg, sizeof msg, "shared array '%s' starts at byte offset %llu, not a multiple of its element's "
+             "alignment (%llu bytes), at %s", name, (unsigned long long)offset, (unsigned long long)align,
+             site.c_str());
+    fail_launch(CUEMU_ERR_BAD_ACCESS, msg);
+  }
+  std::vector<SharedArray>& layout = g_layouts[begun - 1];
+  if (index < layout.size()) {
+    const SharedArray& a = layout[index];
+    if (a.offset != offset || a.bytes != bytes || strcmp(a.name, name) != 0) {
+      snprintf(msg, sizeof msg, "shared array %u of layout %u taken as '%s' (%llu bytes at %llu) at %s, but "
+               "another thread of the block took it as '%s' (%llu bytes at %llu)", index, begun, name,
+               (unsigned long long)bytes, (unsigned long long)offset, site.c_str(), a.name,
+               (unsigned long long)a.bytes, (unsigned long long)a.offset);
+      fail_launch(CUEMU_ERR_BAD_ACCESS, msg);
+    }
+    return a.lo;
+  }
+  if (index != layout.size() || index >= CUEMU_SHARED_ARRAYS_MAX || offset + bytes > g_dynamic_size) {
+    if (offset + bytes > g_dynamic_size)
+      snprintf(msg, sizeof msg, "shared array '%s' (%llu bytes at byte offset %llu) ends past the %llu bytes of "
+               "dynamic shared memory the launch asked for, at %s", name, (unsigned long long)bytes,
+               (unsigned long long)offset, (unsigned long long)g_dynamic_size, site.c_str());
+    else
+      snprintf(msg, sizeof msg, "shared array '%s' taken as array %u of layout %u (%zu taken; at most %d) at %s",
+               name, index, begun, layout.size(), (int)CUEMU_SHARED_ARRAYS_MAX, site.c_str());
+    fail_launch(CUEMU_ERR_BAD_ACCESS, msg);
+  }
+  const uintptr_t lo = base + offset + (uintptr_t)index * CUEMU_SHARED_ARRAY_GAP;
+  layout.push_back(SharedArray{offset, bytes, lo, lo + bytes, name});
+  Region& dyn = g_regions[0];
+  if (g_shadow_ready && !dyn.watched && dyn.hi > dyn.lo) {  // from now on every access is checked
+    dyn.watched = true;
+    rebuild_watch();
+    T.active = true;
+  }
+  return lo;
 }
 
 // ---- words for reports (launch.py spells out the @ tokens) ------------------------------
@@ -674,6 +824,33 @@ CUEMU_EXPORT void cuemu_atomic_access(void* addr, unsigned size, void* site) {
 CUEMU_EXPORT void cuemu_atomic_done(void) { cuemu::atomic_site = 0; }
 
 CUEMU_EXPORT void cuemu_threadfence(void) { cuemu::trace_fence(); }
+
+CUEMU_EXPORT void cuemu_shared_layout_begin(void) { cuemu::shared_layout_begun(); }
+
+CUEMU_EXPORT void* cuemu_shared_array(void* base, unsigned long long offset, unsigned long long bytes,
+                                      unsigned long long align, unsigned index, const char* name) {
+  return reinterpret_cast<void*>(
+      cuemu::shared_array_taken((uintptr_t)base, offset, bytes, align, index, name, __builtin_return_address(0)));
+}
+
+// Names the shared arrays (SharedLayout) of the last block's layouts that hold byte `offset` of the
+// dynamic shared memory, for race reports, and returns the byte's offset as on a GPU (by the first
+// of them); writes "" and returns `offset` when none does (or nothing was carved).
+CUEMU_EXPORT unsigned long long cuemu_dynamic_shared_place(unsigned long long offset, char* out, unsigned size) {
+  std::string text;
+  unsigned long long gpu_offset = offset;
+  const uintptr_t addr = cuemu::g_regions.empty() ? 0 : cuemu::g_regions[0].lo + offset;
+  for (size_t i = 0; i < cuemu::g_layouts.size(); ++i)
+    for (const cuemu::SharedArray& a : cuemu::g_layouts[i])
+      if (addr >= a.lo && addr < a.hi) {
+        if (text.empty()) gpu_offset = a.offset + (addr - a.lo);
+        else text += "; ";
+        text += "shared array '" + std::string(a.name) + "' byte offset " + std::to_string(addr - a.lo) +
+                (cuemu::g_layouts.size() > 1 ? " (layout " + std::to_string(i + 1) + ")" : "");
+      }
+  snprintf(out, size, "%s", text.c_str());
+  return gpu_offset;
+}
 
 CUEMU_EXPORT void cuemu_static_shared(void* box, size_t value_size, size_t box_size) {
   cuemu::static_shared_reached((uintptr_t)box, value_size, box_size);

@@ -17,7 +17,8 @@
 // (cuemu_requests.h). Counted: loads, stores and atomics of shared memory by the kernel, ldmatrix
 // rows, and each cp.async destination at its issue (not again where it lands). Results are per
 // (call site, kind, region), so a report can name the line whose requests conflict; each also
-// keeps the highest byte its accesses reached (extent), which shows shared memory declared unused.
+// keeps the highest byte its accesses reached (extent; of dynamic shared memory carved into arrays,
+// as on a GPU, without the emulator's gaps), which shows shared memory declared unused.
 //
 // Adjacent scalar accesses: modules keep a float4 copy one 16-byte access (build.py's
 // KEEP_VECTORS_WHOLE), but nvcc also merges adjacent scalar accesses of one aligned piece
@@ -159,7 +160,8 @@ void Banks::count(uint32_t tid, uint32_t site, uint32_t kind, uint32_t region, u
   cuemu_bank_site& counts = site_counts(site, kind, region);
   ++counts.accesses;
   counts.bytes += size;
-  if (offset + size > counts.extent) counts.extent = offset + size;
+  const uint64_t gpu_offset = region == 0 ? dynamic_shared_gpu_offset(tid, offset) : offset;
+  if (gpu_offset + size > counts.extent) counts.extent = gpu_offset + size;
 
   const WarpRequests::Request r = requests_.of(site, kind, tid, region);
   bool fresh;

@@ -155,7 +155,7 @@ class _LaunchParams(ctypes.Structure):
                 ("seed", ctypes.c_uint64), ("regions", ctypes.c_void_p),
                 ("nregions", ctypes.c_uint32), ("options", ctypes.c_uint32),
                 ("tls_probe", ctypes.c_void_p), ("guards", ctypes.c_void_p),
-                ("nguards", ctypes.c_uint32)]
+                ("nguards", ctypes.c_uint32), ("dyn_smem_room", ctypes.c_uint64)]
 
 
 class _Region(ctypes.Structure):

@@ -33,7 +33,10 @@ ERR_INTERRUPTED = 7       # cuemu_launch's status when it did
 _TOKEN = re.compile(r"@site\(0x([0-9a-f]+)\)|@static\(0x([0-9a-f]+)\)|@arg\((\d+),0x([0-9a-f]+)\)")
 
 _launch_lock = threading.Lock()
-_smem_pool = {}  # size -> Allocation (reused; the runtime poisons it per block)
+_smem_pool = {}  # bytes mapped (the gaps' room included) -> Allocation (reused; poisoned per block)
+# CUEMU_SHARED_ARRAY_GAP * CUEMU_SHARED_ARRAYS_MAX (cuemu_abi.h): a gap after each shared array
+SHARED_ARRAY_GAP, SHARED_ARRAYS_MAX = 1024, 8
+SHARED_ARRAY_ROOM = SHARED_ARRAY_GAP * SHARED_ARRAYS_MAX
 _KIND_WORDS = {"p": "pointer", "f": "floating-point", "i": "signed integer",
                "u": "unsigned integer", "b": "bool", "o": "struct/other"}
 
@@ -68,6 +71,8 @@ class Module:
         self.path = self._lib._name  # the built .so: its line tables name race sites
         self.instrumented = build.instrumented()  # False: the race checker cannot run
         self._tls_probe = ctypes.cast(self._lib.cuemu_module_tls_probe, ctypes.c_void_p).value
+        # kernels/shared_layout.cuh defines the marker: its kernels carve their dynamic shared memory
+        self.carves_shared = hasattr(self._lib, "cuemu_module_carves_shared")
         self._functions = {}
 
     def get_function(self, name):
@@ -290,16 +295,20 @@ class Function:
         if count_traffic:
             accounting.set_phases(region_table, regions)
         hint = schedule.replay_hint(seed)
-        smem = _smem_pool.get(shared_mem)
+        # a module that carves its dynamic shared memory into arrays (shared_layout.cuh) gets room
+        # for a gap after each, where an index past an array's end fails (access.cpp)
+        room = shared_mem + (SHARED_ARRAY_ROOM if self.module.carves_shared else 0)
+        smem = _smem_pool.get(room)
         if smem is None:
             if len(_smem_pool) >= 32:
                 _smem_pool.pop(next(iter(_smem_pool)))
-            smem = _smem_pool[shared_mem] = memory.Allocation(shared_mem, "dynamic shared memory")
+            smem = _smem_pool[room] = memory.Allocation(room, "dynamic shared memory")
         p, r = self._params, self._result
         p.grid[0], p.grid[1], p.grid[2] = grid
         p.block[0], p.block[1], p.block[2] = block
         p.dyn_smem = smem.start
         p.dyn_smem_size = shared_mem
+        p.dyn_smem_room = room
         p.checks = (racecheck.CHECK_RACES if check_races else 0) | \
             (accounting.CHECK_TRAFFIC if count_traffic else 0) | (accounting.CHECK_BANKS if count_banks else 0)
         p.seed = schedule.launch_seed(seed, self.name, grid, block, shared_mem)

@@ -120,10 +120,22 @@ def describe_global(region, offset):
     return "a region of arguments", offset
 
 
+def dynamic_shared_place(offset):
+    """``(words, offset as on a GPU)`` of byte ``offset`` of the dynamic shared memory (the
+    emulator's, whose shared arrays lie gaps apart): the arrays (kernels/shared_layout.cuh) of the
+    last block that hold it, "" where the kernel carved none there."""
+    out = ctypes.create_string_buffer(512)
+    place = build.runtime().cuemu_dynamic_shared_place
+    place.restype = ctypes.c_ulonglong
+    gpu_offset = place(ctypes.c_ulonglong(offset), out, ctypes.c_uint(len(out)))
+    return out.value.decode(), int(gpu_offset)
+
+
 def _where(h, table, module_path):
     """(memory, description, byte offset in what the description names)."""
     if h.region == 0:
-        return "shared", "dynamic shared memory", h.offset
+        named, offset = dynamic_shared_place(h.offset)
+        return "shared", f"dynamic shared memory ({named})" if named else "dynamic shared memory", offset
     if h.region == 1:
         found = sites.static_shared_variable(module_path, h.offset)
         if found:

@@ -1201,7 +1201,8 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
     for (uint64_t k = 0; k < nblocks && rc == CUEMU_OK; ++k) {
       const uint64_t b = cuemu::schedule_block(k);  // linear block index, x fastest
       cuemu_ctx.block_idx = uint3{(uint32_t)(b % gx), (uint32_t)(b % gxy / gx), (uint32_t)(b / gxy)};
-      if (p->dyn_smem_size && p->poison <= 255) memset(p->dyn_smem, (int)p->poison, p->dyn_smem_size);
+      const uint64_t room = p->dyn_smem_room > p->dyn_smem_size ? p->dyn_smem_room : p->dyn_smem_size;
+      if (room && p->poison <= 255) memset(p->dyn_smem, (int)p->poison, room);
       cuemu::trace_block_begin(b);
       rc = run_block(p->block);
       cuemu::trace_block_end();

@@ -79,6 +79,13 @@ enum {
 // Guard bytes before and after each static __shared__ variable of a function (source.py's box).
 enum { CUEMU_STATIC_SHARED_GUARD = 16 };
 
+// Dynamic shared memory carved into arrays by cupykv::SharedLayout (kernels/shared_layout.cuh).
+// In the emulator the i-th array a layout takes starts i * CUEMU_SHARED_ARRAY_GAP bytes past its
+// place on a GPU (a multiple of 128: every byte keeps its bank), so an index run past an array's
+// end lands in the gap after it, which no array holds, and fails (access.cpp). Launches of a module
+// that carves get CUEMU_SHARED_ARRAYS_MAX gaps of room beyond the bytes they asked for.
+enum { CUEMU_SHARED_ARRAY_GAP = 1024, CUEMU_SHARED_ARRAYS_MAX = 8 };
+
 // Memory spaces of the regions a launch's accesses are sorted into (cuemu_hazard.region).
 enum { CUEMU_GLOBAL = 0, CUEMU_SHARED_DYNAMIC = 1, CUEMU_SHARED_STATIC = 2, CUEMU_GUARD = 3 };
 
@@ -141,6 +148,9 @@ struct cuemu_launch_params {
   // the launch as a fault at that address, as the guard page would).
   const cuemu_region* guards;
   uint32_t nguards;
+  // The bytes mapped at dyn_smem: dyn_smem_size, plus the gaps of a module that carves its dynamic
+  // shared memory into arrays (CUEMU_SHARED_ARRAY_GAP)
+  uint64_t dyn_smem_room;
 };
 
 // Hazard kinds (cuemu_hazard.kind).
@@ -197,6 +207,15 @@ void cuemu_threadfence(void);
 // value, then guard bytes to box_size. The first fiber of a block to reach it fills the value with
 // the launch's poison byte; accesses outside the value but inside the box fail (access.cpp).
 void cuemu_static_shared(void* box, size_t value_size, size_t box_size);
+// cupykv::SharedLayout in the emulator: the calling thread begins a layout of the block's dynamic
+// shared memory (its first, or the next after a barrier, over memory the last one no longer uses),
+// and takes its arrays in order: the index-th, `bytes` long at `offset` on a GPU (a multiple of the
+// element's `align`), named `name` (a string literal). Every thread of the block must take the same
+// arrays of a layout. Returns where the array lies here; an access by the thread outside its
+// layout's arrays fails (access.cpp).
+void cuemu_shared_layout_begin(void);
+void* cuemu_shared_array(void* base, unsigned long long offset, unsigned long long bytes, unsigned long long align,
+                         unsigned index, const char* name);
 // Asynchronous copies (cp.async; async_copy.cpp). Per thread, as in PTX: a copy belongs to the
 // group its thread's next commit closes; wait(n) completes all but the n most recent groups.
 void cuemu_cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size);

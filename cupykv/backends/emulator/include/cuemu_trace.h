@@ -144,6 +144,11 @@ std::string site_text(uint32_t site);
 std::string place_text(int region, uint64_t offset);
 std::string address_text(uintptr_t addr);
 
+// A byte offset into the dynamic shared memory as on a GPU: where a kernel carves it into arrays
+// (SharedLayout), the emulator places each a gap further on; this takes the gaps out, by the layout
+// of thread `tid` (access.cpp).
+uint64_t dynamic_shared_gpu_offset(uint32_t tid, uint64_t offset);
+
 // The call site of the kernel's memcpy, memmove or memset that runs now (set by its wrapper in
 // access.cpp): a fault inside the copy is reported at that line.
 extern uint32_t copy_site;

@@ -1,0 +1,113 @@
+// shared_arrays.cu: planted misuses of cupykv::SharedLayout (kernels/shared_layout.cuh), for
+// tests/test_shared_layout.py. Each kernel is right with its reach (or n) argument at 0.
+#include "shared_layout.cuh"
+
+// Two arrays of blockDim.x floats. Each thread writes its slot of `second`, then the slot `reach`
+// past its own in `first`: with reach 1 the last thread writes one float past the end of `first`,
+// which on a GPU is second[0].
+__global__ void write_past_first(float* out, int reach) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem);
+    float* first = layout.take<float>(blockDim.x, "first");
+    float* second = layout.take<float>(blockDim.x, "second");
+    second[threadIdx.x] = 2.0f;
+    first[threadIdx.x + reach] = 1.0f;
+    __syncthreads();
+    out[threadIdx.x] = first[threadIdx.x] + second[threadIdx.x];
+}
+
+// Reads `second` from `reach` before each thread's slot: thread 0 at reach 1 reads second[-1],
+// the last float of `first` on a GPU.
+__global__ void read_before_second(float* out, int reach) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem);
+    float* first = layout.take<float>(blockDim.x, "first");
+    float* second = layout.take<float>(blockDim.x, "second");
+    first[threadIdx.x] = 1.0f;
+    second[threadIdx.x] = 2.0f;
+    __syncthreads();
+    out[threadIdx.x] = second[(int)threadIdx.x - reach];
+}
+
+// A tile of blockDim.x + extra floats: past the launch's 4 * blockDim.x bytes when extra > 0.
+__global__ void tile_past_the_launch(float* out, int extra) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem);
+    float* tile = layout.take<float>(blockDim.x + extra, "tile");
+    tile[threadIdx.x] = 1.0f;
+    out[threadIdx.x] = tile[threadIdx.x];
+}
+
+// Two phases over the same bytes: `values` and `weights` (blockDim.x floats each), then, after a
+// barrier, `sums` over both (2 blockDim.x floats), written at `reach` past each thread's slot of
+// its second half: at reach 0 the last thread writes the last float, at 1 one past the end.
+__global__ void two_phases(float* out, int reach) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int n = blockDim.x, t = threadIdx.x;
+    cupykv::SharedLayout loop_memory(smem);
+    float* values = loop_memory.take<float>(n, "values");
+    float* weights = loop_memory.take<float>(n, "weights");
+    values[t] = (float)t;
+    weights[t] = 2.0f;
+    __syncthreads();
+    const float product = values[(t + 1) % n] * weights[t];
+    __syncthreads();
+    cupykv::SharedLayout merge_memory(smem);
+    float* sums = merge_memory.take<float>(2 * n, "sums");
+    sums[t] = product;
+    sums[n + t + reach] = 1.0f;
+    __syncthreads();
+    out[t] = sums[n - 1 - t] + sums[n + t];
+}
+
+// A pointer of the first phase used after the second began: weights[t] is sums[n + t] on a GPU.
+__global__ void stale_pointer(float* out, int n_unused) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int n = blockDim.x, t = threadIdx.x;
+    cupykv::SharedLayout loop_memory(smem);
+    float* values = loop_memory.take<float>(n, "values");
+    float* weights = loop_memory.take<float>(n, "weights");
+    values[t] = 1.0f;
+    weights[t] = 2.0f;
+    __syncthreads();
+    cupykv::SharedLayout merge_memory(smem);
+    float* sums = merge_memory.take<float>(2 * n, "sums");
+    sums[t] = values[t];
+    weights[t] = 3.0f;
+    __syncthreads();
+    out[t] = sums[t] + (float)n_unused;
+}
+
+// Threads that take different arrays: warp 0 a tile of 2 blockDim.x floats, the others blockDim.x.
+__global__ void disagreeing_threads(float* out, int n_unused) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem);
+    float* tile = layout.take<float>(threadIdx.x < 32 ? 2 * blockDim.x : blockDim.x, "tile");
+    tile[threadIdx.x] = 1.0f;
+    out[threadIdx.x] = tile[threadIdx.x] + (float)n_unused;
+}
+
+// An array of floats after 3 bytes of flags: not 4-byte aligned.
+__global__ void misaligned_array(float* out, int n_unused) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem);
+    unsigned char* flags = layout.take<unsigned char>(3, "flags");
+    float* values = layout.take<float>(blockDim.x, "values");
+    if (threadIdx.x < 3) flags[threadIdx.x] = 1;
+    values[threadIdx.x] = 1.0f;
+    out[threadIdx.x] = values[threadIdx.x] + (float)n_unused;
+}
+
+// Every thread adds into totals[0] of a carved array without an atomic: a race.
+__global__ void race_on_array(float* out, int n_unused) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem);
+    float* scratch = layout.take<float>(blockDim.x, "scratch");
+    float* totals = layout.take<float>(4, "totals");
+    scratch[threadIdx.x] = 1.0f;
+    if (threadIdx.x == 0) totals[1] = 0.0f;
+    __syncthreads();
+    if (threadIdx.x < 2) totals[1] = (float)threadIdx.x;
+    __syncthreads();
+    out[threadIdx.x] = totals[1] + scratch[threadIdx.x] + (float)n_unused;
+}
