@@ -35,7 +35,7 @@ _TOKEN = re.compile(r"@site\(0x([0-9a-f]+)\)|@static\(0x([0-9a-f]+)\)|@arg\((\d+
 _launch_lock = threading.Lock()
 _smem_pool = {}  # bytes mapped (the gaps' room included) -> Allocation (reused; poisoned per block)
 # CUEMU_SHARED_ARRAY_GAP * CUEMU_SHARED_ARRAYS_MAX (cuemu_abi.h): a gap after each shared array
-SHARED_ARRAY_GAP, SHARED_ARRAYS_MAX = 1024, 8
+SHARED_ARRAY_GAP, SHARED_ARRAYS_MAX = 4096, 8
 SHARED_ARRAY_ROOM = SHARED_ARRAY_GAP * SHARED_ARRAYS_MAX
 _KIND_WORDS = {"p": "pointer", "f": "floating-point", "i": "signed integer",
                "u": "unsigned integer", "b": "bool", "o": "struct/other"}

@@ -84,7 +84,7 @@ enum { CUEMU_STATIC_SHARED_GUARD = 16 };
 // place on a GPU (a multiple of 128: every byte keeps its bank), so an index run past an array's
 // end lands in the gap after it, which no array holds, and fails (access.cpp). Launches of a module
 // that carves get CUEMU_SHARED_ARRAYS_MAX gaps of room beyond the bytes they asked for.
-enum { CUEMU_SHARED_ARRAY_GAP = 1024, CUEMU_SHARED_ARRAYS_MAX = 8 };
+enum { CUEMU_SHARED_ARRAY_GAP = 4096, CUEMU_SHARED_ARRAYS_MAX = 8 };
 
 // Memory spaces of the regions a launch's accesses are sorted into (cuemu_hazard.region).
 enum { CUEMU_GLOBAL = 0, CUEMU_SHARED_DYNAMIC = 1, CUEMU_SHARED_STATIC = 2, CUEMU_GUARD = 3 };
