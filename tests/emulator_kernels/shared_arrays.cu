@@ -98,7 +98,7 @@ __global__ void misaligned_array(float* out, int n_unused) {
     out[threadIdx.x] = values[threadIdx.x] + (float)n_unused;
 }
 
-// Every thread adds into totals[0] of a carved array without an atomic: a race.
+// Threads 0 and 1 write different values to totals[1] with nothing between them: a race.
 __global__ void race_on_array(float* out, int n_unused) {
     extern __shared__ __align__(16) unsigned char smem[];
     cupykv::SharedLayout layout(smem);

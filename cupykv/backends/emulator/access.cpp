@@ -105,6 +105,19 @@ std::vector<uint32_t> g_thread_layout;
 uint64_t g_dynamic_size = 0;  // the dynamic shared memory the launch asked for
 bool g_dynamic_carvable = false;  // mapped with gaps beyond it (the module carves it)
 
+// The array of `layout` that holds all of [addr, addr + size), or null.
+const SharedArray* array_holding(const std::vector<SharedArray>& layout, uintptr_t addr, size_t size = 1) {
+  for (const SharedArray& a : layout)
+    if (addr >= a.lo && addr + size <= a.hi) return &a;
+  return nullptr;
+}
+
+// The layout thread `tid` began last, or null before it began one.
+const std::vector<SharedArray>* thread_layout(uint32_t tid) {
+  const uint32_t begun = tid < g_thread_layout.size() ? g_thread_layout[tid] : 0;
+  return begun ? &g_layouts[begun - 1] : nullptr;
+}
+
 // ---- shadow bytes ---------------------------------------------------------------------
 bool g_shadow_ready = false;
 
@@ -252,14 +265,8 @@ std::string dynamic_place(const std::vector<SharedArray>& layout, uintptr_t addr
 // Ends the launch when [addr, addr + size) leaves the arrays of the running thread's layout of the
 // dynamic shared memory (SharedLayout), or, before it began one, the bytes the launch asked for.
 void check_dynamic_bounds(const Region& dyn, uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
-  const uint32_t begun = T.tid < g_thread_layout.size() ? g_thread_layout[T.tid] : 0;
-  const std::vector<SharedArray>* layout = begun ? &g_layouts[begun - 1] : nullptr;
-  if (layout) {
-    for (const SharedArray& a : *layout)
-      if (addr >= a.lo && addr + size <= a.hi) return;
-  } else if (addr + size <= dyn.lo + g_dynamic_size) {
-    return;
-  }
+  const std::vector<SharedArray>* layout = thread_layout(T.tid);
+  if (layout ? array_holding(*layout, addr, size) != nullptr : addr + size <= dyn.lo + g_dynamic_size) return;
   char size_text[64];
   snprintf(size_text, sizeof size_text, " of %llu bytes at ", (unsigned long long)size);
   const std::string where = layout ? dynamic_place(*layout, addr, size)
@@ -456,8 +463,10 @@ void trace_launch_end() {
 
 void trace_block_begin(uint64_t block_linear) {
   ++g_block_serial;  // every static __shared__ variable is poisoned again when first reached
-  g_layouts.clear();  // each block carves its dynamic shared memory anew
-  std::fill(g_thread_layout.begin(), g_thread_layout.end(), 0u);
+  if (g_dynamic_carvable) {  // each block carves its dynamic shared memory anew
+    g_layouts.clear();
+    std::fill(g_thread_layout.begin(), g_thread_layout.end(), 0u);
+  }
   for (uint32_t i = 0; i < T.nobservers; ++i) T.observers[i]->block_begin(block_linear);
 }
 
@@ -544,14 +553,10 @@ void static_shared_reached(uintptr_t box_lo, size_t value_size, size_t box_size)
 uint64_t dynamic_shared_gpu_offset(uint32_t tid, uint64_t offset) {
   if (!g_dynamic_carvable || g_layouts.empty()) return offset;
   const uintptr_t addr = g_regions[0].lo + offset;
-  const uint32_t begun = tid < g_thread_layout.size() ? g_thread_layout[tid] : 0;
-  for (size_t i = 0; i <= g_layouts.size(); ++i) {  // the thread's own layout first, then any
-    const size_t which = i == 0 ? (begun ? begun - 1 : g_layouts.size()) : i - 1;
-    if (which >= g_layouts.size()) continue;
-    for (const SharedArray& a : g_layouts[which])
-      if (addr >= a.lo && addr < a.hi) return a.offset + (addr - a.lo);
-  }
-  return offset;
+  const std::vector<SharedArray>* own = thread_layout(tid);  // the thread's own layout first, then any
+  const SharedArray* a = own ? array_holding(*own, addr) : nullptr;
+  for (size_t i = 0; !a && i < g_layouts.size(); ++i) a = array_holding(g_layouts[i], addr);
+  return a ? a->offset + (addr - a->lo) : offset;
 }
 
 // The calling thread begins its next layout of the dynamic shared memory (cuemu_shared_layout_begin).
@@ -596,14 +601,15 @@ uintptr_t shared_array_taken(uintptr_t base, uint64_t offset, uint64_t bytes, ui
     }
     return a.lo;
   }
-  if (index != layout.size() || index >= CUEMU_SHARED_ARRAYS_MAX || offset + bytes > g_dynamic_size) {
-    if (offset + bytes > g_dynamic_size)
-      snprintf(msg, sizeof msg, "shared array '%s' (%llu bytes at byte offset %llu) ends past the %llu bytes of "
-               "dynamic shared memory the launch asked for, at %s", name, (unsigned long long)bytes,
-               (unsigned long long)offset, (unsigned long long)g_dynamic_size, site.c_str());
-    else
-      snprintf(msg, sizeof msg, "shared array '%s' taken as array %u of layout %u (%zu taken; at most %d) at %s",
-               name, index, begun, layout.size(), (int)CUEMU_SHARED_ARRAYS_MAX, site.c_str());
+  if (offset + bytes > g_dynamic_size) {
+    snprintf(msg, sizeof msg, "shared array '%s' (%llu bytes at byte offset %llu) ends past the %llu bytes of "
+             "dynamic shared memory the launch asked for, at %s", name, (unsigned long long)bytes,
+             (unsigned long long)offset, (unsigned long long)g_dynamic_size, site.c_str());
+    fail_launch(CUEMU_ERR_BAD_ACCESS, msg);
+  }
+  if (index != layout.size() || index >= CUEMU_SHARED_ARRAYS_MAX) {
+    snprintf(msg, sizeof msg, "shared array '%s' taken as array %u of layout %u (%zu taken; at most %d) at %s",
+             name, index, begun, layout.size(), (int)CUEMU_SHARED_ARRAYS_MAX, site.c_str());
     fail_launch(CUEMU_ERR_BAD_ACCESS, msg);
   }
   const uintptr_t lo = base + offset + (uintptr_t)index * CUEMU_SHARED_ARRAY_GAP;
@@ -841,13 +847,12 @@ CUEMU_EXPORT unsigned long long cuemu_dynamic_shared_place(unsigned long long of
   unsigned long long gpu_offset = offset;
   const uintptr_t addr = cuemu::g_regions.empty() ? 0 : cuemu::g_regions[0].lo + offset;
   for (size_t i = 0; i < cuemu::g_layouts.size(); ++i)
-    for (const cuemu::SharedArray& a : cuemu::g_layouts[i])
-      if (addr >= a.lo && addr < a.hi) {
-        if (text.empty()) gpu_offset = a.offset + (addr - a.lo);
-        else text += "; ";
-        text += "shared array '" + std::string(a.name) + "' byte offset " + std::to_string(addr - a.lo) +
-                (cuemu::g_layouts.size() > 1 ? " (layout " + std::to_string(i + 1) + ")" : "");
-      }
+    if (const cuemu::SharedArray* a = cuemu::array_holding(cuemu::g_layouts[i], addr)) {
+      if (text.empty()) gpu_offset = a->offset + (addr - a->lo);
+      else text += "; ";
+      text += "shared array '" + std::string(a->name) + "' byte offset " + std::to_string(addr - a->lo) +
+              (cuemu::g_layouts.size() > 1 ? " (layout " + std::to_string(i + 1) + ")" : "");
+    }
   snprintf(out, size, "%s", text.c_str());
   return gpu_offset;
 }

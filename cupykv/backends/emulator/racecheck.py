@@ -125,9 +125,7 @@ def dynamic_shared_place(offset):
     emulator's, whose shared arrays lie gaps apart): the arrays (kernels/shared_layout.cuh) of the
     last block that hold it, "" where the kernel carved none there."""
     out = ctypes.create_string_buffer(512)
-    place = build.runtime().cuemu_dynamic_shared_place
-    place.restype = ctypes.c_ulonglong
-    gpu_offset = place(ctypes.c_ulonglong(offset), out, ctypes.c_uint(len(out)))
+    gpu_offset = build.runtime().cuemu_dynamic_shared_place(offset, out, len(out))
     return out.value.decode(), int(gpu_offset)
 
 
