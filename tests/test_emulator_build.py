@@ -201,15 +201,37 @@ def test_an_instrumented_and_a_plain_build_of_one_source_are_two_modules(fresh_c
 
 def test_the_keys_follow_the_runtime_sources_and_flags(tmp_path, monkeypatch):
     """A runtime or module built before an edit of the runtime's sources or flags is not reused after it."""
-    text, before = _kernel("keys"), (build.runtime_key(), build.module_key(_kernel("keys"), [], []))
+    def keys():
+        return build.runtime_key(), build.module_key(text, [], [], build.runtime_key())
+
+    text = _kernel("keys")
+    before = keys()
     edited = tmp_path / build.RUNTIME_SOURCES[-1].name
     edited.write_bytes(build.RUNTIME_SOURCES[-1].read_bytes() + b"\n// an edit\n")
     with monkeypatch.context() as patch:
         patch.setattr(build, "RUNTIME_SOURCES", (*build.RUNTIME_SOURCES[:-1], edited))
-        assert build.runtime_key() != before[0] and build.module_key(text, [], []) != before[1]
+        assert keys()[0] != before[0] and keys()[1] != before[1]
     with monkeypatch.context() as patch:
         patch.setattr(build, "COMMON_FLAGS", (*build.COMMON_FLAGS, "-ffast-math"))
-        assert build.runtime_key() != before[0]
-    assert (build.runtime_key(), build.module_key(text, [], [])) == before
+        assert keys()[0] != before[0] and keys()[1] != before[1]
+    assert keys() == before
     # each part is framed by its length: moving bytes from one part to the next changes the key
-    assert build.module_key(text + "-DA", ["=1"], []) != build.module_key(text, ["-DA=1"], [])
+    key = before[0]
+    assert build.module_key(text + "-DA", ["=1"], [], key) != build.module_key(text, ["-DA=1"], [], key)
+
+
+def test_a_runtime_edited_after_loading_refuses_new_modules(tmp_path, monkeypatch):
+    """Once a process has loaded the runtime, a module built from edited runtime sources or emulator
+    headers (cuemu_abi.h's structure layouts) would disagree with it: the build is refused with a
+    message that says to restart, instead of failing later in ways that point elsewhere."""
+    E.Module(_kernel("before the edit"), ["k"])   # the runtime is loaded
+    edited_include = tmp_path / "include"
+    shutil.copytree(build.INCLUDE_DIR, edited_include)
+    abi = edited_include / "cuemu_abi.h"
+    abi.write_text(abi.read_text() + "\n// an edit\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(build, "INCLUDE_DIR", edited_include)
+        with pytest.raises(E.CompileError, match=r"changed after this process loaded the runtime .*Restart"):
+            E.Module(_kernel("after the edit"), ["k"])
+    E.Module(_kernel("after the edit"), ["k"])   # with the loaded runtime's headers back, it builds
+

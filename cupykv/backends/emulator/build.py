@@ -196,9 +196,10 @@ def runtime_key():
 
 @functools.lru_cache(maxsize=None)
 def runtime():
-    """The loaded runtime library (built on first use)."""
+    """The loaded runtime library (built on first use; its key is :func:`loaded_runtime_key`)."""
     flags = _runtime_flags()
-    path = cache_dir() / f"cuemu-runtime-{runtime_key()[:32]}.so"
+    key = runtime_key()
+    path = cache_dir() / f"cuemu-runtime-{key[:32]}.so"
     if not diskcache.build_once(path, lambda: _compile(RUNTIME_SOURCES, flags, path, "the emulator runtime")):
         stats["disk_hits"] += 1
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
@@ -210,7 +211,27 @@ def runtime():
     lib.cuemu_shadow_ready.restype = ctypes.c_int
     lib.cuemu_dynamic_shared_place.argtypes = [ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_uint]
     lib.cuemu_dynamic_shared_place.restype = ctypes.c_ulonglong
+    lib.cupykv_runtime_key = key
     return lib
+
+
+def loaded_runtime_key():
+    """The key of the runtime this process loaded (loading it first if need be)."""
+    return runtime().cupykv_runtime_key
+
+
+def check_runtime_current():
+    """Refuse to build modules against runtime sources or emulator headers that changed since this
+    process loaded its runtime: a module compiled from the new ones would disagree with the loaded
+    library on structure layouts and constants (cuemu_abi.h), and fail in ways that point elsewhere.
+    Returns the current runtime key."""
+    loaded, current = loaded_runtime_key(), runtime_key()
+    if current != loaded:
+        raise CompileError(f"emulator: the runtime's sources or the headers in {INCLUDE_DIR} changed after "
+                           f"this process loaded the runtime (key {loaded[:12]}, now {current[:12]}); a "
+                           f"kernel built now would not match the loaded runtime. Restart the Python "
+                           f"process to build and load the new runtime")
+    return current
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,11 +302,11 @@ def _mirror_includes(include_dirs, work):
     return result
 
 
-def module_key(text, host_opts, include_dirs):
+def module_key(text, host_opts, include_dirs, runtime_key):
     """A module's cache key: its rewritten source, its -D/-U/-I options, its compile and link flags (which
-    say whether it is instrumented), the compiler, the runtime's sources and every header it may include."""
-    key_parts = [text, *host_opts, *module_flags(), *module_link_flags(), compiler_version(),
-                 *_runtime_parts(), *_dir_parts(INCLUDE_DIR)]
+    say whether it is instrumented), the runtime's key (its sources, the emulator's headers, the compiler)
+    and every header it may include."""
+    key_parts = [text, *host_opts, *module_flags(), *module_link_flags(), runtime_key]
     for d in include_dirs:
         key_parts += _dir_parts(d)
     return _digest(key_parts)
@@ -295,13 +316,13 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
     """Builds (or finds in a cache) and loads a module; returns ``(lib, entries)``
     where ``entries`` maps each name expression to its ``_Entry``."""
     check_platform()
-    runtime()  # the module resolves the runtime's symbols when loaded
+    current_runtime = check_runtime_current()  # the module resolves the loaded runtime's symbols
     include_dirs = [Path(d).resolve() for d in include_dirs]
     quoted = str(filename).replace("\\", "\\\\").replace('"', '\\"')
     text = (f'#line 1 "{quoted}"\n' + source.rewrite_shared(code)
             + source.registry_source(list(name_expressions)))
     host_opts = _host_options(options)
-    key = module_key(text, host_opts, include_dirs)
+    key = module_key(text, host_opts, include_dirs, current_runtime)
     with _lock:
         if key in _modules:
             stats["memory_hits"] += 1
