@@ -20,6 +20,8 @@ from cupykv.step_instructions import StagedInstance
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
 from source_lines import source_site
+from test_attention_mma import CUT_STEP_CASES, ONE_POSITION_CASES, launch_steps
+from test_traffic import cache_and_zero_queries
 
 TILING = KERNELS["attention_f32"].constants("attention_f32_tiling")
 
@@ -138,3 +140,25 @@ def test_each_warp_scores_only_its_live_rows(head_dim, rows):
     assert loaded("const float4 q4 =") == steps * rows * lanes * score_dims * 4
     # a warp with a live row reads the whole K and V stage of each step once
     assert loaded("const float4 k4 =") == loaded("v4[piece] =") == steps * live_warps * step_keys * head_dim * 4
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("q_len, group, lengths, window, splits", ONE_POSITION_CASES + CUT_STEP_CASES[:4],
+                         ids=[f"q{q}xg{g}-{lengths[0]}-w{w}" for q, g, lengths, w, _ in
+                              ONE_POSITION_CASES + CUT_STEP_CASES[:4]])
+def test_only_the_steps_the_mask_cuts_are_masked(head_dim, q_len, group, lengths, window, splits):
+    """Every thread of a block tests each step for a key that some row must not attend, and the block
+    runs the masked copy of the step only where one may lie: the steps a window or the live length cuts
+    (the emulator counts the test's outcomes). Masking an open step changes no output and no memory
+    traffic, so only this count shows a step test that is too cautious."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype="float32")
+    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
+    with testing.traffic(cache) as t:
+        cupykv.attention(q, cache, 0, window=window, **splits)
+    launch, = t.launches
+    assert launch.kernel == f"cupykv_attention_f32<{head_dim}>"
+    cut, every = launch_steps(spec.max_seq, lengths, q_len, group, TILING["kTileRows"], window,
+                              splits.get("split_keys", spec.max_seq), step=StagedInstance(head_dim).step_keys)
+    threads = TILING["kThreads"]
+    assert launch.outcomes(source_line("const bool open = CUPYKV_COMMON_PATH(")) == {
+        value: threads * steps for value, steps in ((0, cut), (1, every - cut)) if steps}

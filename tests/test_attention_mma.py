@@ -541,13 +541,35 @@ def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backen
     assert np.isnan(got[:, 2:]).all()
 
 
-def steps_the_mask_cuts(positions, window, begin, end):
-    """How many of the 16-key steps of keys [begin, end) hold a key that some row (at ``positions``)
+def steps_the_mask_cuts(positions, window, begin, end, step=STEP):
+    """How many of the ``step``-key steps of keys [begin, end) hold a key that some row (at ``positions``)
     does not attend, or that lies at or past ``end``: the steps that must be masked."""
     def attended(key, position):
         return key < end and key <= position and (window is None or key > position - window)
-    return sum(not all(attended(key, p) for p in positions for key in range(first, first + STEP))
-               for first in range(begin, end, STEP))
+    return sum(not all(attended(key, p) for p in positions for key in range(first, first + step))
+               for first in range(begin, end, step))
+
+
+def launch_steps(max_seq, lengths, q_len, group, rows_per_block, window, split_keys, step=STEP,
+                 mixed_only=False):
+    """``(cut, all)``: the steps that the blocks of one (kv head's) launch must mask, and all the steps
+    they run, summed over sequences, row blocks and splits (of ``split_keys`` keys); with
+    ``mixed_only``, only in blocks whose rows sit at several positions."""
+    cut = every = 0
+    for length in lengths:
+        for first_row in range(0, q_len * group, rows_per_block):
+            rows = range(first_row, min(first_row + rows_per_block, q_len * group))
+            positions = {length + row // group for row in rows}
+            if mixed_only and len(positions) == 1:
+                continue   # rows at one position attend the same keys: no step checks V
+            begin = 0 if window is None else max(0, min(positions) - window + 1)
+            end = min(max(positions) + 1, max_seq)
+            for split_begin in range(0, max_seq, split_keys):
+                split = max(begin, split_begin), min(end, split_begin + split_keys)
+                if split[0] < split[1]:
+                    cut += steps_the_mask_cuts(positions, window, *split, step=step)
+                    every += -(-(split[1] - split[0]) // step)
+    return cut, every
 
 
 # (q_len, group, lengths, window, splits): rows at several positions per block (verification)
@@ -586,20 +608,49 @@ def test_only_the_steps_the_mask_cuts_look_for_non_finite_v(dtype, io_dtype, hea
     assert launch.kernel.startswith("cupykv_attention_mma")
     instance = attention_mma_head_dim(dtype, head_dim)
     row_groups = kernel.threads // (32 * WARPS[instance])
-    split_keys = splits.get("split_keys", spec.max_seq)
-    cut_steps = 0
-    for length in lengths:
-        for first_row in range(0, q_len * group, kernel.rows_per_block):
-            positions = {length + row // group for row in range(first_row, min(first_row + kernel.rows_per_block,
-                                                                              q_len * group))}
-            if len(positions) == 1:
-                continue   # rows at one position attend the same keys: no step checks V
-            begin = 0 if window is None else max(0, min(positions) - window + 1)
-            end = min(max(positions) + 1, spec.max_seq)
-            for split_begin in range(0, spec.max_seq, split_keys):
-                split = max(begin, split_begin), min(end, split_begin + split_keys)
-                cut_steps += steps_the_mask_cuts(positions, window, *split) if split[0] < split[1] else 0
+    cut_steps, _ = launch_steps(spec.max_seq, lengths, q_len, group, kernel.rows_per_block, window,
+                                splits.get("split_keys", spec.max_seq), mixed_only=True)
     site = source_site(Path(KERNEL_DIR) / "kv_codec.cuh", "if (word_has_non_finite<T>(reinterpret_cast")
     checked = sum(s.bytes for s in launch.shared_sites if s.kind == "load" and s.site.startswith(f"{site} (inlined"))
     assert cut_steps > 0
     assert checked == row_groups * cut_steps * STEP * instance * spec.itemsize, (checked, cut_steps)
+
+
+# (q_len, group, lengths, window, splits): rows at one position per block (decode), where masking a step
+# that needs none changes neither the output nor any memory traffic
+ONE_POSITION_CASES = [
+    (1, 4, [200, 7], 40, dict(num_splits=1)),      # keys [161, 201): the last step cut; [0, 8): one step
+    (1, 8, [300, 130], None, dict(split_keys=128)),  # the last split's last step cut, whole splits open
+    (1, 1, [255, 16], None, dict(num_splits=1)),   # [0, 256) ends on a step: nothing cut; [0, 17): one step
+    (1, 4, [100, 50], 16, dict(split_keys=128)),   # a 16-key window on one step, [85, 101): open
+    (1, 2, [130, 3], 130, dict(num_splits=1)),     # the window reaches key 1: [1, 131) cut at its end
+]
+
+
+@pytest.mark.parametrize("dtype, io_dtype, head_dim",
+                         [(d, "", hd) for d, hd in EDGE_CASES] + [("float8_e4m3", "bfloat16", 64)],
+                         ids=[f"{d}-{hd}" for d, hd in EDGE_CASES] + ["fp8-64"])
+@pytest.mark.parametrize("q_len, group, lengths, window, splits", ONE_POSITION_CASES + CUT_STEP_CASES,
+                         ids=[f"q{q}xg{g}-{lengths[0]}-w{w}" for q, g, lengths, w, _ in
+                              ONE_POSITION_CASES + CUT_STEP_CASES])
+def test_only_the_steps_the_mask_cuts_are_masked(dtype, io_dtype, head_dim, q_len, group, lengths, window,
+                                                 splits):
+    """Every warp of a block tests each of its steps for a key that some row must not attend, and masks
+    only the steps where one may lie (the emulator counts the test's outcomes, thread by thread): the
+    steps a window or the live length cuts, never one whose every key every row attends. In a decode
+    block (rows at one position) masking an open step changes no output and no memory traffic, so
+    only this count shows a step test that is too cautious."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype,
+                            io_dtype=io_dtype)
+    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
+    with testing.traffic(cache) as t:
+        cupykv.attention(q, cache, 0, window=window, **splits)
+    launch, = t.launches
+    kernel = attention_kernel(dtype, head_dim, io_dtype or None, query_rows=q_len * group)
+    assert launch.kernel.startswith("cupykv_attention_mma")
+    row_groups = kernel.threads // (32 * WARPS[attention_mma_head_dim(dtype, head_dim)])
+    cut, every = launch_steps(spec.max_seq, lengths, q_len, group, kernel.rows_per_block, window,
+                              splits.get("split_keys", spec.max_seq))
+    site = source_site(Path(KERNEL_DIR) / "attention_mma.cu", "const bool open = CUPYKV_COMMON_PATH(")
+    lanes = 32 * row_groups   # the lanes of a step's warps, one warp per row group
+    assert launch.outcomes(site) == {value: lanes * steps for value, steps in ((0, cut), (1, every - cut)) if steps}

@@ -48,8 +48,16 @@ template <int N> struct Count { static constexpr int value = N; };
 // it does not take. `common_outcome` may name CUPYKV_STEP_RESCALES (0 or 1), which the count also
 // defines, for a test whose outcome it counts both ways, or CUPYKV_STEP_ROWS (attention_f32.cu: a
 // warp's live rows, 0 to 4), which it defines for each count.
-#ifdef CUPYKV_COUNT_COMMON_PATH
+#if defined(CUPYKV_COUNT_COMMON_PATH)
 #define CUPYKV_COMMON_PATH(test, common_outcome) (common_outcome)
+#elif defined(CUPYKV_EMULATOR)
+// The emulator counts each thread's outcome inside emulator.traffic() (LaunchTraffic.path_outcomes).
+#define CUPYKV_COMMON_PATH(test, common_outcome) (cupykv::counted_outcome((test), __FILE__, __LINE__))
+template <typename V>
+__device__ __forceinline__ V counted_outcome(V value, const char* file, int line) {
+    cuemu_count_path_outcome(file, line, (long long)value);
+    return value;
+}
 #else
 #define CUPYKV_COMMON_PATH(test, common_outcome) (test)
 #endif

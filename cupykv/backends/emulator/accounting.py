@@ -17,6 +17,12 @@ site (banks.cpp has the model): ``t.launches[0].shared_sites`` lists :class:`Sha
 records (``file:line``, requests, wavefronts, the conflict-free ideal), and
 ``bank_conflicts()`` the sites whose requests take more wavefronts than they need.
 
+Every traffic launch also counts, per source line, the outcomes of the run-time tests that the
+kernels mark ``CUPYKV_COMMON_PATH`` (kernels/common.cuh; the instruction count of ``python -m
+cupykv check --steps`` assumes their common outcome): ``t.launches[0].outcomes("attention_mma.cu:518")``
+is ``{value: thread evaluations}``, so how often a hot loop leaves its common path (a masked step, a
+rescale) can be held to what the design says.
+
 Sectors are 32-byte pieces of an allocation counted from its start, as a GPU allocation
 starts on a sector boundary (the emulator's start only on 16 bytes). A request is one
 dynamic instance of one memory instruction across the lanes of a warp; the lanes' accesses
@@ -28,6 +34,7 @@ import contextlib
 import ctypes
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +62,11 @@ class _BankSite(ctypes.Structure):   # cuemu_bank_site (cuemu_abi.h)
                 ("reserved", ctypes.c_uint32), ("accesses", ctypes.c_uint64), ("bytes", ctypes.c_uint64),
                 ("requests", ctypes.c_uint64), ("wavefronts", ctypes.c_uint64), ("ideal", ctypes.c_uint64),
                 ("extent", ctypes.c_uint64)]
+
+
+class _PathOutcome(ctypes.Structure):   # cuemu_path_outcome (cuemu_abi.h)
+    _fields_ = [("file", ctypes.c_char_p), ("line", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+                ("value", ctypes.c_int64), ("count", ctypes.c_uint64)]
 
 
 def active():
@@ -222,6 +234,12 @@ class LaunchTraffic:
     arguments: tuple             # ArgumentTraffic of the array arguments, by index
     extents: tuple = field(repr=False)   # per argument: its (lo, hi) byte addresses as passed
     shared_sites: tuple = ()     # SharedSite per call site and kind (inside traffic(banks=True))
+    path_outcomes: tuple = ()    # (site, value, thread evaluations) of each CUPYKV_COMMON_PATH test
+
+    def outcomes(self, site):
+        """``{value: thread evaluations}`` of the ``CUPYKV_COMMON_PATH`` test at ``site``
+        (``'name.cu:LINE'``, where the macro stands), empty where no thread reached it."""
+        return {value: count for where, value, count in self.path_outcomes if where == site}
 
     def argument(self, index):
         """The :class:`ArgumentTraffic` of argument ``index``."""
@@ -379,6 +397,14 @@ def _shared_sites(lib, module_path):
     return tuple(SharedSite(*key, *counts, extents[key]) for key, counts in merged.items())
 
 
+def _path_outcomes(lib):
+    ptr = ctypes.POINTER(_PathOutcome)()
+    n = _results(lib, "cuemu_path_outcome_results", _PathOutcome)(ctypes.byref(ptr))
+    found = ((f"{os.path.basename(ptr[i].file.decode())}:{ptr[i].line}", int(ptr[i].value), int(ptr[i].count))
+             for i in range(n))
+    return tuple(sorted(found))
+
+
 def _popcount(words):
     if hasattr(np, "bitwise_count"):   # NumPy >= 2.0
         return int(np.bitwise_count(words).sum())
@@ -421,7 +447,7 @@ def collect(lib, fn, grid, block, shared_mem, regions, bindings, banks=False):
         arguments.append(ArgumentTraffic(i, fn.param_types[i], hi - lo, others, table[k], dev_lo - regions[k].lo))
         extents.append((lo, hi))
     record = LaunchTraffic(fn.name, tuple(grid), tuple(block), shared_mem, tuple(arguments),
-                           tuple(extents))
+                           tuple(extents), path_outcomes=_path_outcomes(lib))
     with_banks = dataclasses.replace(record, shared_sites=_shared_sites(lib, fn.module.path)) if banks else record
     for c in _collectors:
         c.launches.append(with_banks if c.banks else record)

@@ -17,9 +17,16 @@
 //    collective in between (one lane visits it more often than another, then they reconverge)
 //    are paired by visit count, not by the branch they took: an approximation.
 // cuemu_traffic() returns the results of the last launch; they stay valid until the next one.
+//
+// Traffic launches also count the outcomes of the run-time tests that kernels mark
+// CUPYKV_COMMON_PATH (kernels/common.cuh: the tests whose common outcome `python -m cupykv check
+// --steps` assumes): per (source line, value), how many thread evaluations gave it. So a test can
+// hold how often a kernel leaves its common path (a step masked, a rescale) at run time.
 #include <string.h>
 #include <sys/mman.h>
 
+#include <map>
+#include <tuple>
 #include <vector>
 
 #include "cuemu_requests.h"
@@ -134,7 +141,17 @@ void Traffic::access(const Access& a) {
 
 Traffic* g_traffic = nullptr;
 
+// Outcome counts of the current (or last) traffic launch, by (file, line, value).
+bool g_counting_outcomes = false;
+std::map<std::tuple<const char*, int, long long>, uint64_t> g_outcome_counts;
+std::vector<cuemu_path_outcome> g_outcome_results;
+
 }  // namespace
+
+void count_path_outcomes(bool on) {
+  g_counting_outcomes = on;
+  if (on) g_outcome_counts.clear();
+}
 
 Observer* traffic_observer() {
   if (!g_traffic) g_traffic = new Traffic();
@@ -154,4 +171,25 @@ CUEMU_EXPORT uint32_t cuemu_traffic_results(const cuemu_traffic** out) {
   }
   *out = t->results.data();
   return (uint32_t)t->results.size();
+}
+
+CUEMU_EXPORT void cuemu_count_path_outcome(const char* file, int line, long long value) {
+  if (cuemu::g_counting_outcomes) ++cuemu::g_outcome_counts[std::make_tuple(file, line, value)];
+}
+
+// The outcome counts of the last traffic launch (cuemu_path_outcome, one per (file, line, value));
+// valid until the next call.
+CUEMU_EXPORT uint32_t cuemu_path_outcome_results(const cuemu_path_outcome** out) {
+  auto& results = cuemu::g_outcome_results;
+  results.clear();
+  for (const auto& entry : cuemu::g_outcome_counts) {
+    cuemu_path_outcome r = cuemu_path_outcome();
+    r.file = std::get<0>(entry.first);
+    r.line = (uint32_t)std::get<1>(entry.first);
+    r.value = std::get<2>(entry.first);
+    r.count = entry.second;
+    results.push_back(r);
+  }
+  *out = results.data();
+  return (uint32_t)results.size();
 }

@@ -129,6 +129,16 @@ struct cuemu_traffic {
   uint64_t nbits;               // sector_phase + the region's bytes
 };
 
+// How often the threads of one launch evaluated one run-time test that a kernel marks
+// CUPYKV_COMMON_PATH (kernels/common.cuh) to one value (traffic.cpp; inside emulator.traffic()).
+struct cuemu_path_outcome {
+  const char* file;    // the test's __FILE__ (a string of the kernel's module)
+  uint32_t line;       // the test's __LINE__
+  uint32_t reserved;
+  int64_t value;       // what the test gave (a bool as 0 or 1)
+  uint64_t count;      // evaluations by single threads that gave it
+};
+
 struct cuemu_launch_params {
   void (*invoke)(void**);
   void** args;
@@ -216,6 +226,8 @@ void cuemu_static_shared(void* box, size_t value_size, size_t box_size);
 void cuemu_shared_layout_begin(void);
 void* cuemu_shared_array(void* base, unsigned long long offset, unsigned long long bytes, unsigned long long align,
                          unsigned index, const char* name);
+// A CUPYKV_COMMON_PATH test evaluated by the calling thread, to `value` (counted in traffic launches).
+void cuemu_count_path_outcome(const char* file, int line, long long value);
 // Asynchronous copies (cp.async; async_copy.cpp). Per thread, as in PTX: a copy belongs to the
 // group its thread's next commit closes; wait(n) completes all but the n most recent groups.
 void cuemu_cp_async(void* dst, const void* src, unsigned cp_size, unsigned src_size);

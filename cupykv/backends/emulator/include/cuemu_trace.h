@@ -170,6 +170,9 @@ extern uint32_t atomic_site;
 Observer* racecheck_observer();
 // The memory-traffic counter (traffic.cpp).
 Observer* traffic_observer();
+// Whether this launch counts the outcomes of CUPYKV_COMMON_PATH tests (a traffic launch); forgets
+// the last launch's counts when it does (traffic.cpp).
+void count_path_outcomes(bool on);
 // The shared-memory bank counter (banks.cpp).
 Observer* banks_observer();
 
