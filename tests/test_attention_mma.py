@@ -585,16 +585,29 @@ CUT_STEP_CASES = [
 ]
 
 
+# (q_len, group, lengths, window, splits): rows at one position per block (decode), where masking a step
+# that needs none changes neither the output nor any memory traffic
+ONE_POSITION_CASES = [
+    (1, 4, [200, 7], 40, dict(num_splits=1)),      # keys [161, 201): the last step cut; [0, 8): one step
+    (1, 8, [300, 130], None, dict(split_keys=128)),  # the last split's last step cut, whole splits open
+    (1, 1, [255, 16], None, dict(num_splits=1)),   # [0, 256) ends on a step: nothing cut; [0, 17): one step
+    (1, 4, [100, 50], 16, dict(split_keys=128)),   # a 16-key window on one step, [85, 101): open
+    (1, 2, [130, 3], 130, dict(num_splits=1)),     # the window reaches key 1: [1, 131) cut at its end
+]
+
+
 @pytest.mark.parametrize("dtype, io_dtype, head_dim",
                          [(d, "", hd) for d, hd in EDGE_CASES] + [("float16", "", 40), ("float8_e4m3", "bfloat16", 64)],
                          ids=[f"{d}-{hd}" for d, hd in EDGE_CASES] + ["float16-40", "fp8-64"])
-@pytest.mark.parametrize("q_len, group, lengths, window, splits", CUT_STEP_CASES,
-                         ids=[f"q{q}xg{g}-w{w}" for q, g, _, w, _ in CUT_STEP_CASES])
+@pytest.mark.parametrize("q_len, group, lengths, window, splits", ONE_POSITION_CASES + CUT_STEP_CASES,
+                         ids=[f"q{q}xg{g}-{lengths[0]}-w{w}" for q, g, lengths, w, _ in
+                              ONE_POSITION_CASES + CUT_STEP_CASES])
 def test_only_the_steps_the_mask_cuts_look_for_non_finite_v(dtype, io_dtype, head_dim, q_len, group, lengths,
                                                             window, splits):
     """A block whose rows sit at several positions reads its V stage for NaN and infinity (step 4) in
     each step that its mask cuts, and in no other: a step whose every key every row attends runs
-    unmasked and unchecked. Masking an open step changes no output (every key passes the mask), so
+    unmasked and unchecked. A block at one position (decode) never checks: its rows attend the same
+    keys. Masking an open step changes no output (every key passes the mask), so
     only this work shows a step test that is too cautious, or that leaves the mask open too long
     (the outputs show that too). Each warp sharing a stage reads its 16 rows once, at the instance's
     width: 16 x instance x itemsize bytes a cut step."""
@@ -612,19 +625,8 @@ def test_only_the_steps_the_mask_cuts_look_for_non_finite_v(dtype, io_dtype, hea
                                 splits.get("split_keys", spec.max_seq), mixed_only=True)
     site = source_site(Path(KERNEL_DIR) / "kv_codec.cuh", "if (word_has_non_finite<T>(reinterpret_cast")
     checked = sum(s.bytes for s in launch.shared_sites if s.kind == "load" and s.site.startswith(f"{site} (inlined"))
-    assert cut_steps > 0
+    assert (cut_steps > 0) == (q_len > 1)   # each case of several positions cuts a step
     assert checked == row_groups * cut_steps * STEP * instance * spec.itemsize, (checked, cut_steps)
-
-
-# (q_len, group, lengths, window, splits): rows at one position per block (decode), where masking a step
-# that needs none changes neither the output nor any memory traffic
-ONE_POSITION_CASES = [
-    (1, 4, [200, 7], 40, dict(num_splits=1)),      # keys [161, 201): the last step cut; [0, 8): one step
-    (1, 8, [300, 130], None, dict(split_keys=128)),  # the last split's last step cut, whole splits open
-    (1, 1, [255, 16], None, dict(num_splits=1)),   # [0, 256) ends on a step: nothing cut; [0, 17): one step
-    (1, 4, [100, 50], 16, dict(split_keys=128)),   # a 16-key window on one step, [85, 101): open
-    (1, 2, [130, 3], 130, dict(num_splits=1)),     # the window reaches key 1: [1, 131) cut at its end
-]
 
 
 @pytest.mark.parametrize("dtype, io_dtype, head_dim",
