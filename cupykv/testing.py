@@ -377,7 +377,9 @@ def traffic(backend_or_cache: KVCache | str | Backend | None = None, banks: bool
     ``with testing.traffic(cache) as t:`` yields a collector whose ``launches`` holds one
     :class:`~cupykv.backends.emulator.accounting.LaunchTraffic` per kernel launch: per array
     argument (``t.launches[0].of(cache.k)``), the bytes loaded and stored, the distinct 32-byte
-    sectors, exactly which bytes were touched, and warp-level sectors per request.
+    sectors, exactly which bytes were touched, and warp-level sectors per request; and per
+    ``CUPYKV_COMMON_PATH`` test of the kernels, how many thread evaluations gave each value
+    (``t.launches[0].outcomes("attention_mma.cu:518")``: how often a hot loop left its common path).
 
     Parameters
     ----------
