@@ -379,7 +379,7 @@ def traffic(backend_or_cache: KVCache | str | Backend | None = None, banks: bool
     argument (``t.launches[0].of(cache.k)``), the bytes loaded and stored, the distinct 32-byte
     sectors, exactly which bytes were touched, and warp-level sectors per request; and per
     ``CUPYKV_COMMON_PATH`` test of the kernels, how many thread evaluations gave each value
-    (``t.launches[0].outcomes("attention_mma.cu:518")``: how often a hot loop left its common path).
+    (``t.launches[0].outcomes("attention_mma.cu:LINE")``: how often a hot loop left its common path).
 
     Parameters
     ----------

@@ -19,7 +19,7 @@ records (``file:line``, requests, wavefronts, the conflict-free ideal), and
 
 Every traffic launch also counts, per source line, the outcomes of the run-time tests that the
 kernels mark ``CUPYKV_COMMON_PATH`` (kernels/common.cuh; the instruction count of ``python -m
-cupykv check --steps`` assumes their common outcome): ``t.launches[0].outcomes("attention_mma.cu:518")``
+cupykv check --steps`` assumes their common outcome): ``t.launches[0].outcomes("attention_mma.cu:LINE")``
 is ``{value: thread evaluations}``, so how often a hot loop leaves its common path (a masked step, a
 rescale) can be held to what the design says.
 
