@@ -400,9 +400,13 @@ def _shared_sites(lib, module_path):
 def _path_outcomes(lib):
     ptr = ctypes.POINTER(_PathOutcome)()
     n = _results(lib, "cuemu_path_outcome_results", _PathOutcome)(ctypes.byref(ptr))
-    found = ((f"{os.path.basename(ptr[i].file.decode())}:{ptr[i].line}", int(ptr[i].value), int(ptr[i].count))
-             for i in range(n))
-    return tuple(sorted(found))
+    # one (site, value) may come as several entries: copies of one __FILE__ string (template instances
+    # of one line) that the compiler did not merge
+    counts: dict = {}
+    for i in range(n):
+        key = (f"{os.path.basename(ptr[i].file.decode())}:{ptr[i].line}", int(ptr[i].value))
+        counts[key] = counts.get(key, 0) + int(ptr[i].count)
+    return tuple(sorted((site, value, count) for (site, value), count in counts.items()))
 
 
 def _popcount(words):
