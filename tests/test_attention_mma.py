@@ -656,3 +656,58 @@ def test_only_the_steps_the_mask_cuts_are_masked(dtype, io_dtype, head_dim, q_le
     site = source_site(Path(KERNEL_DIR) / "attention_mma.cu", "const bool open = CUPYKV_COMMON_PATH(")
     lanes = 32 * row_groups   # the lanes of a step's warps, one warp per row group
     assert launch.outcomes(site) == {value: lanes * steps for value, steps in ((0, cut), (1, every - cut)) if steps}
+
+
+# (dtype, kernel file, the line of its rescale test)
+RESCALE_TESTS = [("float16", "attention_mma.cu", "if (CUPYKV_COMMON_PATH(__any_sync(0xffffffffu, rescale[0] != 1.0f"),
+                 ("float32", "attention_f32.cu", "if (CUPYKV_COMMON_PATH(new_max != row_max[m], CUPYKV_STEP_RESCALES))")]
+# decode (q_len 1, group 4: one tile of 4 rows) at lengths and options of ONE_POSITION_CASES
+RESCALE_CASES = [([200, 7], 40, dict(num_splits=1)), ([300, 130], None, dict(split_keys=128)),
+                 ([255, 16], None, dict(num_splits=1))]
+
+
+@pytest.mark.parametrize("dtype, kernel_file, needle", RESCALE_TESTS, ids=["mma", "f32"])
+@pytest.mark.parametrize("lengths, window, splits", RESCALE_CASES, ids=["window", "splits", "aligned"])
+@pytest.mark.parametrize("logits", ["settled", "rising"])
+def test_the_accumulators_are_rescaled_only_in_steps_where_a_max_moved(dtype, kernel_file, needle, lengths,
+                                                                       window, splits, logits):
+    """Rescaling the accumulators by exactly 1 changes no bit, so only the count of the rescale test's
+    outcomes shows that a step whose row maxima stand skips it. With every logit equal ("settled") a
+    warp's running max moves once, in its first step (from -inf); with the logit rising key by key
+    ("rising") it moves in every step. The tensor-core kernel votes once per warp and step (each key
+    warp keeps its own max); the float32 kernel tests each live row in each step, in every lane."""
+    head_dim, group = 64, 4
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    rows = max(lengths) + 1
+    k = np.zeros((spec.batch, rows, 1, head_dim), np.float32)
+    if logits == "rising":
+        k[:, :, 0, 0] = np.arange(rows) / 64   # exact in half: logit j * scale / 64
+    cache.append(0, cache.to_device(k.astype(dtype)), cache.to_device(np.zeros_like(k).astype(dtype)))
+    cache.set_lengths(lengths)
+    q = np.zeros((spec.batch, 1, group, head_dim), dtype)
+    q[..., 0] = 1
+    with testing.traffic(cache) as t:
+        cupykv.attention(cache.to_device(q), cache, 0, window=window, **splits)
+    launch, = t.launches
+    split_keys = splits.get("split_keys", spec.max_seq)
+    step = STEP if dtype == "float16" else KERNELS["attention_f32"].constants("attention_f32_tiling")["kStepKeys"]
+    # the steps of each (sequence, split) that holds keys: the query at `length` attends
+    # [length - window + 1, length]
+    split_steps = []
+    for length in lengths:
+        begin = 0 if window is None else max(0, length - window + 1)
+        for split_begin in range(0, spec.max_seq, split_keys):
+            keys = max(begin, split_begin), min(length + 1, split_begin + split_keys)
+            if keys[0] < keys[1]:
+                split_steps.append(-(-(keys[1] - keys[0]) // step))
+    if dtype == "float16":   # one vote per key warp and step, 32 lanes; the first step of each key warp moves
+        assert launch.kernel == "cupykv_attention_mma<__half, __half, 64, 1>"
+        every = 32 * sum(split_steps)
+        moved = every if logits == "rising" else 32 * sum(min(s, WARPS[64]) for s in split_steps)
+    else:   # each lane of a warp tests each of its live rows (one each here) in every step
+        assert launch.kernel == f"cupykv_attention_f32<{head_dim}>"
+        every = 32 * group * sum(split_steps)
+        moved = every if logits == "rising" else 32 * group * len(split_steps)
+    site = source_site(Path(KERNEL_DIR) / kernel_file, needle)
+    assert launch.outcomes(site) == {value: n for value, n in ((1, moved), (0, every - moved)) if n}
