@@ -143,9 +143,9 @@ def test_each_warp_scores_only_its_live_rows(head_dim, rows):
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-@pytest.mark.parametrize("q_len, group, lengths, window, splits", ONE_POSITION_CASES + CUT_STEP_CASES[:4],
+@pytest.mark.parametrize("q_len, group, lengths, window, splits", ONE_POSITION_CASES + CUT_STEP_CASES[:5],
                          ids=[f"q{q}xg{g}-{lengths[0]}-w{w}" for q, g, lengths, w, _ in
-                              ONE_POSITION_CASES + CUT_STEP_CASES[:4]])
+                              ONE_POSITION_CASES + CUT_STEP_CASES[:5]])
 def test_only_the_steps_the_mask_cuts_are_masked(head_dim, q_len, group, lengths, window, splits):
     """Every thread of a block tests each step for a key that some row must not attend, and the block
     runs the masked copy of the step only where one may lie: the steps a window or the live length cuts

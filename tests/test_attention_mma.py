@@ -592,6 +592,7 @@ ONE_POSITION_CASES = [
     (1, 8, [300, 130], None, dict(split_keys=128)),  # the last split's last step cut, whole splits open
     (1, 1, [255, 16], None, dict(num_splits=1)),   # [0, 256) ends on a step: nothing cut; [0, 17): one step
     (1, 4, [100, 50], 16, dict(split_keys=128)),   # a 16-key window on one step, [85, 101): open
+    (1, 1, [100, 50], 16, dict(split_keys=128)),   # the same for a block of one row
     (1, 2, [130, 3], 130, dict(num_splits=1)),     # the window reaches key 1: [1, 131) cut at its end
 ]
 
