@@ -506,19 +506,27 @@ def test_a_padded_head_reads_and_writes_only_its_own_dims(backend, dtype, io_dty
                          ids=[f"{d}-{hd}" for d, hd in EDGE_CASES] + ["fp8-64"])
 @pytest.mark.parametrize("poison, last_dim_only", [(np.nan, False), (np.inf, False), (-np.inf, False), (np.nan, True)],
                          ids=["nan", "inf", "-inf", "nan-in-the-last-dim"])
+@pytest.mark.parametrize("tiling", ["one-tile", "row-groups"])
 def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backend, dtype, io_dtype, head_dim, poison,
-                                                                          last_dim_only):
-    """Pending row n + 2 of a 5-query verification tile holds NaN or an infinity in half of V's dims
+                                                                          last_dim_only, tiling):
+    """Pending row n + 2 of a verification tile holds NaN or an infinity in half of V's dims
     (or NaN in its last dim alone, which one lane of the warp's stage scan reads):
     queries 0 and 1 share its step but do not attend it. In an mma their weight 0 times it would be
     NaN, so in such a step the kernel zeroes those elements and marks the rows that attend them.
-    Queries 0 and 1 match the reference; queries 2 to 4, which attend it with a weight above 0, are
-    NaN in every dim (the reference is non-finite in the poisoned dims only)."""
+    Queries 0 and 1 match the reference; the later ones, which attend it with a weight above 0, are
+    NaN in every dim (the reference is non-finite in the poisoned dims only). 15 rows run a one-tile
+    block, which zeroes the elements in its stage; a block's most rows (64, 32 at head_dim 256) run
+    two row groups sharing the stage (at head_dim 64, 128 and 256), which zero them in each V fragment
+    instead."""
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=head_dim, max_seq=300, batch=2, dtype=dtype,
                             io_dtype=io_dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(5)
-    lengths, q_len, group = [121, 40], 5, 3   # sequence 0's pending rows straddle a 16-key step
+    lengths = [121, 40]   # sequence 0's pending rows straddle a 16-key step
+    q_len, group = 5, 3
+    if tiling == "row-groups":   # every row in one block of the most rows
+        group = 4
+        q_len = attention_kernel(dtype, head_dim, io_dtype or None, query_rows=64).rows_per_block // group
     testing.fill(cache, oracle, [n + q_len for n in lengths], rng)
     for c in (cache, oracle):
         c.set_lengths(lengths)
