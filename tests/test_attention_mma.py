@@ -32,6 +32,7 @@ import pytest
 import cupykv
 from cupykv import reference, testing
 from cupykv.attention_plan import attention_kernel, block_row_choices
+from cupykv.backends.emulator.accounting import CopyWaits
 from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS, attention_mma_head_dim
 from cupykv.tolerances import assert_attention_close
 from backends import BACKENDS
@@ -720,3 +721,48 @@ def test_the_accumulators_are_rescaled_only_in_steps_where_a_max_moved(dtype, ke
         moved = every if logits == "rising" else 32 * group * len(split_steps)
     site = source_site(Path(KERNEL_DIR) / kernel_file, needle)
     assert launch.outcomes(site) == {value: n for value, n in ((1, moved), (0, every - moved)) if n}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"], ids=["mma", "f32"])
+@pytest.mark.parametrize("lengths, window, splits", RESCALE_CASES, ids=["window", "splits", "aligned"])
+def test_each_step_computes_while_the_next_steps_copies_are_in_flight(dtype, lengths, window, splits):
+    """The K/V stages are a pipeline: a thread's wait for its copies of a step leaves its copies of the
+    next step (the tensor-core kernel: of the key warp's next kStages - 1 steps) in flight, so that
+    they land while the step computes. Waiting for every copy instead gives the same output and the
+    same traffic; only the emulator's count of what each wait leaves in flight shows it. Decode, one
+    tile of 4 rows, head_dim 64."""
+    head_dim, group = 64, 4
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype)
+    cache, q = cache_and_zero_queries(spec, lengths, 1, group)
+    with testing.traffic(cache) as t:
+        cupykv.attention(q, cache, 0, window=window, **splits)
+    launch, = t.launches
+    split_keys = splits.get("split_keys", spec.max_seq)
+    f32 = KERNELS["attention_f32"].constants("attention_f32_tiling")
+    step = STEP if dtype == "float16" else f32["kStepKeys"]
+    split_steps = []   # the steps of each (sequence, split) that holds keys
+    for length in lengths:
+        begin = 0 if window is None else max(0, length - window + 1)
+        for split_begin in range(0, spec.max_seq, split_keys):
+            keys = max(begin, split_begin), min(length + 1, split_begin + split_keys)
+            if keys[0] < keys[1]:
+                split_steps.append(-(-(keys[1] - keys[0]) // step))
+    step_bytes = 2 * step * head_dim * spec.itemsize   # K and V of a step, copied by all its threads
+    if dtype == "float16":   # key warp w copies and waits for steps w, w + warps, ... (32 lanes each)
+        assert launch.kernel == "cupykv_attention_mma<__half, __half, 64, 1>"
+        warps, ahead = WARPS[64], MMA["kStages"] - 1
+        waits = in_flight = steps_in_flight = 0
+        for steps in split_steps:
+            for w in range(warps):
+                own = range(w, steps, warps)
+                later = [sum(s + j * warps < steps for j in range(1, ahead + 1)) for s in own]
+                waits += 32 * len(own)
+                in_flight += 32 * sum(n > 0 for n in later)
+                steps_in_flight += sum(later)
+    else:   # every thread copies its share of each step, and waits once a step
+        assert launch.kernel == f"cupykv_attention_f32<{head_dim}>"
+        waits = f32["kThreads"] * sum(split_steps)
+        in_flight = f32["kThreads"] * sum(s - 1 for s in split_steps)
+        steps_in_flight = sum(s - 1 for s in split_steps)
+    expected_bytes = steps_in_flight * step_bytes
+    assert launch.copy_waits == CopyWaits(waits, in_flight, expected_bytes)

@@ -224,6 +224,16 @@ class SharedSite:
 
 
 @dataclass(frozen=True)
+class CopyWaits:
+    """The asynchronous-copy waits (``cp_async_wait<N>``) of one launch, summed over threads: how much
+    a pipeline overlapped its copies with its compute."""
+
+    waits: int             # waits by single threads
+    in_flight: int         # waits after which the thread still had copies in flight
+    bytes_in_flight: int   # the bytes of those copies, summed over the waits
+
+
+@dataclass(frozen=True)
 class LaunchTraffic:
     """The memory traffic of one kernel launch."""
 
@@ -235,6 +245,7 @@ class LaunchTraffic:
     extents: tuple = field(repr=False)   # per argument: its (lo, hi) byte addresses as passed
     shared_sites: tuple = ()     # SharedSite per call site and kind (inside traffic(banks=True))
     path_outcomes: tuple = ()    # (site, value, thread evaluations) of each CUPYKV_COMMON_PATH test
+    copy_waits: CopyWaits = field(default_factory=lambda: CopyWaits(0, 0, 0))
 
     def outcomes(self, site):
         """``{value: thread evaluations}`` of the ``CUPYKV_COMMON_PATH`` test at ``site``
@@ -409,6 +420,12 @@ def _path_outcomes(lib):
     return tuple(sorted((site, value, count) for (site, value), count in counts.items()))
 
 
+def _copy_waits(lib):
+    counts = (ctypes.c_uint64 * 3)()
+    lib.cuemu_copy_wait_counts(counts)
+    return CopyWaits(*(int(c) for c in counts))
+
+
 def _popcount(words):
     if hasattr(np, "bitwise_count"):   # NumPy >= 2.0
         return int(np.bitwise_count(words).sum())
@@ -451,7 +468,7 @@ def collect(lib, fn, grid, block, shared_mem, regions, bindings, banks=False):
         arguments.append(ArgumentTraffic(i, fn.param_types[i], hi - lo, others, table[k], dev_lo - regions[k].lo))
         extents.append((lo, hi))
     record = LaunchTraffic(fn.name, tuple(grid), tuple(block), shared_mem, tuple(arguments),
-                           tuple(extents), path_outcomes=_path_outcomes(lib))
+                           tuple(extents), path_outcomes=_path_outcomes(lib), copy_waits=_copy_waits(lib))
     with_banks = dataclasses.replace(record, shared_sites=_shared_sites(lib, fn.module.path)) if banks else record
     for c in _collectors:
         c.launches.append(with_banks if c.banks else record)

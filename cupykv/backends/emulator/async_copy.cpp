@@ -74,6 +74,10 @@ struct Tracker {
 
 Tracker g;
 
+// Per launch: the waits (wait_group N), those after which the waiting thread still had copies in
+// flight, and the bytes those copies held: the overlap of copies and compute a pipeline keeps.
+uint64_t g_wait_counts[3];
+
 std::string thread_text(uint32_t tid) {
   const uint3 b = cuemu_ctx.block_dim;
   char buf[64];
@@ -130,6 +134,7 @@ void complete(uint32_t tid, uint32_t keep, const void* ra) {
 void async_launch_begin(uint32_t nthreads) {
   g.nthreads = nthreads;
   if (g.threads.size() < nthreads) g.threads.resize(nthreads);
+  for (uint64_t& count : g_wait_counts) count = 0;
   async_pending_bytes = 0;  // a failed launch may have left copies pending; the maps are
   g.sized = false;          // zeroed again at this launch's first copy
   g.issuing = false;
@@ -246,7 +251,21 @@ CUEMU_EXPORT void cuemu_cp_async_commit(void) {
 CUEMU_EXPORT void cuemu_cp_async_wait(unsigned pending) {
   const void* ra = __builtin_return_address(0);
   poll_interrupt();
-  complete(trace_thread(), pending, ra);
+  const uint32_t tid = trace_thread();
+  complete(tid, pending, ra);
+  uint64_t in_flight = 0;
+  for (const cuemu::Copy& c : cuemu::g.threads[tid].copies) in_flight += c.size;
+  ++cuemu::g_wait_counts[0];
+  if (in_flight) {
+    ++cuemu::g_wait_counts[1];
+    cuemu::g_wait_counts[2] += in_flight;
+  }
+}
+
+// The last launch's waits: out[0] waits, out[1] waits that left the thread copies in flight,
+// out[2] the bytes of those copies, summed over the waits.
+CUEMU_EXPORT void cuemu_copy_wait_counts(uint64_t* out) {
+  for (int i = 0; i < 3; ++i) out[i] = cuemu::g_wait_counts[i];
 }
 
 CUEMU_EXPORT void cuemu_cp_async_wait_all(void) {
