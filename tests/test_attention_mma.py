@@ -668,6 +668,19 @@ def test_only_the_steps_the_mask_cuts_are_masked(dtype, io_dtype, head_dim, q_le
     assert launch.outcomes(site) == {value: lanes * steps for value, steps in ((0, cut), (1, every - cut)) if steps}
 
 
+def decode_split_steps(max_seq, lengths, window, split_keys, step):
+    """The ``step``-key steps of each (sequence, split) that holds keys, for one query at each
+    ``length`` (decode), which attends ``[length - window + 1, length]``."""
+    counts = []
+    for length in lengths:
+        begin = 0 if window is None else max(0, length - window + 1)
+        for split_begin in range(0, max_seq, split_keys):
+            keys = max(begin, split_begin), min(length + 1, split_begin + split_keys)
+            if keys[0] < keys[1]:
+                counts.append(-(-(keys[1] - keys[0]) // step))
+    return counts
+
+
 # (dtype, kernel file, the line of its rescale test)
 RESCALE_TESTS = [("float16", "attention_mma.cu", "if (CUPYKV_COMMON_PATH(__any_sync(0xffffffffu, rescale[0] != 1.0f"),
                  ("float32", "attention_f32.cu", "if (CUPYKV_COMMON_PATH(new_max != row_max[m], CUPYKV_STEP_RESCALES))")]
@@ -702,15 +715,7 @@ def test_the_accumulators_are_rescaled_only_in_steps_where_a_max_moved(dtype, ke
     launch, = t.launches
     split_keys = splits.get("split_keys", spec.max_seq)
     step = STEP if dtype == "float16" else KERNELS["attention_f32"].constants("attention_f32_tiling")["kStepKeys"]
-    # the steps of each (sequence, split) that holds keys: the query at `length` attends
-    # [length - window + 1, length]
-    split_steps = []
-    for length in lengths:
-        begin = 0 if window is None else max(0, length - window + 1)
-        for split_begin in range(0, spec.max_seq, split_keys):
-            keys = max(begin, split_begin), min(length + 1, split_begin + split_keys)
-            if keys[0] < keys[1]:
-                split_steps.append(-(-(keys[1] - keys[0]) // step))
+    split_steps = decode_split_steps(spec.max_seq, lengths, window, split_keys, step)
     if dtype == "float16":   # one vote per key warp and step, 32 lanes; the first step of each key warp moves
         assert launch.kernel == "cupykv_attention_mma<__half, __half, 64, 1>"
         every = 32 * sum(split_steps)
@@ -740,13 +745,7 @@ def test_each_step_computes_while_the_next_steps_copies_are_in_flight(dtype, len
     split_keys = splits.get("split_keys", spec.max_seq)
     f32 = KERNELS["attention_f32"].constants("attention_f32_tiling")
     step = STEP if dtype == "float16" else f32["kStepKeys"]
-    split_steps = []   # the steps of each (sequence, split) that holds keys
-    for length in lengths:
-        begin = 0 if window is None else max(0, length - window + 1)
-        for split_begin in range(0, spec.max_seq, split_keys):
-            keys = max(begin, split_begin), min(length + 1, split_begin + split_keys)
-            if keys[0] < keys[1]:
-                split_steps.append(-(-(keys[1] - keys[0]) // step))
+    split_steps = decode_split_steps(spec.max_seq, lengths, window, split_keys, step)
     step_bytes = 2 * step * head_dim * spec.itemsize   # K and V of a step, copied by all its threads
     if dtype == "float16":   # key warp w copies and waits for steps w, w + warps, ... (32 lanes each)
         assert launch.kernel == "cupykv_attention_mma<__half, __half, 64, 1>"
