@@ -40,6 +40,7 @@ from source_lines import source_site
 from test_traffic import cache_and_zero_queries
 
 MMA = KERNELS["attention_mma"].constants("attention_mma_tiling")
+F32 = KERNELS["attention_f32"].constants("attention_f32_tiling")   # the float32 kernel, beside it in two tests
 STEP = MMA["kStepKeys"]
 WARPS = {64: MMA["kWarps64"], 96: MMA["kWarps96"], 128: MMA["kWarps128"], 256: MMA["kWarps256"]}
 CASES = [("bfloat16", 128), ("float16", 64), ("bfloat16", 64), ("float16", 128), ("float16", 96), ("bfloat16", 256)]
@@ -714,7 +715,7 @@ def test_the_accumulators_are_rescaled_only_in_steps_where_a_max_moved(dtype, ke
         cupykv.attention(cache.to_device(q), cache, 0, window=window, **splits)
     launch, = t.launches
     split_keys = splits.get("split_keys", spec.max_seq)
-    step = STEP if dtype == "float16" else KERNELS["attention_f32"].constants("attention_f32_tiling")["kStepKeys"]
+    step = STEP if dtype == "float16" else F32["kStepKeys"]
     split_steps = decode_split_steps(spec.max_seq, lengths, window, split_keys, step)
     if dtype == "float16":   # one vote per key warp and step, 32 lanes; the first step of each key warp moves
         assert launch.kernel == "cupykv_attention_mma<__half, __half, 64, 1>"
@@ -743,8 +744,7 @@ def test_each_step_computes_while_the_next_steps_copies_are_in_flight(dtype, len
         cupykv.attention(q, cache, 0, window=window, **splits)
     launch, = t.launches
     split_keys = splits.get("split_keys", spec.max_seq)
-    f32 = KERNELS["attention_f32"].constants("attention_f32_tiling")
-    step = STEP if dtype == "float16" else f32["kStepKeys"]
+    step = STEP if dtype == "float16" else F32["kStepKeys"]
     split_steps = decode_split_steps(spec.max_seq, lengths, window, split_keys, step)
     step_bytes = 2 * step * head_dim * spec.itemsize   # K and V of a step, copied by all its threads
     if dtype == "float16":   # key warp w copies and waits for steps w, w + warps, ... (32 lanes each)
@@ -760,8 +760,8 @@ def test_each_step_computes_while_the_next_steps_copies_are_in_flight(dtype, len
                 steps_in_flight += sum(later)
     else:   # every thread copies its share of each step, and waits once a step
         assert launch.kernel == f"cupykv_attention_f32<{head_dim}>"
-        waits = f32["kThreads"] * sum(split_steps)
-        in_flight = f32["kThreads"] * sum(s - 1 for s in split_steps)
+        waits = F32["kThreads"] * sum(split_steps)
+        in_flight = F32["kThreads"] * sum(s - 1 for s in split_steps)
         steps_in_flight = sum(s - 1 for s in split_steps)
     expected_bytes = steps_in_flight * step_bytes
     assert launch.copy_waits == CopyWaits(waits, in_flight, expected_bytes)
