@@ -302,11 +302,11 @@ def _mirror_includes(include_dirs, work):
     return result
 
 
-def module_key(text, host_opts, include_dirs, runtime_key):
+def module_key(text, host_opts, include_dirs, runtime_digest):
     """A module's cache key: its rewritten source, its -D/-U/-I options, its compile and link flags (which
-    say whether it is instrumented), the runtime's key (its sources, the emulator's headers, the compiler)
-    and every header it may include."""
-    key_parts = [text, *host_opts, *module_flags(), *module_link_flags(), runtime_key]
+    say whether it is instrumented), ``runtime_digest``, the runtime's key (its sources, the emulator's headers,
+    the compiler; :func:`runtime_key`) and every header it may include."""
+    key_parts = [text, *host_opts, *module_flags(), *module_link_flags(), runtime_digest]
     for d in include_dirs:
         key_parts += _dir_parts(d)
     return _digest(key_parts)
