@@ -669,14 +669,15 @@ def test_only_the_steps_the_mask_cuts_are_masked(dtype, io_dtype, head_dim, q_le
     assert launch.outcomes(site) == {value: lanes * steps for value, steps in ((0, cut), (1, every - cut)) if steps}
 
 
-def decode_split_steps(max_seq, lengths, window, split_keys, step):
-    """The ``step``-key steps of each (sequence, split) that holds keys, for one query at each
-    ``length`` (decode), which attends ``[length - window + 1, length]``."""
+def decode_split_steps(max_seq, lengths, window, split_keys, step, q_len=1):
+    """The ``step``-key steps of each (sequence, split) that holds keys, for a block of the ``q_len``
+    queries at ``length .. length + q_len - 1`` (decode: one), which attend from ``length - window + 1``
+    (the first query's window) to ``length + q_len - 1``."""
     counts = []
     for length in lengths:
         begin = 0 if window is None else max(0, length - window + 1)
         for split_begin in range(0, max_seq, split_keys):
-            keys = max(begin, split_begin), min(length + 1, split_begin + split_keys)
+            keys = max(begin, split_begin), min(length + q_len, split_begin + split_keys)
             if keys[0] < keys[1]:
                 counts.append(-(-(keys[1] - keys[0]) // step))
     return counts
@@ -729,34 +730,50 @@ def test_the_accumulators_are_rescaled_only_in_steps_where_a_max_moved(dtype, ke
     assert launch.outcomes(site) == {value: n for value, n in ((1, moved), (0, every - moved)) if n}
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"], ids=["mma", "f32"])
+# (cache dtype, io dtype, q_len, group, the tensor-core block's row groups; None: the float32 kernel)
+PIPELINE_KINDS = {"mma": ("float16", None, 1, 4, 1), "mma-fp8": ("float8_e4m3", "float16", 1, 4, 1),
+                  "mma-row-groups": ("float16", None, 8, 8, 2), "mma-fp8-row-groups": ("float8_e4m3", "float16", 8, 8, 2),
+                  "f32": ("float32", None, 1, 4, None)}
+
+
+@pytest.mark.parametrize("kind", PIPELINE_KINDS)
 @pytest.mark.parametrize("lengths, window, splits", RESCALE_CASES, ids=["window", "splits", "aligned"])
-def test_each_step_computes_while_the_next_steps_copies_are_in_flight(dtype, lengths, window, splits):
+def test_each_step_computes_while_the_next_steps_copies_are_in_flight(kind, lengths, window, splits):
     """The K/V stages are a pipeline: a thread's wait for its copies of a step leaves its copies of the
-    next step (the tensor-core kernel: of the key warp's next kStages - 1 steps) in flight, so that
-    they land while the step computes. Waiting for every copy instead gives the same output and the
-    same traffic; only the emulator's count of what each wait leaves in flight shows it. Decode, one
-    tile of 4 rows, head_dim 64."""
-    head_dim, group = 64, 4
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype)
-    cache, q = cache_and_zero_queries(spec, lengths, 1, group)
+    next step (the tensor-core kernel: of the key warp's next kStages - 1 steps, 2 of 16-bit caches and
+    3 of fp8 ones) in flight, so that they land while the step computes. Waiting for every copy instead
+    gives the same output and the same traffic; only the emulator's count of what each wait leaves in
+    flight shows it. head_dim 64; decode (one tile of 4 rows), and for the tensor-core kernel also a
+    block of 64 rows (q_len 8, group 8), whose two row groups share each key warp's stages and wait in
+    every round of the block, past their key warp's last step too."""
+    dtype, io_dtype, q_len, group, row_groups = PIPELINE_KINDS[kind]
+    head_dim = 64
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype,
+                            io_dtype=io_dtype)
+    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
     with testing.traffic(cache) as t:
         cupykv.attention(q, cache, 0, window=window, **splits)
     launch, = t.launches
+    kernel = attention_kernel(dtype, head_dim, io_dtype, query_rows=q_len * group)
+    assert launch.kernel == kernel.instance
     split_keys = splits.get("split_keys", spec.max_seq)
-    step = STEP if dtype == "float16" else F32["kStepKeys"]
-    split_steps = decode_split_steps(spec.max_seq, lengths, window, split_keys, step)
+    step = F32["kStepKeys"] if row_groups is None else STEP
+    split_steps = decode_split_steps(spec.max_seq, lengths, window, split_keys, step, q_len)
     step_bytes = 2 * step * head_dim * spec.itemsize   # K and V of a step, copied by all its threads
-    if dtype == "float16":   # key warp w copies and waits for steps w, w + warps, ... (32 lanes each)
-        assert launch.kernel == "cupykv_attention_mma<__half, __half, 64, 1>"
-        warps, ahead = WARPS[64], MMA["kStages"] - 1
+    if row_groups is not None:   # key warp w copies and waits for steps w, w + warps, ... (its sharers each)
+        assert kernel.threads == 32 * WARPS[head_dim] * row_groups and kernel.tensor_cores
+        warps = WARPS[head_dim]
+        ahead = MMA["kStagesFp8" if dtype == "float8_e4m3" else "kStages"] - 1
+        sharers = 32 * row_groups
         waits = in_flight = steps_in_flight = 0
         for steps in split_steps:
+            rounds = -(-steps // warps)
             for w in range(warps):
-                own = range(w, steps, warps)
-                later = [sum(s + j * warps < steps for j in range(1, ahead + 1)) for s in own]
-                waits += 32 * len(own)
-                in_flight += 32 * sum(n > 0 for n in later)
+                # one row group stops after its own steps; two meet the block in every round
+                waited = range(w, steps, warps) if row_groups == 1 else range(w, rounds * warps, warps)
+                later = [sum(s + j * warps < steps for j in range(1, ahead + 1)) for s in waited]
+                waits += sharers * len(waited)
+                in_flight += sharers * sum(n > 0 for n in later)
                 steps_in_flight += sum(later)
     else:   # every thread copies its share of each step, and waits once a step
         assert launch.kernel == f"cupykv_attention_f32<{head_dim}>"
