@@ -379,7 +379,9 @@ def traffic(backend_or_cache: KVCache | str | Backend | None = None, banks: bool
     argument (``t.launches[0].of(cache.k)``), the bytes loaded and stored, the distinct 32-byte
     sectors, exactly which bytes were touched, and warp-level sectors per request; and per
     ``CUPYKV_COMMON_PATH`` test of the kernels, how many thread evaluations gave each value
-    (``t.launches[0].outcomes("attention_mma.cu:LINE")``: how often a hot loop left its common path).
+    (``t.launches[0].outcomes("attention_mma.cu:LINE")``: how often a hot loop left its common path);
+    what each asynchronous-copy wait left in flight (``copy_waits``); and each warp's tensor-core
+    ``mma`` instructions (``t.launches[0].mma_per_warp()``: ``{(block, warp): count}``).
 
     Parameters
     ----------

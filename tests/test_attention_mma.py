@@ -782,3 +782,42 @@ def test_each_step_computes_while_the_next_steps_copies_are_in_flight(kind, leng
         steps_in_flight = sum(s - 1 for s in split_steps)
     expected_bytes = steps_in_flight * step_bytes
     assert launch.copy_waits == CopyWaits(waits, in_flight, expected_bytes)
+
+
+# (cache dtype, io dtype, q_len, group, q pieces: 1 where q is exact in the mma type, 3 for float q)
+MMA_WORK_KINDS = {"half": ("float16", None, 1, 4, 1), "bf16-row-groups": ("bfloat16", None, 8, 8, 1),
+                  "fp8": ("float8_e4m3", "bfloat16", 1, 4, 1), "fp8-float-q": ("float8_e4m3", "float32", 1, 4, 3)}
+
+
+@pytest.mark.parametrize("kind", MMA_WORK_KINDS)
+@pytest.mark.parametrize("lengths, window, splits", RESCALE_CASES, ids=["window", "splits", "aligned"])
+def test_each_key_warp_multiplies_its_own_steps_once(kind, lengths, window, splits):
+    """Key warp w of a block computes steps w, w + warps, ... of its split's keys, each step once: per
+    warp tile and 16 head dims, two mma for S per q piece and four for P V (docs/performance.md). A
+    step computed twice or by the wrong warp, an extra step, or the three-piece S loop run for q that
+    is exact in one piece changes no output and no traffic; the emulator's count of each warp's mma
+    shows it. head_dim 64 (two key warps); decode blocks of 4 rows, and 64 rows in two row groups of
+    two tiles a warp."""
+    dtype, io_dtype, q_len, group, pieces = MMA_WORK_KINDS[kind]
+    head_dim = 64
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype,
+                            io_dtype=io_dtype)
+    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
+    with testing.traffic(cache) as t:
+        cupykv.attention(q, cache, 0, window=window, **splits)
+    launch, = t.launches
+    kernel = attention_kernel(dtype, head_dim, io_dtype, query_rows=q_len * group)
+    assert launch.kernel == kernel.instance and kernel.tensor_cores
+    warps = WARPS[head_dim]
+    row_groups = kernel.threads // (32 * warps)
+    warp_tiles = kernel.rows_per_block // 16 // row_groups
+    step_mma = warp_tiles * head_dim // 16 * (2 * pieces + 4)
+    split_keys = splits.get("split_keys", spec.max_seq)
+    want = sorted(tuple(sorted(step_mma * len(range(w, steps, warps)) for w in range(warps) for _ in range(row_groups)))
+                  for steps in decode_split_steps(spec.max_seq, lengths, window, split_keys, STEP, q_len))
+    by_block = {}
+    for (block, warp), count in launch.mma_per_warp().items():
+        by_block.setdefault(block, []).append(count)
+    # every block with keys: each of its warps' counts (a key warp without a step issues none)
+    got = sorted(tuple(sorted(counts + [0] * (warps * row_groups - len(counts)))) for counts in by_block.values())
+    assert got == [w for w in want if any(w)]

@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 
 from cupykv import ops, ops_reference as reference
-from cupykv.kernels import CUDA_TYPES, LINEAR_MMA_DTYPES, LINEAR_ROW_TILES
+from cupykv.kernels import CUDA_TYPES, KERNELS, LINEAR_MMA_DTYPES, LINEAR_ROW_TILES
 from cupykv.validate_launches import recording_launches
 from backends import BACKENDS
 from test_ops import NP_DTYPES, assert_linear_close, device, random, to_host
+from test_traffic import linear_launch
+
+TILING = KERNELS["linear_mma"].constants("linear_mma_tiling")
 
 # (out_features, in_features) -> split_k, chosen to reach every split with uneven parts, partial last steps
 # and parts of kAhead - 1 to kAhead + 1 steps (kAhead: 8 steps at ROW_TILE 8, 4 at 16; a step is 32 features)
@@ -77,6 +80,36 @@ def test_every_tile_step_and_split_edge_matches_the_reference(backend, dtype, sh
         assert_linear_close(to_host(backend, got, dtype), x, weight, reference.linear(x, weight), dtype,
                             f"({dtype}, rows {rows}, in {in_features}, out {out_features}, "
                             f"split {EDGE_SHAPES[shape]})")
+
+
+@pytest.mark.parametrize("shape", EDGE_SHAPES, ids=[f"out{o}-in{i}" for o, i in EDGE_SHAPES])
+def test_each_step_is_multiplied_once_by_warps_splitting_it_evenly(shape):
+    """The split_k warps of 8 outputs take contiguous parts of ceil(steps / split_k) 32-feature steps
+    (the last part the rest), each step two mma per row tile: every step once, no empty step
+    multiplied, no warp with more than its share (the slowest warp sets the time), and no mma in a
+    warp whose outputs are all past out_features. Neither an extra step of zeros nor an uneven split
+    changes the output or the traffic; the emulator's count of each warp's mma shows them."""
+    out_features, in_features = shape
+    split = EDGE_SHAPES[shape]
+    steps = -(-in_features // TILING["kStepFeatures"])
+    share = -(-steps // split)
+    for rows in (1, 8, 9, 33):
+        launch, *_ = linear_launch(rows, in_features, out_features, "bfloat16")
+        row_tiles = -(-rows // (8 if rows <= 8 else 16))
+        warps = TILING["kWarps"]
+        want = {}
+        for block in range(launch.grid[0]):
+            for warp in range(warps):
+                slot, part = divmod(warp, split)
+                first_out = (block * (warps // split) + slot) * TILING["kOutsPerWarp"]
+                part_steps = max(0, min(steps, (part + 1) * share) - part * share)
+                if first_out < out_features and part_steps:
+                    want[(block, warp)] = 2 * part_steps * row_tiles
+        got = launch.mma_per_warp()
+        assert got == want, (rows, split)
+        live_slots = {(block, warp // split) for block, warp in got}
+        assert sum(got.values()) == 2 * steps * row_tiles * len(live_slots)   # each step once per slot
+        assert max(got.values()) == 2 * share * row_tiles
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -393,7 +393,7 @@ bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr
   atomic_site = 0;   // a launch that ended in an atomic's fault left it set
   if (p->checks & CUEMU_CHECK_RACES) T.observers[T.nobservers++] = racecheck_observer();
   if (p->checks & CUEMU_CHECK_TRAFFIC) T.observers[T.nobservers++] = traffic_observer();
-  count_path_outcomes((p->checks & CUEMU_CHECK_TRAFFIC) != 0);
+  count_launch_paths((p->checks & CUEMU_CHECK_TRAFFIC) != 0);
   if (p->checks & CUEMU_CHECK_BANKS) T.observers[T.nobservers++] = banks_observer();
   T.module_base = module_base_of((const void*)p->invoke);
   T.poison = p->poison;

@@ -69,6 +69,11 @@ class _PathOutcome(ctypes.Structure):   # cuemu_path_outcome (cuemu_abi.h)
                 ("value", ctypes.c_int64), ("count", ctypes.c_uint64)]
 
 
+class _WarpMma(ctypes.Structure):   # cuemu_warp_mma (cuemu_abi.h)
+    _fields_ = [("block", ctypes.c_uint64), ("warp", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+                ("count", ctypes.c_uint64)]
+
+
 def active():
     """Whether a :func:`traffic` block is open (launches then count their traffic)."""
     return bool(_collectors)
@@ -246,6 +251,12 @@ class LaunchTraffic:
     shared_sites: tuple = ()     # SharedSite per call site and kind (inside traffic(banks=True))
     path_outcomes: tuple = ()    # (site, value, thread evaluations) of each CUPYKV_COMMON_PATH test
     copy_waits: CopyWaits = field(default_factory=lambda: CopyWaits(0, 0, 0))
+    warp_mma: tuple = ()         # ((block, warp), mma.sync instructions) of each warp that issued one
+
+    def mma_per_warp(self):
+        """``{(block, warp): mma.sync instructions}`` of every warp that issued one: ``block`` the
+        linear block index (x fastest), ``warp`` the thread index in the block over 32."""
+        return dict(self.warp_mma)
 
     def outcomes(self, site):
         """``{value: thread evaluations}`` of the ``CUPYKV_COMMON_PATH`` test at ``site``
@@ -420,6 +431,12 @@ def _path_outcomes(lib):
     return tuple(sorted((site, value, count) for (site, value), count in counts.items()))
 
 
+def _warp_mma(lib):
+    ptr = ctypes.POINTER(_WarpMma)()
+    n = _results(lib, "cuemu_warp_mma_results", _WarpMma)(ctypes.byref(ptr))
+    return tuple(((int(ptr[i].block), int(ptr[i].warp)), int(ptr[i].count)) for i in range(n))
+
+
 def _copy_waits(lib):
     counts = (ctypes.c_uint64 * 3)()
     lib.cuemu_copy_wait_counts(counts)
@@ -468,7 +485,8 @@ def collect(lib, fn, grid, block, shared_mem, regions, bindings, banks=False):
         arguments.append(ArgumentTraffic(i, fn.param_types[i], hi - lo, others, table[k], dev_lo - regions[k].lo))
         extents.append((lo, hi))
     record = LaunchTraffic(fn.name, tuple(grid), tuple(block), shared_mem, tuple(arguments),
-                           tuple(extents), path_outcomes=_path_outcomes(lib), copy_waits=_copy_waits(lib))
+                           tuple(extents), path_outcomes=_path_outcomes(lib), copy_waits=_copy_waits(lib),
+                           warp_mma=_warp_mma(lib))
     with_banks = dataclasses.replace(record, shared_sites=_shared_sites(lib, fn.module.path)) if banks else record
     for c in _collectors:
         c.launches.append(with_banks if c.banks else record)

@@ -533,6 +533,10 @@ static void release_fragment(Warp& W, uint32_t base, Fiber* me) {
          base / 32, why.c_str());
     fail(CUEMU_ERR_FRAGMENT, &F[blame]);
   }
+  if (me->op != CUEMU_LDMATRIX) {   // counted per warp in traffic launches
+    const uint3 bi = cuemu_ctx.block_idx, gd = cuemu_ctx.grid_dim;
+    cuemu::count_warp_mma(bi.x + (uint64_t)gd.x * (bi.y + (uint64_t)gd.y * bi.z), base / 32);
+  }
   // No trace_warp_sync: mma.sync and ldmatrix order no memory accesses between the lanes.
   W.waiting = 0;
   push_lanes(base, 0xffffffffu, me);

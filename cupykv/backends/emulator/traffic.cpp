@@ -141,16 +141,26 @@ void Traffic::access(const Access& a) {
 
 Traffic* g_traffic = nullptr;
 
-// Outcome counts of the current (or last) traffic launch, by (file, line, value).
-bool g_counting_outcomes = false;
+// Outcome counts of the current (or last) traffic launch, by (file, line, value), and its
+// tensor-core mma instructions, by (linear block index, warp of the block).
+bool g_counting_paths = false;
 std::map<std::tuple<const char*, int, long long>, uint64_t> g_outcome_counts;
 std::vector<cuemu_path_outcome> g_outcome_results;
+std::map<std::pair<uint64_t, uint32_t>, uint64_t> g_mma_counts;
+std::vector<cuemu_warp_mma> g_mma_results;
 
 }  // namespace
 
-void count_path_outcomes(bool on) {
-  g_counting_outcomes = on;
-  if (on) g_outcome_counts.clear();
+void count_launch_paths(bool on) {
+  g_counting_paths = on;
+  if (on) {
+    g_outcome_counts.clear();
+    g_mma_counts.clear();
+  }
+}
+
+void count_warp_mma(uint64_t block, uint32_t warp) {
+  if (g_counting_paths) ++g_mma_counts[std::make_pair(block, warp)];
 }
 
 Observer* traffic_observer() {
@@ -174,7 +184,7 @@ CUEMU_EXPORT uint32_t cuemu_traffic_results(const cuemu_traffic** out) {
 }
 
 CUEMU_EXPORT void cuemu_count_path_outcome(const char* file, int line, long long value) {
-  if (cuemu::g_counting_outcomes) ++cuemu::g_outcome_counts[std::make_tuple(file, line, value)];
+  if (cuemu::g_counting_paths) ++cuemu::g_outcome_counts[std::make_tuple(file, line, value)];
 }
 
 // The outcome counts of the last traffic launch (cuemu_path_outcome, one per (file, line, value));
@@ -187,6 +197,22 @@ CUEMU_EXPORT uint32_t cuemu_path_outcome_results(const cuemu_path_outcome** out)
     r.file = std::get<0>(entry.first);
     r.line = (uint32_t)std::get<1>(entry.first);
     r.value = std::get<2>(entry.first);
+    r.count = entry.second;
+    results.push_back(r);
+  }
+  *out = results.data();
+  return (uint32_t)results.size();
+}
+
+// The mma instructions of the last traffic launch (cuemu_warp_mma, one per warp that issued any, by
+// block then warp); valid until the next call.
+CUEMU_EXPORT uint32_t cuemu_warp_mma_results(const cuemu_warp_mma** out) {
+  auto& results = cuemu::g_mma_results;
+  results.clear();
+  for (const auto& entry : cuemu::g_mma_counts) {
+    cuemu_warp_mma r = cuemu_warp_mma();
+    r.block = entry.first.first;
+    r.warp = entry.first.second;
     r.count = entry.second;
     results.push_back(r);
   }

@@ -139,6 +139,15 @@ struct cuemu_path_outcome {
   uint64_t count;      // evaluations by single threads that gave it
 };
 
+// The tensor-core mma instructions (mma.sync, one per warp and instruction) one warp of one launch
+// issued (traffic.cpp; inside emulator.traffic()).
+struct cuemu_warp_mma {
+  uint64_t block;      // the linear block index, x fastest
+  uint32_t warp;       // the warp of the block (thread index / 32)
+  uint32_t reserved;
+  uint64_t count;      // its mma.sync instructions
+};
+
 struct cuemu_launch_params {
   void (*invoke)(void**);
   void** args;

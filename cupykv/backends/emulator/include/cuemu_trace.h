@@ -170,9 +170,12 @@ extern uint32_t atomic_site;
 Observer* racecheck_observer();
 // The memory-traffic counter (traffic.cpp).
 Observer* traffic_observer();
-// Whether this launch counts the outcomes of CUPYKV_COMMON_PATH tests (a traffic launch); forgets
-// the last launch's counts when it does (traffic.cpp).
-void count_path_outcomes(bool on);
+// Whether this launch counts the outcomes of CUPYKV_COMMON_PATH tests and each warp's mma
+// instructions (a traffic launch); forgets the last launch's counts when it does (traffic.cpp).
+void count_launch_paths(bool on);
+// A warp's mma.sync, counted when the launch counts paths: `block` the linear block index (x
+// fastest), `warp` the warp of the block (runtime.cpp's release_fragment).
+void count_warp_mma(uint64_t block, uint32_t warp);
 // The shared-memory bank counter (banks.cpp).
 Observer* banks_observer();
 
