@@ -3,6 +3,18 @@ from __future__ import annotations
 
 from typing import Iterable
 
+_SHOWN = 60   # characters of a rejected value's repr kept in a message
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, shortened when long (a 400-digit int).
+
+    It lives here, in a module that imports nothing from cupykv, so that the argument layer
+    (``cupykv._args``) and ``cupykv.rope``, which that layer imports, show values alike.
+    """
+    text = repr(value)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN - 15]}...{text[-12:]}"
+
 
 class CacheOverflowError(RuntimeError):
     """A sequence was appended or advanced past the cache capacity.

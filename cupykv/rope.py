@@ -19,16 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from cupykv.errors import shown
+
 # The argument layer (cupykv._args) imports this module to check that a rope is a Rope, so the
-# theta check lives here and this module imports nothing from cupykv: the dependency runs one way.
+# theta check lives here and this module imports nothing from cupykv but the leaf cupykv.errors:
+# the dependency runs one way.
 _THETA_MAX = float(np.finfo(np.float64).max)
 _THETA_EXPECTED = (f"a float in 1..{_THETA_MAX:.8g} (finite and >= 1, so that every rotation angle "
                    "p * theta**(-2i/head_dim) is at most p)")
-
-
-def _shown(value: object) -> str:
-    text = repr(value)   # shortened as cupykv._args.scalars.shown shortens it
-    return text if len(text) <= 60 else f"{text[:45]}...{text[-12:]}"
 
 
 def check_rope_theta(name: str, theta: object) -> float:
@@ -41,13 +39,13 @@ def check_rope_theta(name: str, theta: object) -> float:
     (``<name>: expected <what>, got <value>``).
     """
     if isinstance(theta, (bool, np.bool_)) or not isinstance(theta, (numbers.Real, np.floating, np.integer)):
-        raise TypeError(f"{name}: expected {_THETA_EXPECTED}, got {_shown(theta)} ({type(theta).__name__})")
+        raise TypeError(f"{name}: expected {_THETA_EXPECTED}, got {shown(theta)} ({type(theta).__name__})")
     try:
         number = float(theta)
     except OverflowError:   # an int beyond float64
         number = -math.inf if theta < 0 else math.inf
     if not 1.0 <= number <= _THETA_MAX:
-        raise ValueError(f"{name}: expected {_THETA_EXPECTED}, got {_shown(theta)}")
+        raise ValueError(f"{name}: expected {_THETA_EXPECTED}, got {shown(theta)}")
     return number
 
 

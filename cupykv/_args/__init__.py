@@ -44,8 +44,8 @@ from cupykv._args.cache_args import (check_advance, check_layer, check_new_lengt
 from cupykv._args.limits import INT32_MAX, MAX_DYNAMIC_SHARED_MEMORY, MAX_NEW, MAX_SEQ, check_launch, check_memory
 from cupykv._args.positions import positions_operand, positions_output
 from cupykv._args.overlap import byte_range, check_apart_from_caches, check_no_overlap, register_buffers
-from cupykv._args.scalars import (check_bool, check_choice, check_int, check_int32,
-                                  check_positive_float32, got, is_int, shown)
+from cupykv._args.scalars import check_bool, check_choice, check_int, check_int32, check_positive_float32, got, is_int
+from cupykv.errors import shown
 
 __all__ = [
     "ALWAYS_RUN", "FLOAT_DTYPES", "backend_for", "check_contiguous", "check_shape", "check_writeable", "describe",

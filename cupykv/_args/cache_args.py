@@ -16,8 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 from cupykv._args.limits import INT32_MAX, MAX_NEW
-from cupykv._args.scalars import (check_int, check_int32, check_positive_float32, got,
-                                  int_range, is_int, shown)
+from cupykv._args.scalars import check_int, check_int32, check_positive_float32, got, int_range, is_int
+from cupykv.errors import shown
 from cupykv.rope import Rope
 from cupykv.rope import check_rope_theta as check_rope_theta   # re-exported: Rope owns it
 

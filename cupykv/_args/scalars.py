@@ -16,18 +16,10 @@ from typing import Any, Sequence, TypeGuard
 import numpy as np
 
 from cupykv._args.limits import INT32_MAX
+from cupykv.errors import shown
 
 FLOAT32_TINY = float(np.finfo(np.float32).smallest_normal)   # 2**-126
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-_SHOWN = 60   # characters of a rejected value's repr kept in a message
-
-
-def shown(value: object) -> str:
-    """``repr(value)``, shortened when long (a 400-digit int)."""
-    text = repr(value)
-    return text if len(text) <= _SHOWN else f"{text[:_SHOWN - 15]}...{text[-12:]}"
-
-
 def got(value: object) -> str:
     """``repr`` of a rejected value plus its type, for TypeError messages."""
     return f"{shown(value)} ({type(value).__name__})"
