@@ -730,6 +730,18 @@ def test_the_accumulators_are_rescaled_only_in_steps_where_a_max_moved(dtype, ke
     assert launch.outcomes(site) == {value: n for value, n in ((1, moved), (0, every - moved)) if n}
 
 
+def zero_query_launch(dtype, io_dtype, head_dim, lengths, q_len, group, window, splits):
+    """One attention launch of zero queries under the traffic counter, one kv head, max_seq 400:
+    (spec, its LaunchTraffic, the planned kernel)."""
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=len(lengths),
+                            dtype=dtype, io_dtype=io_dtype)
+    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
+    with testing.traffic(cache) as t:
+        cupykv.attention(q, cache, 0, window=window, **splits)
+    launch, = t.launches
+    return spec, launch, attention_kernel(dtype, head_dim, io_dtype, query_rows=q_len * group)
+
+
 # (cache dtype, io dtype, q_len, group, the tensor-core block's row groups; None: the float32 kernel)
 PIPELINE_KINDS = {"mma": ("float16", None, 1, 4, 1), "mma-fp8": ("float8_e4m3", "float16", 1, 4, 1),
                   "mma-row-groups": ("float16", None, 8, 8, 2), "mma-fp8-row-groups": ("float8_e4m3", "float16", 8, 8, 2),
@@ -748,13 +760,7 @@ def test_each_step_computes_while_the_next_steps_copies_are_in_flight(kind, leng
     every round of the block, past their key warp's last step too."""
     dtype, io_dtype, q_len, group, row_groups = PIPELINE_KINDS[kind]
     head_dim = 64
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype,
-                            io_dtype=io_dtype)
-    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
-    with testing.traffic(cache) as t:
-        cupykv.attention(q, cache, 0, window=window, **splits)
-    launch, = t.launches
-    kernel = attention_kernel(dtype, head_dim, io_dtype, query_rows=q_len * group)
+    spec, launch, kernel = zero_query_launch(dtype, io_dtype, head_dim, lengths, q_len, group, window, splits)
     assert launch.kernel == kernel.instance
     split_keys = splits.get("split_keys", spec.max_seq)
     step = F32["kStepKeys"] if row_groups is None else STEP
@@ -800,13 +806,7 @@ def test_each_key_warp_multiplies_its_own_steps_once(kind, lengths, window, spli
     two tiles a warp."""
     dtype, io_dtype, q_len, group, pieces = MMA_WORK_KINDS[kind]
     head_dim = 64
-    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype=dtype,
-                            io_dtype=io_dtype)
-    cache, q = cache_and_zero_queries(spec, lengths, q_len, group)
-    with testing.traffic(cache) as t:
-        cupykv.attention(q, cache, 0, window=window, **splits)
-    launch, = t.launches
-    kernel = attention_kernel(dtype, head_dim, io_dtype, query_rows=q_len * group)
+    spec, launch, kernel = zero_query_launch(dtype, io_dtype, head_dim, lengths, q_len, group, window, splits)
     assert launch.kernel == kernel.instance and kernel.tensor_cores
     warps = WARPS[head_dim]
     row_groups = kernel.threads // (32 * warps)
