@@ -20,6 +20,8 @@ from cupykv.errors import shown
 
 FLOAT32_TINY = float(np.finfo(np.float32).smallest_normal)   # 2**-126
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def got(value: object) -> str:
     """``repr`` of a rejected value plus its type, for TypeError messages."""
     return f"{shown(value)} ({type(value).__name__})"
