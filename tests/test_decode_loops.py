@@ -131,6 +131,33 @@ def test_max_new_tokens_and_capacity_stop_on_the_device():
     model.cache.check()
 
 
+@pytest.mark.parametrize("tokens_per_replay", [1, 3])
+def test_a_stop_state_that_never_clears_fails_instead_of_looping(monkeypatch, tokens_per_replay):
+    """The host loop reads the device's stop state once a pass. Were it never to clear (a broken
+    decode_commit), the loop would replay forever; every pass emits a token of each decoding sequence,
+    so a pass past max_new_tokens - 1 is an error naming the sequences."""
+    model = tiny(2)
+    monkeypatch.setattr(decoding.StopState, "active_host", lambda self: np.ones(self.active.shape[0], bool))
+    with pytest.raises(RuntimeError, match=r"sequences \[0, 1\] still decode after 4 passes, the most "
+                                           r"max_new_tokens=5 allows .* stop state is broken"):
+        model.generate([[1, 2], [3]], 5, tokens_per_replay=tokens_per_replay)
+
+
+def test_a_budget_the_device_does_not_keep_fails(monkeypatch):
+    """A device that emits past a sequence's budget (here: budgets 3 larger than max_new_tokens allows)
+    is refused after the pass that shows it, naming the prompts and their counts, rather than
+    returning more tokens than asked for."""
+    model = tiny(2)
+    start = decoding.StopState.start
+    monkeypatch.setattr(decoding.StopState, "start", lambda self, budgets, stops, active:
+                        start(self, [n + 3 for n in budgets], stops, active))
+    with pytest.raises(RuntimeError, match=r"prompts \[0, 1\] emitted \[5, 5\] tokens, past "
+                                           r"max_new_tokens=3: the device's budget was not kept"):
+        model.generate([[1, 2], [3]], 3, tokens_per_replay=4)
+    monkeypatch.undo()
+    assert list(map(len, model.generate([[1, 2], [3]], 3, tokens_per_replay=4))) == [3, 3]   # the real budget holds
+
+
 def test_the_four_most_recent_loop_shapes_keep_their_graphs():
     model = Llama.random(LlamaConfig(**TINY), seed=0, max_seq=MAX_SEQ, batch=1, backend="emulator")
     for n in (1, 2, 3, 4, 5):

@@ -73,6 +73,15 @@ def test_speculative_decoding_gives_the_targets_greedy_tokens(batch, seed, noise
         assert stats.acceptance_rate == 1.0 or stats.cycles == 0
 
 
+def test_a_stop_state_that_never_clears_fails_instead_of_cycling(monkeypatch):
+    """As for the greedy loop (test_decode_loops.py): each cycle emits a token of every decoding
+    sequence, so a cycle past max_new_tokens - 1 with the device's stop state still set is an error."""
+    model, same = target(2), draft(2, 0, 0.0)
+    monkeypatch.setattr(decoding.StopState, "active_host", lambda self: np.ones(self.active.shape[0], bool))
+    with pytest.raises(RuntimeError, match=r"still decode after 5 passes, the most max_new_tokens=6 allows"):
+        model.generate([[1, 2, 3], [4]], 6, draft=same, num_speculative=3)
+
+
 def test_acceptance_rate_and_tokens_per_cycle():
     model, same = target(2), draft(2, 0, 0.0)
     tokens = model.generate([[1, 2, 3], [4]], 9, draft=same, num_speculative=3)   # 8 tokens after the prefill's

@@ -443,6 +443,12 @@ def decode(model, loop, padded, n_prompts: int, max_new_tokens: int, stops, *, u
     first_logits = _host_float(model, model._logits)[:n_prompts, None] if return_logits else None
     emit([[int(first[b])] for b in range(n_prompts)], first_logits)
     while np.any(active):
+        # each pass emits at least one token of every sequence still decoding, whose budgets are
+        # max_new_tokens - 1 past the first: a pass more means the device's stop state is broken
+        if stats["replays"] >= max_new_tokens - 1:
+            raise RuntimeError(f"decode: sequences {[b for b in range(spec.batch) if active[b]]} still decode after "
+                               f"{stats['replays']} passes, the most max_new_tokens={max_new_tokens} allows (each "
+                               "pass emits a token of every decoding sequence): the device's stop state is broken")
         run_pass(model, loop, use_graph)
         stats["replays"] += 1
         host = backend.to_host(loop.tokens)
@@ -464,6 +470,10 @@ def decode(model, loop, padded, n_prompts: int, max_new_tokens: int, stops, *, u
             new_logits = None if host_logits is None else [
                 [host_logits[j, b] for j in range(loop.n_steps) if host[j, b] >= 0] for b in range(n_prompts)]
         emit(new, new_logits)
+        over = [b for b in range(n_prompts) if len(tokens[b]) > max_new_tokens]
+        if over:
+            raise RuntimeError(f"decode: prompts {over} emitted {[len(tokens[b]) for b in over]} tokens, past "
+                               f"max_new_tokens={max_new_tokens}: the device's budget was not kept")
         active = loop.state.active_host()
     if speculative:
         backend.copy(model._decode.ids, loop.chain[0])    # next_tokens() and decode_step() continue from here

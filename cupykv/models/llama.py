@@ -570,6 +570,9 @@ class Llama:
             A bad argument, named, before anything runs.
         CaptureError
             Inside a captured step.
+        RuntimeError
+            The device's stop state broke its contract (a kernel bug): sequences still decoding
+            after the most passes ``max_new_tokens`` allows, or a prompt given more tokens than it.
         """
         from cupykv.models import decoding
 
