@@ -669,10 +669,12 @@ def test_only_the_steps_the_mask_cuts_are_masked(dtype, io_dtype, head_dim, q_le
     assert launch.outcomes(site) == {value: lanes * steps for value, steps in ((0, cut), (1, every - cut)) if steps}
 
 
-def decode_split_steps(max_seq, lengths, window, split_keys, step, q_len=1):
+def decode_split_steps(max_seq, lengths, window, splits, step, q_len=1):
     """The ``step``-key steps of each (sequence, split) that holds keys, for a block of the ``q_len``
     queries at ``length .. length + q_len - 1`` (decode: one), which attend from ``length - window + 1``
-    (the first query's window) to ``length + q_len - 1``."""
+    (the first query's window) to ``length + q_len - 1``; ``splits`` the attention call's split options
+    (``split_keys``, or one split: the cases here pass ``num_splits=1`` otherwise)."""
+    split_keys = splits.get("split_keys", max_seq)
     counts = []
     for length in lengths:
         begin = 0 if window is None else max(0, length - window + 1)
@@ -715,9 +717,8 @@ def test_the_accumulators_are_rescaled_only_in_steps_where_a_max_moved(dtype, ke
     with testing.traffic(cache) as t:
         cupykv.attention(cache.to_device(q), cache, 0, window=window, **splits)
     launch, = t.launches
-    split_keys = splits.get("split_keys", spec.max_seq)
     step = STEP if dtype == "float16" else F32["kStepKeys"]
-    split_steps = decode_split_steps(spec.max_seq, lengths, window, split_keys, step)
+    split_steps = decode_split_steps(spec.max_seq, lengths, window, splits, step)
     if dtype == "float16":   # one vote per key warp and step, 32 lanes; the first step of each key warp moves
         assert launch.kernel == "cupykv_attention_mma<__half, __half, 64, 1>"
         every = 32 * sum(split_steps)
@@ -762,9 +763,8 @@ def test_each_step_computes_while_the_next_steps_copies_are_in_flight(kind, leng
     head_dim = 64
     spec, launch, kernel = zero_query_launch(dtype, io_dtype, head_dim, lengths, q_len, group, window, splits)
     assert launch.kernel == kernel.instance
-    split_keys = splits.get("split_keys", spec.max_seq)
     step = F32["kStepKeys"] if row_groups is None else STEP
-    split_steps = decode_split_steps(spec.max_seq, lengths, window, split_keys, step, q_len)
+    split_steps = decode_split_steps(spec.max_seq, lengths, window, splits, step, q_len)
     step_bytes = 2 * step * head_dim * spec.itemsize   # K and V of a step, copied by all its threads
     if row_groups is not None:   # key warp w copies and waits for steps w, w + warps, ... (its sharers each)
         assert kernel.threads == 32 * WARPS[head_dim] * row_groups and kernel.tensor_cores
@@ -812,9 +812,8 @@ def test_each_key_warp_multiplies_its_own_steps_once(kind, lengths, window, spli
     row_groups = kernel.threads // (32 * warps)
     warp_tiles = kernel.rows_per_block // 16 // row_groups
     step_mma = warp_tiles * head_dim // 16 * (2 * pieces + 4)
-    split_keys = splits.get("split_keys", spec.max_seq)
     want = sorted(tuple(sorted(step_mma * len(range(w, steps, warps)) for w in range(warps) for _ in range(row_groups)))
-                  for steps in decode_split_steps(spec.max_seq, lengths, window, split_keys, STEP, q_len))
+                  for steps in decode_split_steps(spec.max_seq, lengths, window, splits, STEP, q_len))
     by_block = {}
     for (block, warp), count in launch.mma_per_warp().items():
         by_block.setdefault(block, []).append(count)
