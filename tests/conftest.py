@@ -24,6 +24,9 @@ sys.path.insert(0, os.path.dirname(__file__))   # tests/backends.py and friends
 
 SESSION_SEED = 1
 os.environ.setdefault("CUPYKV_EMULATOR_SEED", str(SESSION_SEED))   # read by every emulator launch
+# A kernel that never ends (a planted bug, a wait on another block) fails its test after 120 s of CPU
+# time instead of holding the run; the suite's slowest launch takes about 8 s (CUPYKV_EMULATOR_LAUNCH_TIMEOUT).
+os.environ.setdefault("CUPYKV_EMULATOR_LAUNCH_TIMEOUT", "120")
 
 settings.register_profile(
     "ci",

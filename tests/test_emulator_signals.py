@@ -1,7 +1,9 @@
-"""Signals during an emulator launch: Ctrl-C stops a hung kernel, and a fault is reported only
-where that is well defined (kernel code, the kernels' memcpy), else the process stops loudly."""
+"""Signals during an emulator launch: Ctrl-C and the launch's CPU time limit stop a hung kernel,
+and a fault is reported only where that is well defined (kernel code, the kernels' memcpy), else
+the process stops loudly."""
 
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -17,7 +19,7 @@ from cupykv.backends import emulator as E
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
 SIGNALS = KERNELS / "signals.cu"
-NAMES = ["spin", "wait_for_flag", "print_string", "fill", "shift", "copy_floats"]
+NAMES = ["spin", "wait_for_flag", "wait_at_barriers", "print_string", "fill", "shift", "copy_floats"]
 
 # Launches one kernel of signals.cu with 2 warps; prints "launching" first. On KeyboardInterrupt
 # it checks that Python's SIGINT handler is back and that the emulator still runs kernels (with
@@ -101,6 +103,39 @@ def test_uncaught_ctrl_c_ends_the_process_with_keyboard_interrupt(kernels):
         child.kill()
     assert reply == "" and child.returncode != 0, (reply, err)   # no line after the interrupt: it ended the process
     assert "KeyboardInterrupt: kernel 'spin' stopped by Ctrl-C" in err, err
+
+
+# A Ctrl-C that arrives after Python last checked for signals and before the runtime takes SIGINT:
+# launch.py blocks SIGINT around the launch, so it waits, pending, until the runtime has installed
+# its handler and unblocks it. Here the child blocks SIGINT and raises it before the launch, which
+# leaves it pending in the same way. (Before, Python's handler took such a Ctrl-C and could act
+# only once the hung kernel returned: never. The 20 s time limit ends the launch if it is lost.)
+PENDING_CTRL_C = textwrap.dedent("""
+    import signal, sys
+    import numpy as np
+    from cupykv.backends import emulator as E
+    mod = E.Module(open(sys.argv[1]).read(), NAMES, filename=sys.argv[1])
+    out = E.zeros(64, np.int32)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    signal.raise_signal(signal.SIGINT)
+    try:
+        mod.get_function("spin")(1, 64, (out,))
+    except KeyboardInterrupt as error:
+        print("interrupted:", error, flush=True)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == {signal.SIGINT}   # the mask as it was
+    assert signal.sigpending() == set()
+""").replace("NAMES", repr(NAMES))
+
+
+def test_a_ctrl_c_pending_as_the_launch_starts_stops_it():
+    env = dict(os.environ, CUPYKV_EMULATOR_LAUNCH_TIMEOUT="20")
+    child = _start(PENDING_CTRL_C, SIGNALS, env=env)
+    try:
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, (out, err)
+    assert out.startswith("interrupted: kernel 'spin' stopped by Ctrl-C in block (0,0,0)"), (out, err)
 
 
 def test_fault_inside_libc_stops_the_process_with_a_clear_message(kernels):
@@ -198,3 +233,112 @@ def test_launch_off_the_main_thread_leaves_sigint_to_python(kernels):
     thread.join()
     assert seen == [None] and out.tolist() == [7] * 64
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# Launches one kernel of signals.cu with 2 warps under a 0.5 s time limit, on the main thread or
+# another one, and prints the error; then spends 0.3 s of CPU time (a timer left behind would
+# signal again and end the process), checks that the emulator still runs kernels, and sends itself
+# the time limit's signal, whose default action (the runtime's handler gone) ends the process. A child process: were the limit broken, the launch would never end, and the parent's
+# timeout fails the test instead of hanging the suite.
+TIME_LIMIT_CHILD = textwrap.dedent("""
+    import signal, sys, threading, time
+    import numpy as np
+    from cupykv.backends import emulator as E
+    path, kernel, on_thread = sys.argv[1], sys.argv[2], sys.argv[3] == "thread"
+    mod = E.Module(open(path).read(), {names!r}, filename=path)
+    out = E.zeros(64, np.int32)
+    errors = []
+
+    def launch():
+        try:
+            mod.get_function(kernel)(1, 64, (out,))
+        except E.LaunchTimeoutError as error:
+            errors.append(error)
+    if on_thread:
+        worker = threading.Thread(target=launch)
+        worker.start()
+        worker.join()
+    else:
+        launch()
+    print(*errors, flush=True)
+    busy_until = time.thread_time() + 0.3
+    while time.thread_time() < busy_until:
+        pass
+    mod.get_function("fill")(1, 64, (out,))
+    assert out.tolist() == [7] * 64
+    print("still runs", flush=True)
+    signal.raise_signal(signal.SIGRTMIN + 2)
+    print("the time limit's handler outlived the launch", flush=True)
+""").format(names=NAMES)
+
+
+def _line_of(text):
+    """The line of signals.cu that holds ``text`` (1-based; it must be on exactly one)."""
+    lines = [i for i, line in enumerate(SIGNALS.read_text().splitlines(), 1) if text in line]
+    assert len(lines) == 1, (text, lines)
+    return lines[0]
+
+
+@pytest.mark.parametrize("kernel, racecheck, thread, stopped_at", [
+    # a loop in kernel code: the timer's signal leaves the kernel at the instruction it lands on
+    ("spin", "1", "main", ["while (go)"]),
+    ("spin", "1", "thread", ["while (go)"]),   # the timer signals the launching thread
+    # reads call the access hook: the poll there stops the thread and names the read's line
+    ("wait_for_flag", "1", "main", ["while (((volatile int*)flag)[0] == 0)"]),
+    # no regions watched: the hook returns at once, and the signal lands in the hook or the kernel
+    ("wait_for_flag", "0", "main", ["while (((volatile int*)flag)[0] == 0)"]),
+    # the scheduler switches threads at every barrier: the stop may also come between two of them
+    ("wait_at_barriers", "1", "main", ["while (seen[0] == 0)", "__syncthreads();", None]),
+])
+def test_a_kernel_that_never_ends_stops_at_the_time_limit_naming_its_line(kernel, racecheck, thread, stopped_at):
+    env = dict(os.environ, CUPYKV_EMULATOR_RACECHECK=racecheck, CUPYKV_EMULATOR_LAUNCH_TIMEOUT="0.5")
+    child = _start(TIME_LIMIT_CHILD, SIGNALS, kernel, thread, env=env)
+    try:
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == -(signal.SIGRTMIN + 2), (child.returncode, out, err)
+    error, still_runs = out.strip().splitlines()
+    places = "|".join(rf"at \S*signals\.cu:{_line_of(text)}\b" if text else "between threads, in the scheduler"
+                      for text in stopped_at)
+    assert re.match(rf"kernel '{kernel}' block \(0,0,0\)( thread \(\d+,0,0\))?: the launch used more than its "
+                    rf"0\.5 s of CPU time \(CUPYKV_EMULATOR_LAUNCH_TIMEOUT\) and was stopped ({places})",
+                    error), error
+    assert "its outputs are incomplete" in error and "waits forever" in error
+    assert still_runs == "still runs"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "ten"])
+def test_the_time_limit_setting_is_checked_before_anything_runs(kernels, monkeypatch, value):
+    out = E.zeros(64, np.int32)
+    monkeypatch.setenv("CUPYKV_EMULATOR_LAUNCH_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"CUPYKV_EMULATOR_LAUNCH_TIMEOUT: expected a number of seconds > 0, "
+                                         f"got '{value}'"):
+        kernels.get_function("fill")(1, 64, (out,))
+    assert out.tolist() == [0] * 64
+
+
+def test_the_time_limit_is_600_cpu_seconds_unless_set(kernels, monkeypatch):
+    from cupykv.backends.emulator import launch
+    monkeypatch.delenv("CUPYKV_EMULATOR_LAUNCH_TIMEOUT", raising=False)
+    assert launch.launch_timeout() == 600
+    monkeypatch.setenv("CUPYKV_EMULATOR_LAUNCH_TIMEOUT", " 2.5 ")
+    assert launch.launch_timeout() == 2.5
+    out = E.zeros(64, np.int32)
+    kernels.get_function("fill")(1, 64, (out,))   # a launch well inside its limit is untouched
+    assert out.tolist() == [7] * 64
+
+
+def test_the_text_section_is_read_from_the_module_as_readelf_lists_it(kernels):
+    """The range a stop signal may leave a kernel from: ``.text`` exactly, which the PLT's stubs
+    (where a pc names no line) lie outside of."""
+    from cupykv.backends.emulator import sites
+    listing = subprocess.run(["readelf", "-SW", kernels.path], capture_output=True, text=True, check=True).stdout
+    sections = {}   # [Nr] Name Type Address Off Size ...
+    for name, address, size in re.findall(r"\[\s*\d+\]\s+(\S+)\s+\S+\s+([0-9a-f]+)\s+[0-9a-f]+\s+([0-9a-f]+)",
+                                          listing):
+        sections[name] = (int(address, 16), int(address, 16) + int(size, 16))
+    assert sites.text_section(kernels.path) == sections[".text"]
+    lo, hi = sections[".text"]
+    plt = [span for name, span in sections.items() if name.startswith(".plt")]
+    assert plt and all(end <= lo or start >= hi for start, end in plt), (sections, lo, hi)

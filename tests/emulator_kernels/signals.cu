@@ -1,5 +1,6 @@
-// signals.cu: kernels that never finish (for Ctrl-C), that fault inside libc, or inside the
-// kernels' memcpy (tests/test_emulator_signals.py). They compile for NVRTC too.
+// signals.cu: kernels that never finish (for Ctrl-C and the launch's time limit), that fault
+// inside libc, or inside the kernels' memcpy (tests/test_emulator_signals.py). They compile for
+// NVRTC too.
 
 // Spins on a local variable: no access the emulator sees, no barrier, no call.
 __global__ void spin(int* out) {
@@ -13,6 +14,14 @@ __global__ void spin(int* out) {
 // argument calls the emulator's access hook.
 __global__ void wait_for_flag(int* flag) {
   while (((volatile int*)flag)[0] == 0) {
+  }
+}
+
+// Busy-waits on a flag that nothing sets, the whole block meeting at a barrier every round.
+__global__ void wait_at_barriers(int* flag) {
+  const volatile int* seen = flag;
+  while (seen[0] == 0) {
+    __syncthreads();
   }
 }
 

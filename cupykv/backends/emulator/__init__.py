@@ -4,8 +4,8 @@ Every CUDA thread is a fiber, so ``__syncthreads`` and the warp intrinsics have 
 real semantics; the emulator raises on divergent barriers, bad warp masks, deadlocks,
 data races in shared memory and in written arguments, out-of-bounds global or dynamic
 shared memory accesses, reads of an asynchronous copy's destination before its wait, bad
-tensor-core fragment operands, failed device asserts and launches that break CUDA's limits or
-the kernel's signature. ``CUPYKV_EMULATOR_SEED`` shuffles the order of blocks and threads.
+tensor-core fragment operands, failed device asserts, launches that break CUDA's limits or
+the kernel's signature, and launches that never end (``CUPYKV_EMULATOR_LAUNCH_TIMEOUT``). ``CUPYKV_EMULATOR_SEED`` shuffles the order of blocks and threads.
 
     mod = Module(code, ["cupykv_append<float>"])
     fn = mod.get_function("cupykv_append<float>")
@@ -18,8 +18,8 @@ sectors per warp request); ``with protected(array, start):`` makes bytes of an a
 """
 
 from .errors import (AsyncCopyError, BarrierError, CompileError, DeviceAssertError, EmulatorError,
-                     EmulatorFault, FragmentError, LaunchError, PlatformError, RaceError,
-                     UninitializedReadError)
+                     EmulatorFault, FragmentError, LaunchError, LaunchTimeoutError, PlatformError,
+                     RaceError, UninitializedReadError)
 from .accounting import traffic
 from .launch import Function, Module, synchronize
 from .memory import asarray, asnumpy, empty, is_device_array, protected, zeros
@@ -28,5 +28,5 @@ __all__ = [
     "Module", "Function", "empty", "zeros", "asarray", "asnumpy", "is_device_array",
     "synchronize", "traffic", "protected", "EmulatorError", "CompileError", "LaunchError",
     "EmulatorFault", "BarrierError", "DeviceAssertError", "RaceError", "UninitializedReadError", "PlatformError",
-    "AsyncCopyError", "FragmentError",
+    "AsyncCopyError", "FragmentError", "LaunchTimeoutError",
 ]

@@ -289,7 +289,7 @@ inline void check_guards(const Region* first, uintptr_t addr, size_t size, uint8
 }
 
 inline void record(uintptr_t addr, size_t size, uint8_t kind, const void* ra) {
-  poll_interrupt();  // Ctrl-C while a kernel busy-waits on watched memory
+  poll_interrupt(ra);  // Ctrl-C or the time limit while a kernel busy-waits on watched memory
   if (!T.active || size == 0) return;
   if (addr - T.stack_lo < T.stack_len) return;  // local memory
   // A store completes before the thread's next store or atomic (or sync point), but g++
@@ -676,20 +676,20 @@ namespace {
 // Whether the granule of addr's first byte is watched: record() looks up the region of the
 // first byte only, which lies in a marked granule when there is one. Addresses past the 47 bits
 // the shadow covers are nobody's (the access itself faults, in the kernel's code).
-inline bool watched(uintptr_t addr) {
-  poll_interrupt();  // Ctrl-C while a kernel loops on any memory
+inline bool watched(uintptr_t addr, const void* ra) {
+  poll_interrupt(ra);  // Ctrl-C or the time limit while a kernel loops on any memory
   return (addr >> 47) == 0 && *reinterpret_cast<const uint8_t*>(kShadowOffset + (addr >> 3)) != 0;
 }
 
 inline void hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
-  if (__builtin_expect(watched((uintptr_t)addr), 0)) record((uintptr_t)addr, size, kind, ra);
+  if (__builtin_expect(watched((uintptr_t)addr, ra), 0)) record((uintptr_t)addr, size, kind, ra);
 }
 
 // A range (a struct copy, a memcpy g++ instruments whole) may start in unwatched memory and end in
 // a guard span: its last byte is looked at too.
 inline void range_hook(const void* addr, size_t size, uint8_t kind, const void* ra) {
   const uintptr_t lo = (uintptr_t)addr;
-  if (__builtin_expect(watched(lo) || (size > 1 && watched(lo + size - 1)), 0)) record(lo, size, kind, ra);
+  if (__builtin_expect(watched(lo, ra) || (size > 1 && watched(lo + size - 1, ra)), 0)) record(lo, size, kind, ra);
 }
 
 // An access of 2, 4, 8 or 16 bytes whose type g++ takes to be naturally aligned (it instruments

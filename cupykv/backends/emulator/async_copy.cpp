@@ -187,7 +187,7 @@ using namespace cuemu;
 
 CUEMU_EXPORT void cuemu_cp_async(void* dst_, const void* src_, unsigned cp_size, unsigned src_size) {
   const void* ra = __builtin_return_address(0);
-  poll_interrupt();
+  poll_interrupt(ra);
   const uint32_t tid = trace_thread(), site = trace_site(ra);
   const uintptr_t dst = (uintptr_t)dst_, src = (uintptr_t)src_;
   const std::string where = "cp.async at " + site_text(site) + " by thread " + thread_text(tid) + ": ";
@@ -250,7 +250,7 @@ CUEMU_EXPORT void cuemu_cp_async_commit(void) {
 
 CUEMU_EXPORT void cuemu_cp_async_wait(unsigned pending) {
   const void* ra = __builtin_return_address(0);
-  poll_interrupt();
+  poll_interrupt(ra);
   const uint32_t tid = trace_thread();
   complete(tid, pending, ra);
   uint64_t in_flight = 0;
@@ -270,7 +270,7 @@ CUEMU_EXPORT void cuemu_copy_wait_counts(uint64_t* out) {
 
 CUEMU_EXPORT void cuemu_cp_async_wait_all(void) {
   const void* ra = __builtin_return_address(0);
-  poll_interrupt();
+  poll_interrupt(ra);
   cuemu_cp_async_commit();
   complete(trace_thread(), 0, ra);
 }

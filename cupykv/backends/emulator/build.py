@@ -64,6 +64,8 @@ KEEP_VECTORS_WHOLE = ("-fno-tree-sra",)
 BASE_MODULE_FLAGS = tuple(f for f in COMMON_FLAGS if f != "-shared") + (
     "-fstack-clash-protection", "-fno-crossjumping", "-fno-optimize-sibling-calls", "-Wno-attributes",
     "-include", "cuemu.h", "-g1") + BOUNDS_FLAGS + KEEP_VECTORS_WHOLE
+# timer_create (the launch's CPU-time limit) lives in librt before glibc 2.34, in libc after
+RUNTIME_LIBS = ("-lrt",)
 MODULE_LINK_FLAGS = ("-shared", "-Wl,--wrap=__assert_fail")
 INSTRUMENT_LINK_FLAGS = ("-Wl,--wrap=memcpy", "-Wl,--wrap=memmove", "-Wl,--wrap=memset")
 _HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".cuh", ".inc", ".inl", ".cu")
@@ -118,10 +120,11 @@ def _dir_parts(directory):
     return parts
 
 
-def _compile(sources, flags, out_path, what, cwd=None, link_flags=None):
+def _compile(sources, flags, out_path, what, cwd=None, link_flags=None, libs=()):
     """Runs g++ on ``sources`` into ``out_path`` atomically (in ``cwd``, which debug info
     then names ``.``); with ``link_flags``, compiles to an object in ``cwd`` first and links
-    that in a second g++ run. Call it through diskcache.build_once."""
+    that in a second g++ run. ``libs`` (``-l`` options) follow the sources. Call it through
+    diskcache.build_once."""
     out_path = Path(out_path).resolve()
     fd, tmp = tempfile.mkstemp(prefix=diskcache.temporary_prefix(out_path), suffix=".tmp.so",
                                dir=out_path.parent)
@@ -129,11 +132,11 @@ def _compile(sources, flags, out_path, what, cwd=None, link_flags=None):
     if cwd is not None:
         flags = [*flags, f"-fdebug-prefix-map={cwd}=."]
     if link_flags is None:
-        steps = [("compile", [CXX, *flags, *map(str, sources), "-o", tmp])]
+        steps = [("compile", [CXX, *flags, *map(str, sources), *libs, "-o", tmp])]
     else:
         obj = str(Path(cwd) / "module.o")
         steps = [("compile", [CXX, *flags, "-c", *map(str, sources), "-o", obj]),
-                 ("link", [CXX, *link_flags, obj, "-o", tmp])]
+                 ("link", [CXX, *link_flags, obj, *libs, "-o", tmp])]
     stats["compiles"] += 1
     try:
         for verb, cmd in steps:
@@ -155,7 +158,9 @@ class _LaunchParams(ctypes.Structure):
                 ("seed", ctypes.c_uint64), ("regions", ctypes.c_void_p),
                 ("nregions", ctypes.c_uint32), ("options", ctypes.c_uint32),
                 ("tls_probe", ctypes.c_void_p), ("guards", ctypes.c_void_p),
-                ("nguards", ctypes.c_uint32), ("dyn_smem_room", ctypes.c_uint64)]
+                ("nguards", ctypes.c_uint32), ("dyn_smem_room", ctypes.c_uint64),
+                ("time_limit_s", ctypes.c_double), ("text_lo", ctypes.c_uint64),
+                ("text_hi", ctypes.c_uint64)]
 
 
 class _Region(ctypes.Structure):
@@ -191,7 +196,8 @@ def _runtime_flags():
 def runtime_key():
     """The runtime library's cache key: its sources, the headers it shares with modules, its flags and
     the compiler."""
-    return _digest([*_runtime_parts(), *_dir_parts(INCLUDE_DIR), *_runtime_flags(), compiler_version()])
+    return _digest([*_runtime_parts(), *_dir_parts(INCLUDE_DIR), *_runtime_flags(), *RUNTIME_LIBS,
+                    compiler_version()])
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,7 +206,8 @@ def runtime():
     flags = _runtime_flags()
     key = runtime_key()
     path = cache_dir() / f"cuemu-runtime-{key[:32]}.so"
-    if not diskcache.build_once(path, lambda: _compile(RUNTIME_SOURCES, flags, path, "the emulator runtime")):
+    if not diskcache.build_once(path, lambda: _compile(RUNTIME_SOURCES, flags, path, "the emulator runtime",
+                                                       libs=RUNTIME_LIBS)):
         stats["disk_hits"] += 1
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     lib.cuemu_launch.argtypes = [ctypes.POINTER(_LaunchParams), ctypes.POINTER(_Result)]

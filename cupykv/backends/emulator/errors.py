@@ -43,6 +43,14 @@ class DeviceAssertError(EmulatorError):
     """A device-side ``assert`` failed, or the kernel trapped."""
 
 
+class LaunchTimeoutError(EmulatorError):
+    """The launch used more CPU time than ``CUPYKV_EMULATOR_LAUNCH_TIMEOUT`` allows (600 s
+    unless set): most likely a loop that never ends, or a thread waiting for another block's
+    write, which the emulator, running one block at a time, never makes. The message names the
+    block, the thread that was running and the kernel line it was stopped at. The kernel's
+    outputs are incomplete."""
+
+
 class AsyncCopyError(EmulatorError):
     """An asynchronous copy (``cp.async``, ``kernels/async_copy.cuh``) was misused: bytes it still
     writes were read or written before the wait that completes it, its size, alignment or

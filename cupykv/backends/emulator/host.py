@@ -77,15 +77,21 @@ def gcc_major(cxx):
 
 def compile_timeout():
     """Seconds one g++ run may take: ``$CUPYKV_EMULATOR_COMPILE_TIMEOUT``, default 600."""
-    text = os.environ.get(COMPILE_TIMEOUT_ENV, "").strip()
+    return seconds_setting(COMPILE_TIMEOUT_ENV, DEFAULT_COMPILE_TIMEOUT)
+
+
+def seconds_setting(name, default):
+    """The number of seconds the environment variable ``name`` holds (read now), or ``default``
+    when it is unset or blank; anything but a finite number > 0 raises InputError naming it."""
+    text = os.environ.get(name, "").strip()
     if not text:
-        return DEFAULT_COMPILE_TIMEOUT
+        return default
     try:
         seconds = float(text)
     except ValueError:
         seconds = float("nan")
     if not 0 < seconds < float("inf"):
-        raise InputError(f"{COMPILE_TIMEOUT_ENV}: expected a number of seconds > 0, got {text!r}")
+        raise InputError(f"{name}: expected a number of seconds > 0, got {text!r}")
     return seconds
 
 

@@ -16,9 +16,9 @@ import threading
 
 import numpy as np
 
-from . import accounting, build, memory, racecheck, schedule, sites, source
+from . import accounting, build, host, memory, racecheck, schedule, sites, source
 from .errors import (AsyncCopyError, BarrierError, DeviceAssertError, EmulatorError, EmulatorFault,
-                     FragmentError, LaunchError)
+                     FragmentError, LaunchError, LaunchTimeoutError)
 
 MAX_THREADS = 1024
 MAX_BLOCK = (1024, 1024, 64)
@@ -28,6 +28,10 @@ MAX_OPT_IN_SMEM = 232448  # with it: sm_90's 227 KiB per block (sm_80: 163 KiB; 
 
 STOP_ON_SIGINT = 1        # cuemu_launch_params.options: the runtime takes Ctrl-C during the launch
 ERR_INTERRUPTED = 7       # cuemu_launch's status when it did
+ERR_TIME_LIMIT = 11       # cuemu_launch's status when the launch ran past its CPU time limit
+LAUNCH_TIMEOUT_ENV = "CUPYKV_EMULATOR_LAUNCH_TIMEOUT"
+# CPU seconds one launch may take (its kernel and the checkers); the suite's slowest takes about 8
+DEFAULT_LAUNCH_TIMEOUT = 600.0
 # The runtime's messages name places it cannot describe itself: a call site (an offset into the
 # module, named file:line here), a static shared memory offset, an argument region's byte.
 _TOKEN = re.compile(r"@site\(0x([0-9a-f]+)\)|@static\(0x([0-9a-f]+)\)|@arg\((\d+),0x([0-9a-f]+)\)")
@@ -266,23 +270,26 @@ class Function:
 
         Raises:
             LaunchError: bad geometry, shared memory size or arguments (nothing ran).
-            ValueError: ``CUPYKV_EMULATOR_POISON`` is not a byte value (nothing ran).
+            ValueError: ``CUPYKV_EMULATOR_POISON`` is not a byte value, or
+                ``CUPYKV_EMULATOR_LAUNCH_TIMEOUT`` not a number of seconds > 0 (nothing ran).
             EmulatorFault: out-of-bounds access or stack overflow.
             BarrierError: divergent barrier, bad warp-intrinsic mask, deadlock.
             DeviceAssertError: failed device assert or trap.
             RaceError: two threads touched the same bytes without ordering (see racecheck).
             UninitializedReadError: a thread read shared memory that no thread of its block
                 had written (checked with the race checker).
+            LaunchTimeoutError: the launch used more CPU time than :func:`launch_timeout`
+                (a loop that never ends). Outputs are incomplete.
             KeyboardInterrupt: Ctrl-C stopped the launch (on the main thread, with Python's
                 default SIGINT handler; a hung kernel included). Outputs are incomplete.
         Every error message ends with the schedule seed when ``CUPYKV_EMULATOR_SEED`` is set.
         """
         grid, block, shared_mem = self._check_geometry(grid, block, shared_mem)
-        seed, poison = schedule.session_seed(), memory.poison_byte()
+        seed, poison, time_limit = schedule.session_seed(), memory.poison_byte(), launch_timeout()
         with _launch_lock:  # one launch at a time: the runtime and the buffers are shared
-            self._launch(grid, block, args, shared_mem, seed, poison)
+            self._launch(grid, block, args, shared_mem, seed, poison, time_limit)
 
-    def _launch(self, grid, block, args, shared_mem, seed, poison):
+    def _launch(self, grid, block, args, shared_mem, seed, poison, time_limit):
         array_args = self._pack(args)
         self._check_restrict(array_args)
         bindings, shadows = self._bind_arrays(array_args)
@@ -318,10 +325,13 @@ class Function:
         guard_table = _guard_table([alloc for _, _, _, alloc in bindings] + [smem])
         p.guards = ctypes.addressof(guard_table)
         p.nguards = len(guard_table) if guard_table[0].hi else 0
-        p.options = STOP_ON_SIGINT if _takes_sigint() else 0
+        takes_sigint = _takes_sigint()
+        p.options = STOP_ON_SIGINT if takes_sigint else 0
+        p.time_limit_s = time_limit
+        p.text_lo, p.text_hi = sites.text_section(self.module.path)
         lib = build.runtime()
         try:
-            rc = lib.cuemu_launch(ctypes.byref(p), ctypes.byref(r))
+            rc = _run_launch(lib, p, r, takes_sigint)
             found = racecheck.hazards(lib) if check_races and not rc else ([], 0, 0)
             if count_traffic and not rc:
                 accounting.collect(lib, self, grid, block, shared_mem, regions, bindings, banks=count_banks)
@@ -437,6 +447,10 @@ class Function:
             return AsyncCopyError(f"{where}: {msg}")
         if kind == 9:
             return FragmentError(f"{where}: {msg}")
+        if kind == ERR_TIME_LIMIT:
+            return LaunchTimeoutError(
+                f"{where}: {msg}; its outputs are incomplete. A loop that never ends? Blocks run here one "
+                f"at a time, so a thread that waits for another block's write waits forever")
         return EmulatorError(f"{where}: {msg or 'launch failed'}")
 
 
@@ -545,6 +559,28 @@ def _describe_fault(r, bindings, smem, shared_mem):
     if addr < 65536:
         return f"{access} through a null (or nearly null) pointer: address 0x{addr:x}"
     return f"invalid {access} at address 0x{addr:x}, outside every emulator buffer"
+
+
+def launch_timeout():
+    """CPU seconds one launch may use (its kernel, the scheduler and the checkers, on the launching
+    thread) before it stops with :class:`LaunchTimeoutError`: ``$CUPYKV_EMULATOR_LAUNCH_TIMEOUT``,
+    read at every launch, default 600."""
+    return host.seconds_setting(LAUNCH_TIMEOUT_ENV, DEFAULT_LAUNCH_TIMEOUT)
+
+
+def _run_launch(lib, params, result, takes_sigint):
+    """``cuemu_launch``; with ``takes_sigint``, SIGINT is blocked until the runtime has installed its
+    handler (it unblocks it then, and blocks it again before putting Python's back), so that a Ctrl-C
+    arriving in between stops the launch instead of tripping Python's handler, which would run only
+    after a hung kernel returned. A Ctrl-C arriving after the runtime's handler is gone raises
+    KeyboardInterrupt here, as the mask is restored."""
+    if not takes_sigint:
+        return lib.cuemu_launch(ctypes.byref(params), ctypes.byref(result))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return lib.cuemu_launch(ctypes.byref(params), ctypes.byref(result))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _takes_sigint():

@@ -11,8 +11,9 @@
 // (access.cpp), whose observers (racecheck.cpp) see every memory access. The tensor-core
 // fragment instructions (mma, ldmatrix) are warp collectives of all 32 lanes computed by
 // fragments.cpp; asynchronous copies are tracked by async_copy.cpp. Memory faults,
-// fiber stack overflows and Ctrl-C end the launch with an error report; "faults and Ctrl-C"
-// below says when that may leave a signal handler, and what happens otherwise.
+// fiber stack overflows, Ctrl-C and the launch's CPU time limit end the launch with an error
+// report; "faults, Ctrl-C and the time limit" below says when that may leave a signal handler,
+// and what happens otherwise.
 //
 // Build: g++ -std=c++17 -O2 -fPIC -shared runtime.cpp access.cpp racecheck.cpp traffic.cpp
 // schedule.cpp async_copy.cpp fragments.cpp -I include (done by build.py).
@@ -26,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -119,7 +122,7 @@ const int g_sigs[4] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
 char* g_altstack = nullptr;
 const size_t kAltStackSize = 256 * 1024;
 
-// Code a signal handler may leave by siglongjmp ("faults and Ctrl-C" below).
+// Code a signal handler may leave by siglongjmp ("faults, Ctrl-C and the time limit" below).
 struct CodeRange {
   uintptr_t lo = 0, hi = 0;
   bool has(uintptr_t pc) const { return pc - lo < hi - lo; }
@@ -127,9 +130,17 @@ struct CodeRange {
 CodeRange g_module_code;   // the executable segment of the launched kernel's module
 CodeRange g_runtime_code;  // this library's
 CodeRange g_copy_code;     // cuemu_copy, cuemu_move, cuemu_fill
+CodeRange g_kernel_text;   // the module's .text, offsets from its base (cuemu_launch_params.text_lo)
 pthread_t g_launch_thread;
 volatile sig_atomic_t g_launch_running = 0;  // the launching thread is between sigsetjmp and the end
 struct sigaction g_old_sigint;
+struct sigaction g_old_time_limit;
+timer_t g_time_limit_timer;   // the launching thread's CPU-time timer, while a limited launch runs
+double g_time_limit_s = 0;    // the launch's limit (cuemu_launch_params.time_limit_s); 0: none
+
+// The signal of the time limit's timer: a real-time signal that neither Python nor CuPy uses,
+// handled by the runtime only while a launch with a limit runs. (glibc's SIGRTMIN is a call.)
+int time_limit_signal() { return SIGRTMIN + 2; }
 
 }  // namespace
 
@@ -463,7 +474,7 @@ static bool same_site(const char* f1, int l1, const char* f2, int l2) {
 
 // ---- barriers ---------------------------------------------------------------------
 CUEMU_EXPORT int cuemu_barrier(int kind, int pred, const char* file, int line) {
-  cuemu::poll_interrupt();
+  cuemu::poll_interrupt(__builtin_return_address(0));
   Fiber* me = g_cur;
   cuemu::trace_sync_point();
   if (S.bar_count == 0) {
@@ -639,9 +650,11 @@ static bool group_complete(const Warp& W, uint32_t base, uint32_t mask, const Fi
   return true;
 }
 
-// The start of every warp collective: poll Ctrl-C, mark a sync point, record the call on the fiber.
-static Fiber* enter_warp_call(int op, unsigned mask, int arg, int width, const char* file, int line) {
-  cuemu::poll_interrupt();
+// The start of every warp collective: poll for a stop (`ra`: the kernel's call), mark a sync point,
+// record the call on the fiber.
+static Fiber* enter_warp_call(int op, unsigned mask, int arg, int width, const char* file, int line,
+                              const void* ra) {
+  cuemu::poll_interrupt(ra);
   Fiber* me = g_cur;
   cuemu::trace_sync_point();
   me->op = (uint8_t)op;
@@ -656,7 +669,7 @@ static Fiber* enter_warp_call(int op, unsigned mask, int arg, int width, const c
 CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value,
                                               int size, int arg, int width, const char* file,
                                               int line) {
-  Fiber* me = enter_warp_call(op, mask, arg, width, file, line);
+  Fiber* me = enter_warp_call(op, mask, arg, width, file, line, __builtin_return_address(0));
   const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
   Warp& W = S.warps[w];
   me->value = value;
@@ -705,7 +718,7 @@ CUEMU_EXPORT unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned lo
 CUEMU_EXPORT void cuemu_warp_fragment(int op, int arg, const void* in, void* out, const char* file,
                                       int line) {
   const void* ra = __builtin_return_address(0);   // this call's site, before any helper call
-  Fiber* me = enter_warp_call(op, 0xffffffffu, arg, 32, file, line);
+  Fiber* me = enter_warp_call(op, 0xffffffffu, arg, 32, file, line, ra);
   const uint32_t lane = me->tid & 31u, w = me->tid >> 5, base = w * 32u;
   Warp& W = S.warps[w];
   me->vsize = 4;
@@ -861,6 +874,23 @@ static void report_stuck() {
   }
 }
 
+// The time limit's report (g_msg): the limit, and the kernel line the running thread was stopped
+// at (`site`, an offset in the module) when `has_site`, else `otherwise`.
+static void describe_time_limit(bool has_site, uint32_t site, const char* otherwise) {
+  g_msg.clear();
+  msgf(g_msg, "the launch used more than its %g s of CPU time (CUPYKV_EMULATOR_LAUNCH_TIMEOUT) and "
+       "was stopped ", g_time_limit_s);
+  if (has_site) msgf(g_msg, "at @site(0x%x)", site);
+  else msgf(g_msg, "%s", otherwise);
+}
+
+// What stops the launch when a stop was requested between fibers, in the scheduler.
+static int stop_between_fibers() {
+  if (cuemu::interrupt_requested & cuemu::STOP_SIGINT) return CUEMU_ERR_INTERRUPTED;
+  describe_time_limit(false, 0, "between threads, in the scheduler");
+  return CUEMU_ERR_TIME_LIMIT;
+}
+
 // ---- running a block --------------------------------------------------------------
 static int run_block(const uint32_t bd[3]) {
   const uint32_t n = S.n;
@@ -891,7 +921,7 @@ static int run_block(const uint32_t bd[3]) {
   cuemu::async_block_begin();
   push_block(nullptr);
   for (;;) {
-    if (cuemu::interrupt_requested) return CUEMU_ERR_INTERRUPTED;  // Ctrl-C came between fibers
+    if (cuemu::interrupt_requested) return stop_between_fibers();  // Ctrl-C or the time limit
     Fiber* f = pop_ready();
     if (f) {
       enter(f);
@@ -935,9 +965,9 @@ CUEMU_EXPORT void cuemu_trap(const char* what, const char* file, int line) {
 }
 CUEMU_EXPORT long long cuemu_clock64(void) { return (long long)__builtin_ia32_rdtsc(); }
 
-// ---- faults and Ctrl-C -------------------------------------------------------------
-// A fault in a fiber (SIGSEGV, SIGBUS, SIGFPE, SIGILL) and Ctrl-C (SIGINT) end the launch: the
-// handler siglongjmps back to cuemu_launch, which abandons the fibers and reports. Leaving a
+// ---- faults, Ctrl-C and the time limit ----------------------------------------------
+// A fault in a fiber (SIGSEGV, SIGBUS, SIGFPE, SIGILL), Ctrl-C (SIGINT) and the signal of the
+// launch's CPU-time timer (time_limit_signal()) end the launch: the handler siglongjmps back to cuemu_launch, which abandons the fibers and reports. Leaving a
 // signal handler that way is only well defined when the interrupted instruction belongs to
 // code that holds no lock and leaves nothing half-updated that outlives the launch; POSIX makes
 // it undefined after interrupting a function that is not async-signal-safe (printf, malloc).
@@ -953,12 +983,16 @@ CUEMU_EXPORT long long cuemu_clock64(void) { return (long long)__builtin_ia32_rd
 //     was installed before the launch gets the fault again when the instruction re-executes:
 //     by default the process dies of that signal (Python's faulthandler, if enabled, prints
 //     the Python stack). The process cannot go on safely, so it does not.
-//   - Ctrl-C sets cuemu::interrupt_requested, which the runtime polls at its entry points from
-//     fibers (access hooks, barriers, warp operations, thread exit) and between fibers; the
-//     launch then stops through fail() or the scheduler, in ordinary code. (A kernel that loops
-//     inside library calls only, without hooks, may need a second Ctrl-C.)
+//   - Ctrl-C and the time limit set a bit of cuemu::interrupt_requested, which the runtime polls
+//     at its entry points from fibers (access hooks, barriers, warp operations, thread exit) and
+//     between fibers; the launch then stops through fail() or the scheduler, in ordinary code.
+//     (A kernel that loops inside library calls only, without hooks, may need a second Ctrl-C;
+//     the timer repeats by itself.)
 // SIGINT is taken only by launches with CUEMU_STOP_ON_SIGINT, and only while they run; before
 // and after, Python's own handler gets it. cuemu_launch then returns CUEMU_ERR_INTERRUPTED.
+// The time limit's signal is handled only while a launch with a limit runs, and only the
+// launching thread's timer sends it; cuemu_launch then returns CUEMU_ERR_TIME_LIMIT, its message
+// naming the kernel line the thread was stopped at (an @site token) when there is one.
 
 // Whether `a` lies in the guard page of fiber `f`'s stack, or below it in the stack of the
 // fiber before (stack-clash probes stride by one page). Fiber 0 has no fiber before it: below
@@ -1078,28 +1112,48 @@ static void on_fault(int sig, siginfo_t* si, void* uc_) {
     if (g_sigs[i] == sig) sigaction(sig, &g_old_act[i], nullptr);
 }
 
-static void on_interrupt(int, siginfo_t*, void* uc_) {
-  cuemu::interrupt_requested = 1;
+// Whether `pc` is in the kernels' own code: the module's .text when the launch said where it is.
+// (The module's PLT stubs lie outside it: a pc there names no source line, and the hook the stub
+// jumps to polls for a stop anyway.)
+static bool in_kernel_text(uint64_t pc) {
+  if (!g_module_code.has(pc)) return false;
+  return !g_kernel_text.hi || g_kernel_text.has(cuemu::trace_site((const void*)pc));
+}
+
+// Ctrl-C (SIGINT) and the time limit's signal. Each masks the other, so the bits never race.
+static void on_stop_signal(int sig, siginfo_t*, void* uc_) {
+  cuemu::interrupt_requested |= sig == SIGINT ? cuemu::STOP_SIGINT : cuemu::STOP_TIME_LIMIT;
   if (!g_launch_running || !pthread_equal(pthread_self(), g_launch_thread)) return;
   const uint64_t pc = (uint64_t)((ucontext_t*)uc_)->uc_mcontext.gregs[REG_RIP];
-  if (!g_cur || !(g_module_code.has(pc) || g_copy_code.has(pc))) return;  // polled later
-  g_fault_sig = SIGINT;
+  if (!g_cur || !(in_kernel_text(pc) || g_copy_code.has(pc))) return;  // polled later
+  g_fault_sig = sig;
   g_fault_addr = 0;
   g_fault_write = -1;
   g_fault_fiber = g_cur;
-  g_has_fault_site = 0;
+  // where the thread was: the kernel's instruction, or its call of the copy it was in
+  g_has_fault_site = 1;
+  g_fault_site = g_copy_code.has(pc) ? cuemu::copy_site : cuemu::trace_site((const void*)(pc + 1));
   siglongjmp(g_jb, 1);
 }
 
-void cuemu::stop_for_interrupt() {
+void cuemu::stop_for_interrupt(const void* ra) {
   if (!interrupt_requested || !g_cur || !g_launch_running) return;
-  fail(CUEMU_ERR_INTERRUPTED, g_cur);
+  if (interrupt_requested & STOP_SIGINT) fail(CUEMU_ERR_INTERRUPTED, g_cur);
+  const bool named = ra && g_module_code.has((uintptr_t)ra);
+  describe_time_limit(named, named ? cuemu::trace_site(ra) : 0, "in the emulator runtime, at no kernel line");
+  fail(CUEMU_ERR_TIME_LIMIT, g_cur);
 }
+
 
 static void describe_fault(cuemu_result* r) {
   g_msg.clear();
   Fiber* f = g_fault_fiber;
   uint64_t a = g_fault_addr;
+  if (g_fault_sig == time_limit_signal()) {
+    r->kind = CUEMU_ERR_TIME_LIMIT;
+    describe_time_limit(true, g_fault_site, "");
+    return;
+  }
   if (g_fault_sig == SIGSEGV || g_fault_sig == SIGBUS) {
     if (in_stack_guard(f, a)) {
       r->kind = CUEMU_ERR_STACK;
@@ -1127,24 +1181,47 @@ static void describe_fault(cuemu_result* r) {
   msgf(g_msg, "invalid memory access at 0x%llx", (unsigned long long)a);
 }
 
-static void install_handlers(bool take_sigint) {
+static void install_handlers(bool take_sigint, bool timed) {
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_sigaction = on_fault;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
   sigemptyset(&sa.sa_mask);
-  sigaddset(&sa.sa_mask, SIGINT);  // a fault handler is not interrupted by Ctrl-C
+  sigaddset(&sa.sa_mask, SIGINT);  // a fault handler is not interrupted by a stop
+  sigaddset(&sa.sa_mask, time_limit_signal());
   for (int i = 0; i < 4; ++i) sigaction(g_sigs[i], &sa, &g_old_act[i]);
-  if (take_sigint) {
-    sa.sa_sigaction = on_interrupt;
-    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, &g_old_sigint);
-  }
+  sa.sa_sigaction = on_stop_signal;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+  if (take_sigint) sigaction(SIGINT, &sa, &g_old_sigint);
+  if (timed) sigaction(time_limit_signal(), &sa, &g_old_time_limit);
 }
-static void restore_handlers(bool took_sigint) {
+static void restore_handlers(bool took_sigint, bool timed) {
   for (int i = 0; i < 4; ++i) sigaction(g_sigs[i], &g_old_act[i], nullptr);
   if (took_sigint) sigaction(SIGINT, &g_old_sigint, nullptr);
+  if (timed) sigaction(time_limit_signal(), &g_old_time_limit, nullptr);
+}
+
+// A timer on the launching thread's CPU clock that sends it time_limit_signal() once the launch
+// has used `seconds`, then every 0.1 s more: a signal taken in the runtime only sets the flag its
+// next poll reads, and a kernel looping on registers alone polls nothing, so a later signal must
+// land in the kernel's own code. Created (unarmed) before the launch; false when it cannot be.
+static bool create_time_limit_timer() {
+  struct sigevent ev;
+  memset(&ev, 0, sizeof ev);
+  ev.sigev_notify = SIGEV_THREAD_ID;
+  ev.sigev_signo = time_limit_signal();
+  ev._sigev_un._tid = (pid_t)syscall(SYS_gettid);  // glibc names it sigev_notify_thread_id from 2.35
+  return timer_create(CLOCK_THREAD_CPUTIME_ID, &ev, &g_time_limit_timer) == 0;
+}
+static void arm_time_limit_timer(double seconds) {
+  struct itimerspec when;
+  memset(&when, 0, sizeof when);
+  const double whole = seconds < 1e9 ? seconds : 1e9;
+  when.it_value.tv_sec = (time_t)whole;
+  when.it_value.tv_nsec = (long)((whole - (double)when.it_value.tv_sec) * 1e9);
+  if (when.it_value.tv_sec == 0 && when.it_value.tv_nsec == 0) when.it_value.tv_nsec = 1;
+  when.it_interval.tv_nsec = 100 * 1000 * 1000;
+  timer_settime(g_time_limit_timer, 0, &when, nullptr);
 }
 
 // ---- launch -----------------------------------------------------------------------
@@ -1167,7 +1244,13 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   S.nwarps = (n + 31) / 32;
   const uint64_t nblocks = (uint64_t)p->grid[0] * p->grid[1] * p->grid[2];
   cuemu::schedule_begin(p->seed, nblocks);
+  if (p->time_limit_s > 0 && !create_time_limit_timer()) {
+    r->kind = CUEMU_ERR_SETUP;
+    snprintf(r->msg, sizeof r->msg, "cannot create the launch's CPU-time timer (timer_create)");
+    return r->kind;
+  }
   if (!cuemu::trace_launch_begin(p, n, (uintptr_t)g_stacks.base, g_stacks.count * g_stacks.stride)) {
+    if (p->time_limit_s > 0) timer_delete(g_time_limit_timer);
     r->kind = CUEMU_ERR_SETUP;
     snprintf(r->msg, sizeof r->msg, "cannot map the race checker's shadow memory");
     return r->kind;
@@ -1183,6 +1266,7 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   g_err_fiber = nullptr;
   g_cur = nullptr;
   if (!g_module_code.has((uintptr_t)p->invoke)) g_module_code = code_range_of((const void*)p->invoke);
+  g_kernel_text = CodeRange{(uintptr_t)p->text_lo, (uintptr_t)p->text_hi};
   if (!g_runtime_code.hi) {
     g_runtime_code = code_range_of((const void*)&cuemu_launch);
     g_copy_code = CodeRange{(uintptr_t)cuemu_copy_code_begin, (uintptr_t)cuemu_copy_code_end};
@@ -1190,17 +1274,30 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   const bool take_sigint = (p->options & CUEMU_STOP_ON_SIGINT) != 0;
   cuemu::interrupt_requested = 0;
   g_launch_thread = pthread_self();
+  g_time_limit_s = p->time_limit_s > 0 ? p->time_limit_s : 0;
+  const bool timed = g_time_limit_s > 0;
 
   stack_t ss, old_ss;
   ss.ss_sp = g_altstack;
   ss.ss_size = kAltStackSize;
   ss.ss_flags = 0;
   sigaltstack(&ss, &old_ss);
-  install_handlers(take_sigint);
+  install_handlers(take_sigint, timed);
+  // launch.py blocks SIGINT around a launch that takes it, so that a Ctrl-C arriving after Python
+  // last looked and before the handler above was installed waits, pending, instead of tripping
+  // Python's handler, which cannot run until the launch returns. Unblocked now, it lands here.
+  sigset_t entry_mask;
+  if (take_sigint) {
+    sigset_t sigint;
+    sigemptyset(&sigint);
+    sigaddset(&sigint, SIGINT);
+    pthread_sigmask(SIG_UNBLOCK, &sigint, &entry_mask);
+  }
   volatile int rc = CUEMU_OK;  // survives siglongjmp
   if (sigsetjmp(g_jb, 1) == 0) {
     t_in_launch = true;
     g_launch_running = 1;
+    if (timed) arm_time_limit_timer(g_time_limit_s);
     const uint64_t gx = p->grid[0], gxy = gx * p->grid[1];
     for (uint64_t k = 0; k < nblocks && rc == CUEMU_OK; ++k) {
       const uint64_t b = cuemu::schedule_block(k);  // linear block index, x fastest
@@ -1226,16 +1323,21 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
     rc = r->kind;
     g_err_fiber = g_fault_fiber;
   }
+  // Deleted before its handler goes: a signal the timer sent was taken when timer_delete returned.
+  if (timed) timer_delete(g_time_limit_timer);
   cuemu::trace_launch_end();
   restore_host_csr();
-  restore_handlers(take_sigint);
+  if (take_sigint) pthread_sigmask(SIG_SETMASK, &entry_mask, nullptr);  // blocked again, then Python's
+  restore_handlers(take_sigint, timed);
   if (!(old_ss.ss_flags & SS_DISABLE)) sigaltstack(&old_ss, nullptr);
   else { ss.ss_flags = SS_DISABLE; sigaltstack(&ss, nullptr); }
-  if (cuemu::interrupt_requested) {  // Ctrl-C, taken by the runtime while the launch ran
-    cuemu::interrupt_requested = 0;
+  const int stops = cuemu::interrupt_requested;
+  cuemu::interrupt_requested = 0;
+  if (stops & cuemu::STOP_SIGINT) {  // Ctrl-C, taken by the runtime while the launch ran
     if (rc == CUEMU_OK) rc = CUEMU_ERR_INTERRUPTED;  // it came between fibers or blocks
     if (rc != CUEMU_ERR_INTERRUPTED) raise(SIGINT);  // another error is reported: Python's handler gets it
   }
+  // (a time limit passed after the last thread of the last block ended: the launch completed)
   if (rc == CUEMU_ERR_INTERRUPTED) {
     r->kind = rc;
     g_msg.assign("interrupted (Ctrl-C)");

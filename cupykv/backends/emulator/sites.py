@@ -12,6 +12,7 @@ import functools
 import os
 import re
 import shutil
+import struct
 import subprocess
 
 from . import build, source
@@ -36,6 +37,28 @@ def describe_sites(path, sites):
     if missing:
         cache.update(_addr2line(path, missing))
     return {s: cache.get(s, f"{os.path.basename(path)}+0x{s:x}") for s in sites}
+
+
+@functools.lru_cache(maxsize=64)
+def text_section(path):
+    """``(start, end)`` of the ``.text`` section of the module at ``path`` (an x86-64 ELF shared
+    object), as offsets from its load base: the kernels' code, without the PLT's call stubs before
+    it. ``(0, 0)`` when the file has no such section. Read from the ELF section headers."""
+    with open(path, "rb") as f:
+        data = f.read()
+    section_offset, = struct.unpack_from("<Q", data, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
+
+    def header(i):   # (name offset, address, size)
+        name, _, _, address, _, size = struct.unpack_from("<IIQQQQ", data, section_offset + i * entry_size)
+        return name, address, size
+    _, _, _, _, names_at = struct.unpack_from("<IIQQQ", data, section_offset + names_index * entry_size)
+    for i in range(count):
+        name, address, size = header(i)
+        end = data.index(b"\0", names_at + name)
+        if data[names_at + name:end] == b".text":
+            return address, address + size
+    return 0, 0
 
 
 def _frame(text):

@@ -74,6 +74,7 @@ enum {
   CUEMU_ERR_FRAGMENT = 9,     // ldmatrix / mma misuse: a row address outside shared memory, ...
   CUEMU_ERR_BAD_ACCESS = 10,  // an access a GPU faults on that no guard page catches: outside a
                               // static __shared__ variable (into its guard bytes), or misaligned
+  CUEMU_ERR_TIME_LIMIT = 11,  // the launch used more CPU time than cuemu_launch_params.time_limit_s
 };
 
 // Guard bytes before and after each static __shared__ variable of a function (source.py's box).
@@ -170,6 +171,13 @@ struct cuemu_launch_params {
   // The bytes mapped at dyn_smem: dyn_smem_size, plus the gaps of a module that carves its dynamic
   // shared memory into arrays (CUEMU_SHARED_ARRAY_GAP)
   uint64_t dyn_smem_room;
+  // CPU seconds the launching thread may spend in the launch (its kernel, the scheduler, the
+  // checkers); past them the launch stops with CUEMU_ERR_TIME_LIMIT. 0: no limit.
+  double time_limit_s;
+  // The module's .text section, as offsets from its load base (0, 0: unknown): the kernels' code,
+  // which a stop (Ctrl-C, the time limit) may leave at once, without the PLT stubs before it,
+  // whose pc names no line (the hook they jump to polls instead).
+  uint64_t text_lo, text_hi;
 };
 
 // Hazard kinds (cuemu_hazard.kind).
