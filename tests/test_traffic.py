@@ -593,19 +593,33 @@ def test_protected_checks_its_range():
 def append_cases(draw):
     spec = draw(testing.specs(max_layers=2, kv_heads=(1, 2), head_dims=(8, 64), max_seqs=(4, 16)))
     return (spec, draw(testing.lengths(spec)), draw(st.integers(1, 6)), draw(st.integers(0, spec.n_layers - 1)),
-            draw(st.booleans()))
+            draw(st.booleans()), draw(st.booleans()))
+
+
+def assert_flags_and_positions_stored_once(launch, cache, positions_out, out_of_range):
+    """One thread per row stores its sequence's overflow flag (rows out of range only) and its
+    returned position: each such word exactly once, not once per thread of the row's block.
+    ``out_of_range``: bool ``[batch, n_new]``."""
+    flags = launch.of(cache.overflow)
+    assert flags.touched("store").reshape(-1, 4).any(axis=1).tolist() == out_of_range.any(axis=1).tolist()
+    assert flags.bytes_stored == 4 * int(out_of_range.sum())
+    assert flags.bytes_loaded == 0
+    if positions_out is not None:
+        returned = launch.of(positions_out)
+        assert returned.touched("store").all() and returned.bytes_stored == positions_out.nbytes
 
 
 @settings(max_examples=EXAMPLES)
 @given(case=append_cases())
 def test_append_writes_exactly_its_rows_and_reads_nothing_of_the_cache(case):
-    spec, lengths, n_new, layer, rope = case
+    spec, lengths, n_new, layer, rope, return_positions = case
     cache = cupykv.KVCache(spec, backend="emulator")
     cache.advance(lengths)
     k, v = (cache._backend.zeros((spec.batch, n_new, spec.n_kv_heads, spec.head_dim),
                                  cache._backend.storage_dtype(spec.dtype)) for _ in "kv")
+    positions_out = cache._backend.zeros((spec.batch, n_new), np.int32) if return_positions else None
     with testing.traffic(cache) as t:
-        cache.append(layer, k, v, rope=cupykv.Rope() if rope else None)
+        cache.append(layer, k, v, rope=cupykv.Rope() if rope else None, positions_out=positions_out)
     launch = only_launch(t)
     written = [(min(n, spec.max_seq), min(n + n_new, spec.max_seq)) for n in lengths]
     want = row_bytes(spec, layer, written)
@@ -614,10 +628,46 @@ def test_append_writes_exactly_its_rows_and_reads_nothing_of_the_cache(case):
         assert arg.counts("load").accesses == 0
         assert np.array_equal(arg.touched("store"), want)
         assert arg.bytes_stored == want.sum()   # every byte once
-    overflowed = [n + n_new > spec.max_seq for n in lengths]
-    stored_flags = launch.of(cache.overflow).touched("store").reshape(spec.batch, 4).any(axis=1)
-    assert stored_flags.tolist() == overflowed
+    out_of_range = np.array([[n + i >= spec.max_seq for i in range(n_new)] for n in lengths])
+    assert_flags_and_positions_stored_once(launch, cache, positions_out, out_of_range)
     assert launch.of(cache.lengths).bytes_stored == 0
+
+
+@st.composite
+def write_cases(draw):
+    spec = draw(testing.specs(max_layers=2, kv_heads=(1, 2), head_dims=(8, 64), max_seqs=(4, 16)))
+    n_new = draw(st.integers(1, 6))
+    # positions from a narrow range around the capacity: twins, and rows past either end, are common
+    positions = draw(st.lists(st.lists(st.integers(-2, spec.max_seq + 1), min_size=n_new, max_size=n_new),
+                              min_size=spec.batch, max_size=spec.batch))
+    return spec, np.array(positions, np.int32), draw(st.integers(0, spec.n_layers - 1)), draw(st.booleans())
+
+
+@settings(max_examples=EXAMPLES)
+@given(case=write_cases())
+def test_write_stores_each_positions_last_row_once_and_each_flag_once(case):
+    spec, positions, layer, return_positions = case
+    cache = cupykv.KVCache(spec, backend="emulator")
+    backend = cache._backend
+    n_new = positions.shape[1]
+    k, v = (backend.zeros((spec.batch, n_new, spec.n_kv_heads, spec.head_dim), backend.storage_dtype(spec.dtype))
+            for _ in "kv")
+    device_positions = backend.asarray(positions)
+    positions_out = backend.zeros((spec.batch, n_new), np.int32) if return_positions else None
+    with testing.traffic(cache) as t:
+        cache.write(layer, device_positions, k, v, positions_out=positions_out)
+    launch = only_launch(t)
+    want = np.zeros(int(np.prod(spec.shape)) * spec.itemsize, bool)
+    for b, row in enumerate(positions):
+        for pos in {int(p) for p in row if 0 <= p < spec.max_seq}:
+            want |= row_bytes(spec, layer, [(pos, pos + 1) if c == b else (0, 0) for c in range(spec.batch)])
+    for array in (cache.k, cache.v):
+        arg = launch.of(array)
+        assert arg.counts("load").accesses == 0
+        assert np.array_equal(arg.touched("store"), want)
+        assert arg.bytes_stored == want.sum()   # a position's rows once, however many rows name it
+    assert_flags_and_positions_stored_once(launch, cache, positions_out,
+                                           (positions < 0) | (positions >= spec.max_seq))
 
 
 @pytest.mark.parametrize("op", ["advance", "advance per sequence", "truncate", "reset", "reset slots"])
