@@ -967,13 +967,14 @@ CUEMU_EXPORT long long cuemu_clock64(void) { return (long long)__builtin_ia32_rd
 
 // ---- faults, Ctrl-C and the time limit ----------------------------------------------
 // A fault in a fiber (SIGSEGV, SIGBUS, SIGFPE, SIGILL), Ctrl-C (SIGINT) and the signal of the
-// launch's CPU-time timer (time_limit_signal()) end the launch: the handler siglongjmps back to cuemu_launch, which abandons the fibers and reports. Leaving a
-// signal handler that way is only well defined when the interrupted instruction belongs to
-// code that holds no lock and leaves nothing half-updated that outlives the launch; POSIX makes
-// it undefined after interrupting a function that is not async-signal-safe (printf, malloc).
-// So the handler looks at the interrupted pc first, and jumps only from:
+// launch's CPU-time timer (time_limit_signal()) end the launch: the handler siglongjmps back to
+// cuemu_launch, which abandons the fibers and reports. Leaving a signal handler that way is only
+// well defined when the interrupted instruction belongs to code that holds no lock and leaves
+// nothing half-updated that outlives the launch; POSIX makes it undefined after interrupting a
+// function that is not async-signal-safe (printf, malloc). So the handler looks at the
+// interrupted pc first, and jumps only from:
 //   - the launched kernel's module (kernel code and the cuemu.h inlines): it writes its own
-//     memory and reads cuemu_ctx, nothing else;
+//     memory and reads cuemu_ctx, nothing else (a stop signal: its .text only, in_kernel_text);
 //   - cuemu_copy/move/fill, the kernels' memcpy/memmove/memset: string instructions, no state;
 //   - for a fault, anywhere in this runtime when the address is in the running fiber's stack
 //     guard (a stack overflow faults at a call or a push; the runtime takes no lock, and its
@@ -1143,7 +1144,6 @@ void cuemu::stop_for_interrupt(const void* ra) {
   describe_time_limit(named, named ? cuemu::trace_site(ra) : 0, "in the emulator runtime, at no kernel line");
   fail(CUEMU_ERR_TIME_LIMIT, g_cur);
 }
-
 
 static void describe_fault(cuemu_result* r) {
   g_msg.clear();

@@ -5,7 +5,8 @@ an instrumentation hook minus the module's base; binutils' ``addr2line`` turns t
 it into ``file:line``, innermost inlined frame first. A static shared memory offset is looked up
 among the module's thread-local symbols (``readelf``), since every static ``__shared__``
 variable is ``thread_local``. Both run only when a race is reported, cached per module file.
-Without binutils the report shows ``module+0xOFFSET`` instead.
+Without binutils the report shows ``module+0xOFFSET`` instead. The module's ``.text`` range,
+which every launch passes to the runtime, is read from its ELF section headers directly.
 """
 
 import functools
