@@ -165,6 +165,39 @@ def test_module_still_runs_after_the_checks(fresh_cache):
     assert x.tolist() == [0, 3, 6, 9]
 
 
+# ---- copies past an object, found by g++ -----------------------------------------------------
+# Bit-casts a 16-byte vector into a local array, as the kernels' vector loads do, with the copy size
+# as a macro. A size of 17 writes one byte past `raw` and reads one past `packed`: on a GPU both
+# pass silently, and neither the bounds sanitizer (indices) nor the guards (global and shared
+# memory) see a local object's end.
+VECTOR_COPY = """
+struct Vec16 { unsigned a, b, c, d; };
+__global__ void unpack(float* out, const Vec16* in) {
+  const Vec16 packed = in[threadIdx.x];
+  float raw[4];
+  memcpy(raw, &packed, COPY_BYTES);
+  for (int e = 0; e < 4; ++e) out[threadIdx.x * 4 + e] = raw[e];
+}
+"""
+
+
+def test_a_copy_past_a_local_object_does_not_build(fresh_cache):
+    with pytest.raises(E.CompileError, match=r"(?s)failed to compile copy\.cu.*copy\.cu:6:\d+: error: .*writing 17 bytes "
+                                             r"into a region of size 16 overflows the destination"):
+        E.Module(VECTOR_COPY, ["unpack"], options=("-DCOPY_BYTES=17",), filename="copy.cu")
+    module = E.Module(VECTOR_COPY, ["unpack"], options=("-DCOPY_BYTES=16",), filename="copy.cu")
+    out = E.zeros(8, np.float32)
+    module.get_function("unpack")(1, 2, (out, E.asarray(np.arange(8, dtype=np.float32).view(np.uint32))))
+    assert out.tolist() == list(range(8))
+
+
+@pytest.mark.skipif(host.gcc_major(build.CXX) < 11, reason="g++ finds overreads from version 11")
+def test_a_copy_reading_past_its_source_does_not_build(fresh_cache):
+    source = VECTOR_COPY.replace("float raw[4];", "float raw[5];")   # room for 17 bytes: only the read overruns
+    with pytest.raises(E.CompileError, match=r"(?s)copy\.cu:6:\d+: error: .*reading 17 bytes from a region of size 16"):
+        E.Module(source, ["unpack"], options=("-DCOPY_BYTES=17",), filename="copy.cu")
+
+
 # ---- what the cache keys cover ------------------------------------------------------------
 HEADER_USER = '#include "value.cuh"\n#ifndef OFFSET\n#define OFFSET 0\n#endif\n' \
               '__global__ void k(int* x) { x[threadIdx.x] = VALUE + OFFSET; }\n'

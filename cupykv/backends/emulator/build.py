@@ -61,9 +61,16 @@ NO_FUNC_ENTRY_EXIT = ("--param", "tsan-instrument-func-entry-exit=0")
 # misaligned address; four aligned 4-byte loads would pass here), and the traffic and bank counters
 # see one access per lane.
 KEEP_VECTORS_WHOLE = ("-fno-tree-sra",)
+# g++'s own findings of a copy or fill that runs past an object (`memcpy(raw, &packed, 17)` into a
+# 16-byte `raw`): errors, so that such a module does not build. On the GPU the bytes past the object
+# are read or written silently, and -fsanitize=bounds sees indices, not copy sizes; the emulator's
+# memcpy sees the addresses but not the objects (local memory is not watched). The overread check
+# (a copy reading past its source) needs GCC 11.
+COPY_SIZE_ERRORS = ("-Werror=stringop-overflow",)
+COPY_OVERREAD_ERRORS = ("-Werror=stringop-overread",)
 BASE_MODULE_FLAGS = tuple(f for f in COMMON_FLAGS if f != "-shared") + (
     "-fstack-clash-protection", "-fno-crossjumping", "-fno-optimize-sibling-calls", "-Wno-attributes",
-    "-include", "cuemu.h", "-g1") + BOUNDS_FLAGS + KEEP_VECTORS_WHOLE
+    "-include", "cuemu.h", "-g1") + BOUNDS_FLAGS + KEEP_VECTORS_WHOLE + COPY_SIZE_ERRORS
 # timer_create (the launch's CPU-time limit) lives in librt before glibc 2.34, in libc after
 RUNTIME_LIBS = ("-lrt",)
 MODULE_LINK_FLAGS = ("-shared", "-Wl,--wrap=__assert_fail")
@@ -255,11 +262,11 @@ def instrumented():
 
 def module_flags():
     """The compile flags of a module (its link flags: :func:`module_link_flags`)."""
+    gcc_11 = host.gcc_major(CXX) >= 11
+    flags = BASE_MODULE_FLAGS + (COPY_OVERREAD_ERRORS if gcc_11 else ())
     if not instrumented():
-        return BASE_MODULE_FLAGS
-    if host.gcc_major(CXX) >= 11:
-        return BASE_MODULE_FLAGS + INSTRUMENT_FLAGS + NO_FUNC_ENTRY_EXIT
-    return BASE_MODULE_FLAGS + INSTRUMENT_FLAGS
+        return flags
+    return flags + INSTRUMENT_FLAGS + (NO_FUNC_ENTRY_EXIT if gcc_11 else ())
 
 
 def module_link_flags():
