@@ -325,13 +325,12 @@ class Function:
         guard_table = _guard_table([alloc for _, _, _, alloc in bindings] + [smem])
         p.guards = ctypes.addressof(guard_table)
         p.nguards = len(guard_table) if guard_table[0].hi else 0
-        takes_sigint = _takes_sigint()
-        p.options = STOP_ON_SIGINT if takes_sigint else 0
+        p.options = STOP_ON_SIGINT if _takes_sigint() else 0
         p.time_limit_s = time_limit
         p.text_lo, p.text_hi = sites.text_section(self.module.path)
         lib = build.runtime()
         try:
-            rc = _run_launch(lib, p, r, takes_sigint)
+            rc = lib.cuemu_launch(ctypes.byref(p), ctypes.byref(r))
             found = racecheck.hazards(lib) if check_races and not rc else ([], 0, 0)
             if count_traffic and not rc:
                 accounting.collect(lib, self, grid, block, shared_mem, regions, bindings, banks=count_banks)
@@ -566,21 +565,6 @@ def launch_timeout():
     thread) before it stops with :class:`LaunchTimeoutError`: ``$CUPYKV_EMULATOR_LAUNCH_TIMEOUT``,
     read at every launch, default 600."""
     return host.seconds_setting(LAUNCH_TIMEOUT_ENV, DEFAULT_LAUNCH_TIMEOUT)
-
-
-def _run_launch(lib, params, result, takes_sigint):
-    """``cuemu_launch``; with ``takes_sigint``, SIGINT is blocked until the runtime has installed its
-    handler (it unblocks it then, and blocks it again before putting Python's back), so that a Ctrl-C
-    arriving in between stops the launch instead of tripping Python's handler, which would run only
-    after a hung kernel returned. A Ctrl-C arriving after the runtime's handler is gone raises
-    KeyboardInterrupt here, as the mask is restored."""
-    if not takes_sigint:
-        return lib.cuemu_launch(ctypes.byref(params), ctypes.byref(result))
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        return lib.cuemu_launch(ctypes.byref(params), ctypes.byref(result))
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _takes_sigint():

@@ -1283,16 +1283,6 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   ss.ss_flags = 0;
   sigaltstack(&ss, &old_ss);
   install_handlers(take_sigint, timed);
-  // launch.py blocks SIGINT around a launch that takes it, so that a Ctrl-C arriving after Python
-  // last looked and before the handler above was installed waits, pending, instead of tripping
-  // Python's handler, which cannot run until the launch returns. Unblocked now, it lands here.
-  sigset_t entry_mask;
-  if (take_sigint) {
-    sigset_t sigint;
-    sigemptyset(&sigint);
-    sigaddset(&sigint, SIGINT);
-    pthread_sigmask(SIG_UNBLOCK, &sigint, &entry_mask);
-  }
   volatile int rc = CUEMU_OK;  // survives siglongjmp
   if (sigsetjmp(g_jb, 1) == 0) {
     t_in_launch = true;
@@ -1327,7 +1317,6 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   if (timed) timer_delete(g_time_limit_timer);
   cuemu::trace_launch_end();
   restore_host_csr();
-  if (take_sigint) pthread_sigmask(SIG_SETMASK, &entry_mask, nullptr);  // blocked again, then Python's
   restore_handlers(take_sigint, timed);
   if (!(old_ss.ss_flags & SS_DISABLE)) sigaltstack(&old_ss, nullptr);
   else { ss.ss_flags = SS_DISABLE; sigaltstack(&ss, nullptr); }
