@@ -965,12 +965,15 @@ def test_embedding_copies_aligned_rows_in_16_byte_accesses(dtype, hidden, shift,
     backend, vocab = EmulatorBackend(), 5
     rng = np.random.default_rng(2)
     table = _aligned_or_shifted(backend, rng.standard_normal((vocab, hidden)).astype(host_dtype(dtype)), shift)
-    ids = backend.asarray(np.array([4, 0, 4], np.int32))
-    out = backend.zeros((3, hidden), table.dtype)
+    ids = backend.asarray(np.array([4, 0, -1, 4, 5], np.int32))   # two ids out of range: zero rows, no reads
+    out = backend.zeros((5, hidden), table.dtype)
+    error_flag = backend.zeros(1, np.int32)
     with testing.traffic(backend) as t:
-        ops.embedding(ids, table, out=out)
+        ops.embedding(ids, table, out=out, error_flag=error_flag)
     (launch,) = t.launches
     row_bytes = hidden * table.dtype.itemsize
     loads, stores = launch.of(table).counts("load"), launch.of(out).counts("store")
     assert (loads.bytes, loads.accesses) == (3 * row_bytes, 3 * row_bytes // vector_bytes), t.report()
     assert (stores.bytes, stores.accesses) == (out.nbytes, out.nbytes // vector_bytes), t.report()
+    flag = launch.of(error_flag)   # one thread of each bad row's block sets it: two stores, not one a thread
+    assert (flag.bytes_stored, flag.bytes_loaded) == (8, 0), t.report()
