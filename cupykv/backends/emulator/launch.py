@@ -164,6 +164,7 @@ class Function:
         self._params.invoke = self._invoke
         self._params.args = ctypes.addressof(self._argv)
         self._params.tls_probe = module._tls_probe
+        self._params.text_lo, self._params.text_hi = sites.text_section(module.path)
         self._result = build._Result()
 
     def __repr__(self):
@@ -327,7 +328,6 @@ class Function:
         p.nguards = len(guard_table) if guard_table[0].hi else 0
         p.options = STOP_ON_SIGINT if _takes_sigint() else 0
         p.time_limit_s = time_limit
-        p.text_lo, p.text_hi = sites.text_section(self.module.path)
         lib = build.runtime()
         try:
             rc = lib.cuemu_launch(ctypes.byref(p), ctypes.byref(r))

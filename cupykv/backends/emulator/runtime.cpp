@@ -1244,13 +1244,15 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   S.nwarps = (n + 31) / 32;
   const uint64_t nblocks = (uint64_t)p->grid[0] * p->grid[1] * p->grid[2];
   cuemu::schedule_begin(p->seed, nblocks);
-  if (p->time_limit_s > 0 && !create_time_limit_timer()) {
+  const bool timed = p->time_limit_s > 0;
+  g_time_limit_s = timed ? p->time_limit_s : 0;
+  if (timed && !create_time_limit_timer()) {
     r->kind = CUEMU_ERR_SETUP;
     snprintf(r->msg, sizeof r->msg, "cannot create the launch's CPU-time timer (timer_create)");
     return r->kind;
   }
   if (!cuemu::trace_launch_begin(p, n, (uintptr_t)g_stacks.base, g_stacks.count * g_stacks.stride)) {
-    if (p->time_limit_s > 0) timer_delete(g_time_limit_timer);
+    if (timed) timer_delete(g_time_limit_timer);
     r->kind = CUEMU_ERR_SETUP;
     snprintf(r->msg, sizeof r->msg, "cannot map the race checker's shadow memory");
     return r->kind;
@@ -1274,8 +1276,6 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   const bool take_sigint = (p->options & CUEMU_STOP_ON_SIGINT) != 0;
   cuemu::interrupt_requested = 0;
   g_launch_thread = pthread_self();
-  g_time_limit_s = p->time_limit_s > 0 ? p->time_limit_s : 0;
-  const bool timed = g_time_limit_s > 0;
 
   stack_t ss, old_ss;
   ss.ss_sp = g_altstack;
