@@ -59,14 +59,14 @@ CHILD = textwrap.dedent("""
 
 
 def _lines(child):
-    """A queue of the child's stdout lines (stripped; None at its end), filled by a thread, so that
+    """A queue of the child's stdout lines (stripped; "" at its end), filled by a thread, so that
     the parent can wait for one with a timeout."""
     lines = queue.Queue()
 
     def read():
         for line in child.stdout:
             lines.put(line.strip())
-        lines.put(None)
+        lines.put("")
     threading.Thread(target=read, daemon=True).start()
     return lines
 
@@ -81,7 +81,7 @@ def _interrupt_the_launch(child):
     for _ in range(5):
         line = lines.get(timeout=60)
         if line != "launching":
-            return line or ""
+            return line
         time.sleep(0.5)                        # the launch is spinning by now, or the child says "early"
         for _ in range(12):
             child.send_signal(signal.SIGINT)
@@ -91,8 +91,8 @@ def _interrupt_the_launch(child):
             except queue.Empty:
                 continue
         if line != "early":
-            return line or ""
-    return line or ""
+            return line
+    return line
 
 
 @pytest.fixture(scope="module")
