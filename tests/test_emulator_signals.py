@@ -95,6 +95,17 @@ def _interrupt_the_launch(child):
     return line
 
 
+def _wait_for_stderr(child, timeout=20):
+    """Waits for the child to end while a thread drains its stderr, and returns that. A pipe holds
+    64 KB: read only after the wait, a child writing more would block and never end."""
+    text = []
+    reader = threading.Thread(target=lambda: text.append(child.stderr.read()), daemon=True)
+    reader.start()
+    child.wait(timeout=timeout)
+    reader.join(timeout=timeout)
+    return "".join(text)
+
+
 @pytest.fixture(scope="module")
 def kernels():
     return E.Module(SIGNALS.read_text(), NAMES, filename=str(SIGNALS))
@@ -116,8 +127,7 @@ def test_ctrl_c_stops_a_hung_kernel(kernels, kernel, racecheck):
     child = _start(CHILD, SIGNALS, kernel, "catch", env=env)
     try:
         reply = _interrupt_the_launch(child)
-        child.wait(timeout=20)
-        err = child.stderr.read()
+        err = _wait_for_stderr(child)
     finally:
         child.kill()
     assert child.returncode == 0, err
@@ -128,8 +138,7 @@ def test_uncaught_ctrl_c_ends_the_process_with_keyboard_interrupt(kernels):
     child = _start(CHILD, SIGNALS, "spin", "let-go")
     try:
         reply = _interrupt_the_launch(child)
-        child.wait(timeout=20)
-        err = child.stderr.read()
+        err = _wait_for_stderr(child)
     finally:
         child.kill()
     assert reply == "" and child.returncode != 0, (reply, err)   # no line after the interrupt: it ended the process
@@ -223,7 +232,6 @@ def test_memmove_and_memset(kernels):
 
 
 def test_launch_off_the_main_thread_leaves_sigint_to_python(kernels):
-    import threading
     seen = []
     out = E.zeros(64, np.int32)
     thread = threading.Thread(target=lambda: seen.append(kernels.get_function("fill")(1, 64, (out,))))
