@@ -34,7 +34,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_float4_components", "misaligned_atomic",
-             "dyn_smem_half_written", "uncleared_counter",
+             "dyn_smem_half_written", "uncleared_counter", "dyn_smem_vector_unwritten",
              "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
              "local_array_past_end", "row_index_past_row", "local_array_before_start",
@@ -652,6 +652,8 @@ UNINITIALIZED_READS = [
      r"read of dynamic shared memory, byte offset \d+", 32),
     ("uncleared_counter", 1, 32, 0, lambda: (E.zeros(32, np.int32),), "atomicAdd(&count, 1);",
      r"atomic of static __shared__ count \(in uncleared_counter\), byte offset 0", 1),
+    ("dyn_smem_vector_unwritten", 1, 32, 512, lambda: (E.zeros(32),), "const uint4 quad = quads[threadIdx.x];",
+     r"read of dynamic shared memory, byte offset \d+", 32),   # 16-byte reads: one each, not one per word
 ]
 
 

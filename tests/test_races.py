@@ -25,7 +25,7 @@ RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
 RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
-              "clear_while_counting"]
+              "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array"]
 
 
 @pytest.fixture(scope="module")
@@ -327,21 +327,25 @@ def test_rmsnorm_without_its_barrier_is_reported():
 # ---- global memory ----------------------------------------------------------------------
 def run_last_block_sums(races, steps, blocks=6, threads=32):
     x = np.arange(blocks * threads, dtype=np.float32)
-    partial, out, counter = E.zeros(blocks * threads), E.zeros(threads), E.zeros(1, np.int32)
+    partial, out, counter = E.zeros(blocks * (threads + 1)), E.zeros(threads + 1), E.zeros(1, np.int32)
     races.get_function("last_block_sums")(blocks, threads, (E.asarray(x), partial, out, counter, np.int32(steps)))
     return x, out, counter
 
 
 def test_a_hand_off_through_a_fenced_counter_orders_the_blocks(races):
-    """Release fence, count, acquire fence, barrier: the last block reads every block's partials
+    """Barrier, release fence, count, acquire fence, barrier: the last block reads every block's
+    partials, and the firsts that each releasing thread wrote after the barrier (its own accesses),
     with no race reported, and leaves the counter at 0 for the next launch (or graph replay)."""
     for _ in range(2):
-        x, out, counter = run_last_block_sums(races, 7)
-        assert np.array_equal(out, 2 * x.reshape(6, 32).sum(axis=0)) and counter[0] == 0
+        x, out, counter = run_last_block_sums(races, 15)
+        columns = x.reshape(6, 32)
+        assert np.array_equal(out[:32], 2 * columns.sum(axis=0)) and out[32] == columns[:, 0].sum()
+        assert counter[0] == 0
 
 
-@pytest.mark.parametrize("steps, missing", [(6, "the releasing fence"), (5, "the acquiring fence"),
-                                            (3, "the barrier after the acquire")])
+@pytest.mark.parametrize("steps, missing", [(14, "the releasing fence"), (13, "the acquiring fence"),
+                                            (11, "the barrier after the acquire"),
+                                            (7, "the barrier before the release")])
 def test_a_hand_off_missing_one_step_is_a_race(races, steps, missing):
     with pytest.raises(E.RaceError) as caught:
         run_last_block_sums(races, steps)
@@ -350,12 +354,47 @@ def test_a_hand_off_missing_one_step_is_a_race(races, steps, missing):
     publish, sum_up = (source_site(RACES, "partial[blockIdx.x * blockDim.x + column] ="),
                        source_site(RACES, "sum += partial[b * blockDim.x + column];"))
     across_blocks = [h for h in caught.value.hazards if {h.first.site, h.second.site} == {publish, sum_up}]
-    if steps == 3:   # thread 0 acquired in program order: the race is the other threads' reads
+    if steps == 11:   # thread 0 acquired in program order: the race is the other threads' reads
         assert across_blocks and all(h.second.thread != (0, 0, 0) for h in across_blocks), message
+    elif steps == 7:  # thread 0 released its own writes: the race is the other threads' writes
+        assert across_blocks and all(h.first.thread != (0, 0, 0) for h in across_blocks), message
     else:
         assert across_blocks, message
     for hazard in across_blocks:
         assert hazard.kind == "read-after-write" and hazard.first.block != hazard.second.block
+
+
+@pytest.mark.parametrize("acquirers, racing_places", [(0b110, []), (0b010, [2]), (0b100, [1])])
+def test_what_a_block_acquired_is_its_own(races, acquirers, racing_places):
+    """Of the blocks that read what the first block released, those that did not acquire it race
+    with it, also after a block that did acquire it (turns 1 and 2 of 3; 0b110: both acquire)."""
+    data, out, counters, order = E.zeros(32), E.zeros(3 * 32), E.zeros(2, np.int32), E.zeros(3, np.int32)
+
+    def run():
+        races.get_function("hand_off_to_some_blocks")(3, 32, (data, out, counters, order, np.int32(acquirers)))
+    if not racing_places:
+        run()
+        assert np.array_equal(E.asnumpy(out)[32:], np.tile(np.arange(1, 33, dtype=np.float32), 2))
+        return
+    with pytest.raises(E.RaceError) as caught:
+        run()
+    publisher, readers = (int(order[0]), 0, 0), {(int(order[place]), 0, 0) for place in racing_places}
+    found = hazards_between(caught.value, source_site(RACES, "data[threadIdx.x] = (float)(threadIdx.x + 1);"),
+                            source_site(RACES, "= data[threadIdx.x];"))
+    for hazard in found:
+        assert hazard.kind == "read-after-write", str(caught.value)
+        assert hazard.first.block == publisher and hazard.second.block in readers, str(caught.value)
+    assert {hazard.second.block for hazard in found} == readers
+
+
+def test_each_pair_of_lines_is_its_own_hazard(races):
+    """Two races of one kind on one array, between two pairs of lines: the report has both."""
+    with pytest.raises(E.RaceError) as caught:
+        races.get_function("two_races_one_array")(1, 64, (E.zeros(2, np.int32), E.zeros(2, np.int32)))
+    pairs = {frozenset((h.first.site, h.second.site)) for h in caught.value.hazards}
+    assert pairs == {frozenset((source_site(RACES, f"pair[{i}] = {i + 1};"),
+                                source_site(RACES, f"out[{i}] = pair[{i}];"))) for i in (0, 1)}, str(caught.value)
+    assert len({h.kind for h in caught.value.hazards}) == 1, str(caught.value)
 
 
 def test_two_blocks_writing_one_output_element(races):

@@ -159,6 +159,14 @@ __global__ void uncleared_counter(int* y) {
   y[threadIdx.x] = count;
 }
 
+// (s2) every thread loads 16 bytes of dynamic shared memory that no thread wrote: one read each,
+// although it spans four words. y: [blockDim.x] float.
+__global__ void dyn_smem_vector_unwritten(float* y) {
+  extern __shared__ uint4 quads[];
+  const uint4 quad = quads[threadIdx.x];
+  y[threadIdx.x] = __uint_as_float(quad.x) + __uint_as_float(quad.w);
+}
+
 // (t) reads one element before the start of x (thread 0).
 __global__ void read_before_start(const float* x, float* y) {
   y[threadIdx.x] = x[(int)threadIdx.x - 1];

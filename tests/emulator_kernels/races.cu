@@ -100,18 +100,23 @@ __global__ void sync_chain(int* out, int chained) {
   if (lane == 2) out[0] = shared_value;
 }
 
-// The "last block" hand-off: every block publishes a column of partial results, counts itself
-// on a device counter, and the block that counts last sums every block's column, then resets
-// the counter. `steps` switches its three synchronisations: bit 0 the releasing fence before
-// the count, bit 1 the acquiring fence after it, bit 2 the barrier that makes the acquire the
-// whole block's. All three (7): no race. partial: [gridDim.x * blockDim.x] float, out:
-// [blockDim.x] float, counter: [1] int (0 before the launch, and after it).
+// The "last block" hand-off: every block publishes a column of partial results, its thread 0
+// then publishes the column's first element once more (in the epoch of its release: the releasing
+// thread's own accesses are released with it), counts the block on a device counter, and the
+// block that counts last sums every block's column and those firsts, then resets the counter.
+// `steps` switches its four synchronisations: bit 0 the releasing fence before the count, bit 1
+// the acquiring fence after it, bit 2 the barrier that makes the acquire the whole block's, bit 3
+// the barrier that makes the release the whole block's. All four (15): no race.
+// partial: [gridDim.x * (blockDim.x + 1)] float, out: [blockDim.x + 1] float, counter: [1] int
+// (0 before the launch, and after it).
 __global__ void last_block_sums(const float* x, float* partial, float* out, int* counter, int steps) {
   __shared__ int is_last;
   const int column = threadIdx.x;
+  float* firsts = partial + gridDim.x * blockDim.x;
   partial[blockIdx.x * blockDim.x + column] = x[blockIdx.x * blockDim.x + column] * 2.0f;
-  __syncthreads();
+  if (steps & 8) __syncthreads();
   if (column == 0) {
+    firsts[blockIdx.x] = x[blockIdx.x * blockDim.x];
     if (steps & 1) __threadfence();
     is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
     if (steps & 2) __threadfence();
@@ -122,8 +127,53 @@ __global__ void last_block_sums(const float* x, float* partial, float* out, int*
     float sum = 0.0f;
     for (unsigned b = 0; b < gridDim.x; ++b) sum += partial[b * blockDim.x + column];
     out[column] = sum;
-    if (column == 0) atomicExch(counter, 0);
+    if (column == 0) {
+      float first_sum = 0.0f;
+      for (unsigned b = 0; b < gridDim.x; ++b) first_sum += firsts[b];
+      out[blockDim.x] = first_sum;
+      atomicExch(counter, 0);
+    }
   }
+}
+
+// A hand-off to some blocks only: the block that counts first on counters[0] publishes `data`
+// and releases it into counters[1] (barrier, fence, atomic); each later block counts on
+// counters[1] and reads data, acquiring it (atomic, fence, barrier) only where bit `place` of
+// `acquirers` is set, place being its turn in the count. What a block acquired is its own: a
+// later block that did not acquire races with the publisher although an earlier one acquired.
+// data: [blockDim.x] float, out: [gridDim.x * blockDim.x] float, counters: [2] int (zeros),
+// order: [gridDim.x] int (order[place]: the block that counted at that turn).
+__global__ void hand_off_to_some_blocks(float* data, float* out, int* counters, int* order, int acquirers) {
+  __shared__ int place;
+  if (threadIdx.x == 0) place = atomicAdd(&counters[0], 1);
+  __syncthreads();
+  if (place == 0) {
+    data[threadIdx.x] = (float)(threadIdx.x + 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      order[0] = blockIdx.x;
+      __threadfence();
+      atomicAdd(&counters[1], 1);
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    order[place] = blockIdx.x;
+    atomicAdd(&counters[1], 1);
+    if (acquirers >> place & 1) __threadfence();
+  }
+  __syncthreads();
+  out[place * blockDim.x + threadIdx.x] = data[threadIdx.x];
+}
+
+// Two races of one kind on one array, between different pairs of lines: thread 0 writes both
+// words of `pair`, thread 32 (another warp) reads them, with nothing between. The report keeps
+// each pair of lines apart. pair: [2] int, out: [2] int.
+__global__ void two_races_one_array(int* pair, int* out) {
+  if (threadIdx.x == 0) pair[0] = 1;
+  if (threadIdx.x == 0) pair[1] = 2;
+  if (threadIdx.x == 32) out[0] = pair[0];
+  if (threadIdx.x == 32) out[1] = pair[1];
 }
 
 // Every thread reads a shared word, then thread `writer` overwrites it. `sync` 0: no barrier;
