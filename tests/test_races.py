@@ -25,7 +25,8 @@ RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
 RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
-              "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array"]
+              "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array", "byte_races",
+              "store_one_word"]
 
 
 @pytest.fixture(scope="module")
@@ -395,6 +396,36 @@ def test_each_pair_of_lines_is_its_own_hazard(races):
     assert pairs == {frozenset((source_site(RACES, f"pair[{i}] = {i + 1};"),
                                 source_site(RACES, f"out[{i}] = pair[{i}];"))) for i in (0, 1)}, str(caught.value)
     assert len({h.kind for h in caught.value.hazards}) == 1, str(caught.value)
+
+
+@pytest.mark.parametrize("scenario, target", [
+    (0, 3),                       # the last byte of a word written whole, then split
+    (1, 4),                       # a split word's byte record beside another word that splits
+    (2, 1), (2, 2), (2, 3),       # a byte written alone, then the whole word read: not merged back
+])
+def test_a_race_on_one_byte_is_found_however_the_word_was_accessed(races, scenario, target):
+    bytes_, counter, out = E.zeros(8, np.uint8), E.zeros(1, np.int32), E.zeros(2, np.int32)
+    with pytest.raises(E.RaceError) as caught:
+        races.get_function("byte_races")(2, 1, (bytes_, counter, out, np.int32(scenario), np.int32(target)))
+    hazard = only_hazard(caught.value)
+    assert hazard.kind == "read-after-write" and hazard.offset == target, str(caught.value)
+    assert hazard.second.site == source_site(RACES, "out[0] = bytes[target];"), str(caught.value)
+    assert hazard.first.block != hazard.second.block
+
+
+@pytest.mark.parametrize("differ", [0, 1])
+def test_two_stores_of_a_word_are_benign_only_if_every_byte_is_the_same(races, differ):
+    word = E.zeros(1, np.uint64)
+    run = lambda: races.get_function("store_one_word")(2, 1, (word, np.int32(differ)))
+    if not differ:
+        run()
+        assert int(word[0]) == 0x0000000100000001
+        return
+    with pytest.raises(E.RaceError) as caught:
+        run()
+    hazard = only_hazard(caught.value)
+    assert hazard.kind == "write-after-write", str(caught.value)
+    assert hazard.first.site == hazard.second.site == source_site(RACES, "*word = blockIdx.x == 1"), str(caught.value)
 
 
 def test_two_blocks_writing_one_output_element(races):

@@ -176,6 +176,37 @@ __global__ void two_races_one_array(int* pair, int* out) {
   if (threadIdx.x == 32) out[1] = pair[1];
 }
 
+// Races the shadow keeps byte by byte, between two one-thread blocks: the block that runs first
+// (turn 0 on `counter`) accesses `bytes` as `scenario` says, the other then reads byte `target`
+// with nothing ordering the two, so that the race is a read-after-write whatever the order of
+// the blocks. Scenario 0: a 4-byte write of word 0, then a write of its byte 0 (the word's
+// record split into bytes). 1: a write of byte 4, then of byte 1 (each word split on its own).
+// 2: a write of byte `target`, then a 4-byte read of word 0 (its bytes' records differ after
+// it). bytes: [8] unsigned char, counter: [1] int (zero), out: [2] int.
+__global__ void byte_races(unsigned char* bytes, int* counter, int* out, int scenario, int target) {
+  if (atomicAdd(counter, 1) != 0) {
+    out[0] = bytes[target];
+    return;
+  }
+  if (scenario == 0) {
+    *reinterpret_cast<unsigned*>(bytes) = 0x01010101u;
+    bytes[0] = 2;
+  } else if (scenario == 1) {
+    bytes[4] = 3;
+    bytes[1] = 4;
+  } else {
+    bytes[target] = 5;
+    out[1] = (int)*reinterpret_cast<const unsigned*>(bytes);
+  }
+}
+
+// Two blocks store one 8-byte word, unordered: a race unless both store the same bytes (benign,
+// as for a flag). `differ` 1: block 1's value differs in its top byte only. word: [1].
+__global__ void store_one_word(unsigned long long* word, int differ) {
+  const unsigned long long value = 0x0000000100000001ull;
+  *word = blockIdx.x == 1 && differ ? value | 0x0100000000000000ull : value;
+}
+
 // Every thread reads a shared word, then thread `writer` overwrites it. `sync` 0: no barrier;
 // 1: only a __syncwarp, which orders the writer's own warp and no other; 2: a __syncthreads,
 // correct. The race is found through one of the two read records the checker keeps per word,
