@@ -154,18 +154,24 @@ def test_mma_rows_of_zeros_give_the_stated_orders_bits(module, cuda_type):
     of a zero sum from zeros of either sign in A and C, NaN in C, and inf or NaN in B."""
     rng = np.random.default_rng(13)
     dtype = DTYPES[cuda_type]
-    a = rng.standard_normal((4, 16, 16)).astype(dtype)
+    a = rng.standard_normal((6, 16, 16)).astype(dtype)
     a[:, 3:] = 0.0
     a[:, 5:9] = -0.0
     a[:, 9, ::2] = -0.0
-    b = rng.standard_normal((4, 16, 8)).astype(dtype)
+    a[4, :4] = -0.0                      # rows that are zero but in their first or last element:
+    a[4, 0, 0] = a[4, 1, 15] = 0.0       # one +0 product among -0 ones sums to +0
+    a[4, 2, 0] = a[4, 3, 15] = 1.0       # not a zero row
+    b = rng.standard_normal((6, 16, 8)).astype(dtype)
     b[1] = np.abs(b[1])                  # -0 rows of A times positive B: every product -0
+    b[4] = np.abs(b[4]) + 1
     b[2, 4, 1] = np.inf                  # 0 * inf = NaN: the column's zero rows are NaN
     b[3, 0, 0] = np.nan
-    c = rng.standard_normal((4, 16, 8)).astype(np.float32)
+    b[5, 15, 7] = -np.inf                # the last element of B
+    c = rng.standard_normal((6, 16, 8)).astype(np.float32)
     c[:, 3:10, :4] = -0.0
     c[:, 10:, 4:] = 0.0
     c[:, 12, 2] = np.nan
+    c[4, :2] = -0.0
     d = run_mma(module, cuda_type, a, b, c)
     with np.errstate(invalid="ignore"):   # 0 * inf, on purpose
         want = stated_order(a, b, c)
@@ -173,6 +179,8 @@ def test_mma_rows_of_zeros_give_the_stated_orders_bits(module, cuda_type):
     finite = ~np.isnan(want)
     assert np.array_equal(d[finite].view(np.uint32), want[finite].view(np.uint32))
     assert (np.signbit(d[1, 5:9, :4]) & (d[1, 5:9, :4] == 0)).all()   # the -0 case is there to be checked
+    assert (~np.signbit(d[4, :2]) & (d[4, :2] == 0)).all()            # and the +0 one
+    assert np.isnan(d[5, 3:, 7]).all()
 
 
 def test_mma_needs_every_lane_of_the_warp(module):
