@@ -26,7 +26,7 @@ RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count"
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
               "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array", "byte_races",
-              "store_one_word"]
+              "store_one_word", "reread_then_write"]
 
 
 @pytest.fixture(scope="module")
@@ -411,6 +411,16 @@ def test_a_race_on_one_byte_is_found_however_the_word_was_accessed(races, scenar
     assert hazard.kind == "read-after-write" and hazard.offset == target, str(caught.value)
     assert hazard.second.site == source_site(RACES, "out[0] = bytes[target];"), str(caught.value)
     assert hazard.first.block != hazard.second.block
+
+
+def test_a_threads_newer_read_replaces_its_own_record_not_another_threads(races):
+    word, counter, out = E.zeros(1, np.int32), E.zeros(1, np.int32), E.zeros(1, np.int32)
+    with pytest.raises(E.RaceError) as caught:
+        races.get_function("reread_then_write")(2, 1, (word, counter, out))
+    hazard = only_hazard(caught.value)
+    assert hazard.kind == "write-after-read", str(caught.value)
+    assert (hazard.first.site, hazard.second.site) == (source_site(RACES, "out[0] = word[0];"),
+                                                       source_site(RACES, "word[0] = seen + 1;")), str(caught.value)
 
 
 @pytest.mark.parametrize("differ", [0, 1])

@@ -200,6 +200,21 @@ __global__ void byte_races(unsigned char* bytes, int* counter, int* out, int sce
   }
 }
 
+// Two read records of one word: the one-thread block that runs first (turn 0 on `counter`) reads
+// it; the other reads it, synchronises its warp (a new clock), reads it again, then writes it.
+// Its second read replaces its own first record, not the other block's, so the write races with
+// the other block's read. word: [1] int, counter: [1] int (zero), out: [1] int.
+__global__ void reread_then_write(int* word, int* counter, int* out) {
+  if (atomicAdd(counter, 1) == 0) {
+    out[0] = word[0];
+    return;
+  }
+  int seen = word[0];
+  __syncwarp(1u);
+  seen += word[0];
+  word[0] = seen + 1;
+}
+
 // Two blocks store one 8-byte word, unordered: a race unless both store the same bytes (benign,
 // as for a flag). `differ` 1: block 1's value differs in its top byte only. word: [1].
 __global__ void store_one_word(unsigned long long* word, int differ) {
