@@ -261,20 +261,25 @@ def test_ldmatrix_of_rows_other_lanes_wrote_needs_synchronisation(module):
 
 
 @pytest.mark.parametrize("case, match", [
-    ("misaligned", r"row address 0x[0-9a-f]+ of lane 5 \(matrix 0, row 5\) is not 16-byte aligned"),
+    ("misaligned", r"row address 0x[0-9a-f]+ of lane 17 \(matrix 2, row 1\) is not 16-byte aligned"),
     ("global", r"row address 0x[0-9a-f]+ of lane 0 \(matrix 0, row 0\) is not in shared memory"),
     ("past-the-end", r"row address 0x[0-9a-f]+ of lane 31 \(matrix 3, row 7\) runs past the end of shared memory"),
+    ("last-byte-past-the-end", r"row address 0x[0-9a-f]+ of lane 17 \(matrix 2, row 1\) runs past the end of "
+                               r"shared memory"),
 ])
 def test_ldmatrix_row_addresses_the_gpu_would_not_accept_fail(module, case, match):
     offsets = np.arange(32) * 8
     mode, extra = 0, 0
     if case == "misaligned":
-        offsets[5] += 4
+        offsets[17] += 4
     elif case == "global":
         mode = 2
-    else:
+    elif case == "past-the-end":
         offsets[31] = 40 * 8   # the first byte past the tile: 8 bytes of shared memory are left there
         extra = 8
+    else:
+        offsets[17] = 40 * 8   # the row's last byte only lies past the end
+        extra = 15
     with pytest.raises(E.FragmentError, match=rf"ldmatrix.sync.m8n8 at mma.cuh:\d+ \(inlined into "
                                               rf"{ldmatrix_call()}\) in warp 0: {match}"):
         run_ldmatrix(module, 4, False, offsets, mode=mode, extra_shared=extra)
