@@ -35,7 +35,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_float4_components", "misaligned_atomic",
              "dyn_smem_half_written", "uncleared_counter", "dyn_smem_vector_unwritten",
-             "read_before_start", "scale_restricted", "copy_past_end", "max_one_too_far",
+             "read_before_start", "scale_restricted", "copy_past_end", "constant_copies_past_end",
+             "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
              "local_array_past_end", "row_index_past_row", "local_array_before_start",
              "barrier_kinds_differ", "shuffle_after_lanes_exited", "packed_head_before_start",
@@ -679,6 +680,23 @@ def test_v_a_fault_inside_memcpy_names_the_kernel_line_that_called_it(good, bugs
     with pytest.raises(E.EmulatorFault, match=r"out-of-bounds read of argument 1 at element 64 \(byte offset 256, "
                                               rf"the first byte past the end.*\) at bugs.cu:{line}"):
         bugs.get_function("copy_past_end")(1, 1, (E.zeros(1), x, np.int32(64), np.int32(16)))
+    assert_still_works(good)
+
+
+@pytest.mark.parametrize("which, line_text, access", [
+    (0, "memcpy(three, x + 4, sizeof three);", "read of argument 1"),
+    (1, "memcpy(y + 4, three, sizeof three);", "write of argument 0"),
+    (2, "memset(y, 0, 28);", "write of argument 0"),
+])
+def test_v2_copies_of_a_constant_size_are_checked_like_any_other(good, bugs, which, line_text, access):
+    """g++'s instrumentation never sees a memcpy of a constant size other than 1, 2, 4, 8 or 16
+    bytes, nor a memset, which it expands into plain moves: cuemu.h sends those to the checked
+    copies, so a byte past the end (in the padding, before any guard page) is caught. (memmove,
+    treated alike, is not a CUDA device function: NVRTC refuses it.)"""
+    y, x = E.zeros(6), E.asarray(np.arange(6, dtype=np.float32))
+    with pytest.raises(E.EmulatorFault, match=rf"out-of-bounds {access} at element 6 \(byte offset 24, the "
+                                              rf"first byte past the end.*\) at bugs.cu:{line_number(BUGS, line_text)}"):
+        bugs.get_function("constant_copies_past_end")(1, 1, (y, x, np.int32(which)))
     assert_still_works(good)
 
 

@@ -184,6 +184,17 @@ __global__ void copy_past_end(float* y, const float* x, int n, int bytes) {
   y[threadIdx.x] = v.x;
 }
 
+// (v2) memcpy and memset of sizes known when compiling that g++ expands into plain moves (12 bytes
+// is not one load and one store; no memset is), each one element past the end of a 6-float array
+// (24 bytes: the padding after it, not a guard page). y, x: [6] float.
+__global__ void constant_copies_past_end(float* y, const float* x, int which) {
+  float three[3] = {0.f, 0.f, 0.f};
+  if (which == 0) memcpy(three, x + 4, sizeof three);
+  if (which == 1) memcpy(y + 4, three, sizeof three);
+  if (which == 2) memset(y, 0, 28);
+  y[0] = three[0];
+}
+
 // (w) the largest of x[0..n-1], but the loop runs one element too far. A NaN there vanishes in
 // fmaxf, so under the default poison the answer is right by luck; another poison shows it.
 __global__ void max_one_too_far(float* y, const float* x, int n) {

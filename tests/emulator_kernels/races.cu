@@ -222,6 +222,15 @@ __global__ void store_one_word(unsigned long long* word, int differ) {
   *word = blockIdx.x == 1 && differ ? value | 0x0100000000000000ull : value;
 }
 
+// The same with a 64-byte memcpy, the widest store whose bytes are compared (a wider one is a race
+// whatever it stores). words: [16] unsigned.
+__global__ void copy_64_bytes(unsigned* words, int differ) {
+  unsigned value[16];
+  for (int i = 0; i < 16; ++i) value[i] = 1u;
+  if (blockIdx.x == 1 && differ) value[15] |= 0x01000000u;
+  memcpy(words, value, sizeof value);
+}
+
 // Every thread reads a shared word, then thread `writer` overwrites it. `sync` 0: no barrier;
 // 1: only a __syncwarp, which orders the writer's own warp and no other; 2: a __syncthreads,
 // correct. The race is found through one of the two read records the checker keeps per word,

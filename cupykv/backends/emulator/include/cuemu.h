@@ -497,3 +497,31 @@ cuemu_entry entry(const char* name) {
 }
 }  // namespace reg
 }  // namespace cuemu
+
+// ---- memcpy, memmove and memset of a constant size ------------------------------------------------
+// g++'s ThreadSanitizer pass sees such a call only where it folds the call into one load and one
+// store: memcpy and memmove of 1, 2, 4, 8 or 16 bytes. Any other constant size (3, 12, 32, ...), and
+// every memset, it leaves to be expanded later into plain moves, which no check sees: not the
+// bounds, the race, the traffic nor the unwritten-shared-memory one. In instrumented modules those
+// calls go out of line instead, to the runtime's checked copies (access.cpp), where -Wl,--wrap
+// sends every call of a size known only at run time. Macros, so that the call stays on the
+// caller's line for the reports and for g++'s own findings of a copy past an object (the access
+// attributes keep those: COPY_SIZE_ERRORS in build.py). Kernels name them unqualified, as NVRTC,
+// which has no <cstring>, requires.
+#if defined(__SANITIZE_THREAD__)
+extern "C" void* __wrap_memcpy(void* dst, const void* src, size_t n)
+    __attribute__((access(write_only, 1, 3), access(read_only, 2, 3)));
+extern "C" void* __wrap_memmove(void* dst, const void* src, size_t n)
+    __attribute__((access(write_only, 1, 3), access(read_only, 2, 3)));
+extern "C" void* __wrap_memset(void* dst, int value, size_t n) __attribute__((access(write_only, 1, 3)));
+namespace cuemu {
+constexpr bool folded_copy_size(size_t n) { return n == 1 || n == 2 || n == 4 || n == 8 || n == 16; }
+}  // namespace cuemu
+#define memcpy(dst, src, n)                                                                        \
+  (__builtin_constant_p(n) && ::cuemu::folded_copy_size(n) ? __builtin_memcpy((dst), (src), (n)) \
+                                                           : __wrap_memcpy((dst), (src), (n)))
+#define memmove(dst, src, n)                                                                        \
+  (__builtin_constant_p(n) && ::cuemu::folded_copy_size(n) ? __builtin_memmove((dst), (src), (n)) \
+                                                           : __wrap_memmove((dst), (src), (n)))
+#define memset(dst, value, n) __wrap_memset((dst), (value), (n))
+#endif
