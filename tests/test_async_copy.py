@@ -25,7 +25,7 @@ KERNELS = Path(__file__).parent / "emulator_kernels"
 SOURCE = KERNELS / "async_copy.cu"
 HEADER = Path(KERNEL_DIR) / "async_copy.cuh"
 NAMES = ["async_roundtrip<4>", "async_roundtrip<8>", "async_roundtrip<16>", "async_pipeline", "async_groups",
-         "async_early_read"]
+         "async_early_read", "async_early_byte"]
 
 
 line = functools.partial(source_site, SOURCE)   # 'async_copy.cu:LINE' of a needle
@@ -127,6 +127,15 @@ def test_reading_the_destination_before_the_wait_fails_naming_both_lines(module)
            "still writes (16-byte cp.async issued by thread (" in message
     assert f"(inlined into {ISSUE}), group 0 of that thread)" in message
     assert f"{HEADER.name}:" in message
+    assert_still_works(module)
+
+
+@pytest.mark.parametrize("at", [0, 1, 15])
+def test_each_byte_of_a_pending_copy_is_pending(module, at):
+    src, out = E.asarray(np.arange(1, 5, dtype=np.float32)), E.zeros(1, np.int32)
+    with pytest.raises(E.AsyncCopyError, match=rf"a read of 1 byte of static __shared__ bytes \(in async_early_byte\) "
+                                               rf"byte offset {at} by thread \(0,0,0\) at {line('out[0] = bytes[at];')} touches bytes"):
+        module.get_function("async_early_byte")(1, 1, (src, out, np.int32(at)))
     assert_still_works(module)
 
 

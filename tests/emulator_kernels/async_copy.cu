@@ -102,3 +102,14 @@ __global__ void async_early_read(const float* __restrict__ src, float* __restric
     cp_async_wait<0>();
     for (int k = 0; k < 4; ++k) out[4 + k] = tile[k];
 }
+
+// One thread copies 16 bytes of src into shared memory and reads one of them, byte `at`, before
+// the wait (a planted misuse): every byte of a pending copy is pending, its first and last too.
+// out: [1] int.
+__global__ void async_early_byte(const float* __restrict__ src, int* __restrict__ out, int at) {
+    __shared__ __align__(16) unsigned char bytes[16];
+    cp_async_16(bytes, src);
+    cp_async_commit();
+    out[0] = bytes[at];
+    cp_async_wait<0>();
+}
