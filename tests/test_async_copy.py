@@ -133,8 +133,9 @@ def test_reading_the_destination_before_the_wait_fails_naming_both_lines(module)
 @pytest.mark.parametrize("at", [0, 1, 15])
 def test_each_byte_of_a_pending_copy_is_pending(module, at):
     src, out = E.asarray(np.arange(1, 5, dtype=np.float32)), E.zeros(1, np.int32)
+    read_at = line("out[0] = bytes[at];")
     with pytest.raises(E.AsyncCopyError, match=rf"a read of 1 byte of static __shared__ bytes \(in async_early_byte\) "
-                                               rf"byte offset {at} by thread \(0,0,0\) at {line('out[0] = bytes[at];')} touches bytes"):
+                                               rf"byte offset {at} by thread \(0,0,0\) at {read_at} touches bytes"):
         module.get_function("async_early_byte")(1, 1, (src, out, np.int32(at)))
     assert_still_works(module)
 

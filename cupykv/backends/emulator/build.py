@@ -42,9 +42,10 @@ COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden",
 # size), ... (GCC's ThreadSanitizer pass; the load and the store of a read-modify-write each get
 # a call), which access.cpp defines: no runtime library. Only the compile step gets
 # -fsanitize=thread, since g++ would link libtsan otherwise; memcpy, memmove and memset stay
-# library calls, wrapped at the link (cuemu.h's macros make the constant-size ones such calls too;
-# -ftrack-macro-expansion=0 puts g++'s findings in them, COPY_SIZE_ERRORS, on the caller's line). g++ 11 and newer can leave out the calls at every
-# function's entry and exit (g++ 9 and 10 make them; access.cpp defines them as no-ops).
+# library calls, wrapped at the link (cuemu.h's macros make the constant-size ones such calls
+# too; -ftrack-macro-expansion=0 puts g++'s findings in them, COPY_SIZE_ERRORS, on the caller's
+# line). g++ 11 and newer can leave out the calls at every function's entry and exit (g++ 9 and
+# 10 make them; access.cpp defines them as no-ops).
 # -fno-crossjumping: identical tails of two branches stay two copies, so that two call sites of
 # the source keep two return addresses (warp-wide mma and ldmatrix tell their sites apart so).
 # -fno-optimize-sibling-calls: a call in tail position (an atomicAdd that ends a kernel) returns
