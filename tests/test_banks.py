@@ -16,11 +16,12 @@ import pytest
 from cupykv.backends import emulator as E
 from cupykv import nvrtc_check
 from cupykv.kernels import KERNEL_DIR
+from source_lines import source_site
 
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 SOURCE = KERNELS_DIR / "banks.cu"
 NAMES = ["strided_words", "strided_pairs", "strided_vectors", "ldmatrix_rows", "async_stage", "vector_components",
-         "adjacent_words", "quarter_warp_columns"]
+         "adjacent_words", "quarter_warp_columns", "scalar_quads", "shared_atomics", "shared_copy"]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,70 @@ def test_adjacent_words_join_only_into_an_aligned_piece(kernels, first, accesses
     assert (loads[0].accesses, loads[0].bytes, loads[0].requests, loads[0].wavefronts, loads[0].ideal) == \
         (accesses, 256, requests, wavefronts, ideal), t.report()
     np.testing.assert_array_equal(out, 4 * np.arange(32) + 2 * first + 1.0)
+
+
+@pytest.mark.parametrize("stride, first, wavefronts, ideal", [(1, 0, 4, 4), (8, 0, 32, 4), (1, 2, 8, 4)])
+def test_four_scalar_stores_over_an_aligned_piece_count_as_one_vector_store(kernels, stride, first, wavefronts,
+                                                                             ideal):
+    """A quad of 4-byte stores on one aligned 16-byte piece is one 16-byte store at the first
+    store's line (four phases of 8 lanes); shifted by two words it is two 8-byte stores, each two
+    phases of 16 lanes where lanes l and l + 8 meet in a bank (2 wavefronts a phase)."""
+    out = E.zeros(32, np.float32)
+    with E.traffic(banks=True) as t:
+        kernels.get_function("scalar_quads")(1, 32, (out, np.int32(stride), np.int32(first)),
+                                             shared_mem=4 * (4 * (31 * stride + 1) + first))
+    stores = sorted(shared_sites(t, "store"), key=lambda s: int(s.site.split(":")[1]))
+    lines = ["the quad's first store"] if first == 0 else ["the quad's first store", "the third store"]
+    assert [s.site for s in stores] == [source_site(SOURCE, line) for line in lines], t.report()
+    pieces = len(lines)
+    for site in stores:
+        assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == \
+            (32, 512 // pieces, 1, wavefronts // pieces, ideal // pieces), t.report()
+    load = one_site(t, "load")   # the loads are one line
+    assert (load.accesses, load.bytes, load.requests, load.wavefronts, load.ideal) == \
+        (32 * pieces, 512, pieces, wavefronts, ideal), t.report()
+    np.testing.assert_array_equal(out, 10.0 * np.arange(32))
+
+
+def test_adjacent_atomics_are_their_own_kind_and_never_join(kernels):
+    """Two atomics of adjacent words by each lane: two atomic requests of 4-byte words, not a store
+    and not one 8-byte access, while the adjacent stores and loads around them join into 8 bytes."""
+    out = E.zeros(32, np.int32)
+    with E.traffic(banks=True) as t:
+        kernels.get_function("shared_atomics")(1, 32, (out,), shared_mem=4 * 64)
+    atomics = sorted(shared_sites(t, "atomic"), key=lambda s: int(s.site.split(":")[1]))
+    assert [s.site for s in atomics] == [source_site(SOURCE, "the even word's atomic"),
+                                         source_site(SOURCE, "the odd word's atomic")], t.report()
+    for site in atomics:
+        assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == (32, 128, 1, 2, 1), \
+            t.report()
+    for kind in ("store", "load"):
+        site = one_site(t, kind)
+        assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == (32, 256, 1, 2, 2), \
+            t.report()
+    np.testing.assert_array_equal(out, np.full(32, 3))
+
+
+def test_a_copy_within_shared_memory_counts_its_load_and_its_store_apart(kernels):
+    out = E.zeros(32, np.float32)
+    with E.traffic(banks=True) as t:
+        kernels.get_function("shared_copy")(1, 32, (out, np.int32(4)), shared_mem=4 * 64)
+    copy = source_site(SOURCE, "the shared-to-shared copy")
+    for kind in ("load", "store"):
+        site = [s for s in shared_sites(t, kind) if s.site == copy]
+        assert len(site) == 1, t.report()
+        assert (site[0].accesses, site[0].bytes, site[0].requests, site[0].wavefronts, site[0].ideal) == \
+            (32, 128, 1, 1, 1), t.report()
+    np.testing.assert_array_equal(out, np.arange(32, dtype=np.float32))
+
+
+def test_banks_are_counted_with_the_race_checker_off(kernels, monkeypatch):
+    """The bank counter watches shared memory itself: it does not lean on the race checker."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")
+    out = E.zeros(32, np.float32)
+    with E.traffic(banks=True) as t:
+        kernels.get_function("strided_words")(1, 32, (out, np.int32(2)), shared_mem=4 * 65)
+    assert t.launches[0].shared_total() == (2, 4, 2), t.report()
 
 
 def test_requests_split_at_warps_and_repeat_per_block(kernels):

@@ -30,7 +30,8 @@ from cupykv.step_instructions import StagedInstance
 
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 TRAFFIC_NAMES = ["strided_copy", "vector_copy", "sum_rows", "uneven_trips", "realigned_trips",
-                 "count_and_copy", "realigned_by_barrier", "half_warp_collective", "add_pair", "one_site_two_places"]
+                 "count_and_copy", "realigned_by_barrier", "half_warp_collective", "add_pair", "one_site_two_places",
+                 "copy_byte_spans"]
 EXAMPLES = max(8, settings.default.max_examples // 4)   # each example runs kernels on the emulator
 
 
@@ -167,6 +168,41 @@ def test_atomics_and_memcpy_are_counted(kernels):
     assert launch.of(count).bytes_loaded == launch.of(count).bytes_stored == 0
     assert launch.of(x).bytes_loaded == launch.of(out).bytes_stored == x.nbytes
     assert launch.of(x).touched("load").all() and launch.of(out).touched("store").all()
+
+
+# Spans (first byte, length) in bytes from the sector boundary at or before the array's start, the
+# counter's own coordinates: its byte map is 64-bit words from there, so these are a lone byte at a
+# word's first bit and at an odd one, spans crossing one word edge and three, one ending on a word's
+# last bit, whole words, and the array's last byte.
+BYTE_SPANS = [(64, 1), (67, 1), (126, 4), (140, 52), (192, 192), (401, 128), (575, 1), (577, 62), (703, 1)]
+
+
+@pytest.mark.parametrize("shift", [0, 20, 36])
+def test_the_byte_map_holds_spans_of_any_length_and_alignment(kernels, shift):
+    """Each span marks exactly its bytes and sectors, and its one request counts the sectors of
+    every span, whichever bit of a map word the span starts and ends on; the arrays start
+    ``shift`` bytes into their allocations (phase 0, 20 and 4)."""
+    phase = shift % 32
+    src_base, dst_base = E.zeros(704 + shift - phase, np.uint8), E.zeros(704 + shift - phase, np.uint8)
+    src_base[...] = np.random.default_rng(shift).integers(1, 256, src_base.size)
+    src, dst = src_base[shift:], dst_base[shift:]
+    starts = np.array([first - phase for first, _ in BYTE_SPANS], np.int32)
+    lengths = np.array([length for _, length in BYTE_SPANS], np.int32)
+    want = np.zeros(src.size, bool)
+    for start, length in zip(starts, lengths):
+        want[start:start + length] = True
+    assert want[-1] and src.size == 704 - phase
+    with E.traffic() as t:
+        kernels.get_function("copy_byte_spans")(1, len(BYTE_SPANS), (src, dst, E.asarray(starts), E.asarray(lengths)))
+    np.testing.assert_array_equal(dst, np.where(want, src, 0))
+    sectors = np.unique((np.flatnonzero(want) + phase) // 32)
+    for arg, kind in ((only_launch(t).of(src), "load"), (only_launch(t).of(dst), "store")):
+        assert arg.phase == phase
+        np.testing.assert_array_equal(arg.touched(kind), want)
+        np.testing.assert_array_equal(arg.sectors(kind), sectors)
+        counts = arg.counts(kind)
+        assert (counts.bytes, counts.accesses, counts.requests) == (lengths.sum(), len(BYTE_SPANS), 1)
+        assert counts.sectors_per_request == len(sectors) and counts.sectors == len(sectors)
 
 
 @pytest.mark.parametrize("base_floats, start_phase", [(72, 0), (76, 16)])

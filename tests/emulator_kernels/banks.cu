@@ -103,3 +103,49 @@ __global__ void quarter_warp_columns(uint4* __restrict__ out) {
     __syncwarp();
     out[lane] = vectors[at];
 }
+
+// One warp. Lane l stores the four words quad_words[4 l stride + first + k], k = 0..3, one 4-byte store
+// a line, then loads them back the same way (first = 0 or 2; dynamic shared memory of
+// 4 (31 stride + 1) + first floats). Stores that follow one another over one aligned 16-byte
+// piece are one vector store, as nvcc emits them, counted at the first store's line: with first 0,
+// four phases of 8 lanes, 1 wavefront each at stride 1, 8 at stride 8 (every lane's quad in banks
+// 0-3). With first 2 the quad is two aligned 8-byte pieces, two vector accesses at two lines.
+__global__ void scalar_quads(float* __restrict__ out, int stride, int first) {
+    extern __shared__ float quad_words[];
+    const int lane = threadIdx.x;
+    float* quad = quad_words + 4 * lane * stride + first;
+    quad[0] = (float)lane;  // the quad's first store
+    quad[1] = (float)(2 * lane);
+    quad[2] = (float)(3 * lane);  // the third store
+    quad[3] = (float)(4 * lane);
+    __syncwarp();
+    out[lane] = quad[0] + quad[1] + quad[2] + quad[3];
+}
+
+// One warp. Lane l zeroes counts[2 l] and counts[2 l + 1], then adds 1 to each with atomicAdd: two
+// atomic requests of 4-byte words, 2 wavefronts each (lanes l and l + 16 meet in a bank), never
+// joined into one 8-byte access as adjacent loads or stores are.
+__global__ void shared_atomics(int* __restrict__ out) {
+    extern __shared__ int counts[];
+    const int lane = threadIdx.x;
+    counts[2 * lane] = 0;
+    counts[2 * lane + 1] = 0;
+    __syncwarp();
+    atomicAdd(&counts[2 * lane], 1);  // the even word's atomic
+    atomicAdd(&counts[2 * lane + 1], 2);  // the odd word's atomic
+    __syncwarp();
+    out[lane] = counts[2 * lane] + counts[2 * lane + 1];
+}
+
+// One warp. Lane l writes words[l], then copies it to words[32 + l] with memcpy of nbytes (4; an
+// argument, so that the copy stays a library call): one line that loads and stores shared memory,
+// counted as one load request and one store request, each 1 wavefront.
+__global__ void shared_copy(float* __restrict__ out, int nbytes) {
+    extern __shared__ float words[];
+    const int lane = threadIdx.x;
+    words[lane] = (float)lane;
+    __syncwarp();
+    memcpy(&words[32 + lane], &words[lane], nbytes);  // the shared-to-shared copy
+    __syncwarp();
+    out[lane] = words[32 + lane];
+}

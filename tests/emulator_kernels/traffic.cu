@@ -62,6 +62,15 @@ extern "C" __global__ void count_and_copy(int* __restrict__ count, const float* 
   memcpy(out + 4 * i, x + 4 * i, 16);
 }
 
+// Thread t copies lengths[t] bytes from src + starts[t] to dst + starts[t] with memcpy (a run-time
+// size, so one access of that many bytes each, read and written): spans of any length and
+// alignment for the counter's byte map and sectors; the spans are disjoint.
+extern "C" __global__ void copy_byte_spans(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                           const int* __restrict__ starts, const int* __restrict__ lengths) {
+  const int t = threadIdx.x;
+  memcpy(dst + starts[t], src + starts[t], lengths[t]);
+}
+
 // Two warps, two rounds separated by __syncthreads(). Round 0: thread t reads x[t], and thread 0
 // alone x[64] in a second trip (extra = 1); round 1: thread t reads x[128 + t]. The barrier
 // realigns the lanes' visits as a warp collective does: requests of 4 and 1 sectors (warp 0)
