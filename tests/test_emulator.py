@@ -27,7 +27,7 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
               "reverse_float4", "indices3d", "axpy<float>", "axpy<__half>",
               "axpy<__nv_bfloat16>", "convert", "barrier_preds", "scalars", "maybe_null",
               "math", "hello", "busy", "intrinsics", "fp16_ops<__half>",
-              "fp16_ops<__nv_bfloat16>", "match_in_halves"]
+              "fp16_ops<__nv_bfloat16>", "match_in_halves", "warp_reductions"]
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
@@ -92,15 +92,37 @@ def test_shuffle_widths(good, offset, width):
     np.testing.assert_array_equal(out, _shuffle_model(offset, width))
 
 
-def test_votes_and_8_byte_shuffles(good):
+@pytest.mark.parametrize("lone", [0, 7, 31, 32])
+def test_votes_and_8_byte_shuffles(good, lone):
+    """Each vote sees every lane: a lone lane that votes apart (the first, a middle one, the last,
+    or none: 32) decides __any_sync and __all_sync and is the one bit of its ballot."""
     d = E.zeros(32, np.float64)
-    u = E.zeros((4, 32), np.uint32)
-    good.get_function("warp_votes")(1, 32, (d, u))
+    u = E.zeros((5, 32), np.uint32)
+    good.get_function("warp_votes")(1, 32, (d, u, np.int32(lone)))
     lane = np.arange(32)
     np.testing.assert_array_equal(d, np.where(lane < 31, 0.5 * (lane + 1), 0.5 * lane))
     assert (u[0] == sum(1 << i for i in range(0, 32, 3))).all()
-    assert (u[1] == 1).all() and (u[2] == 0).all()
+    assert (u[1] == (lone < 32)).all() and (u[2] == (lone == 32)).all()
     np.testing.assert_array_equal(u[3], [0xF << (4 * (i // 4)) for i in range(32)])
+    assert (u[4] == (1 << lone if lone < 32 else 0)).all()
+
+
+@pytest.mark.parametrize("mask", [0xFFFFFFFF, 0x7FFFFFFE, 0x0000FFFF, 0x80000000, 0x00000001])
+def test_warp_reductions_over_the_lanes_of_their_mask(good, mask):
+    """__reduce_*_sync over every lane, all but the first and last, a half warp, and one lane
+    (the last or the first) alone: signed and unsigned min and max differ on negative values, and
+    the sums wrap."""
+    values = np.random.default_rng(mask).integers(-2**31, 2**31, 32).astype(np.int32)
+    values[[0, 31]] = [-2**31, 2**31 - 1]   # the extremes on the edge lanes
+    out_i, out_u = E.zeros((3, 32), np.int32), E.zeros((6, 32), np.uint32)
+    good.get_function("warp_reductions")(1, 32, (E.asarray(values), out_i, out_u, np.uint32(mask)))
+    lanes = np.array([mask >> lane & 1 for lane in range(32)], bool)
+    signed, unsigned = values[lanes], values[lanes].view(np.uint32)
+    want_i = [signed.sum(dtype=np.int64).astype(np.int32), signed.min(), signed.max()]
+    want_u = [unsigned.sum(dtype=np.uint64).astype(np.uint32), unsigned.min(), unsigned.max(),
+              np.bitwise_and.reduce(unsigned), np.bitwise_or.reduce(unsigned), np.bitwise_xor.reduce(unsigned)]
+    np.testing.assert_array_equal(out_i, np.where(lanes, np.array(want_i, np.int32)[:, None], 0))
+    np.testing.assert_array_equal(out_u, np.where(lanes, np.array(want_u, np.uint32)[:, None], 0))
 
 
 def test_half_warp_mask(good):

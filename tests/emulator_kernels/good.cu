@@ -34,16 +34,37 @@ __global__ void shuffles(int* out, int offset, int width) {
   out[3 * 32 + lane] = __shfl_xor_sync(0xffffffffu, v, offset, width);
 }
 
-// Shuffles of 8-byte values and default widths, votes and match.
-// out_d: [32] double, out_u: [4, 32] unsigned.
-__global__ void warp_votes(double* out_d, unsigned* out_u) {
+// Shuffles of 8-byte values and default widths, votes and match; `lone` is the one lane that votes
+// apart from the others in rows 1, 2 and 4.
+// out_d: [32] double, out_u: [5, 32] unsigned.
+__global__ void warp_votes(double* out_d, unsigned* out_u, int lone) {
   const int lane = threadIdx.x;
   out_d[lane] = __shfl_down_sync(0xffffffffu, 0.5 * lane, 1);
   out_u[0 * 32 + lane] = __ballot_sync(0xffffffffu, lane % 3 == 0);
-  out_u[1 * 32 + lane] = __any_sync(0xffffffffu, lane == 7);
-  out_u[2 * 32 + lane] = __all_sync(0xffffffffu, lane < 31);
+  out_u[1 * 32 + lane] = __any_sync(0xffffffffu, lane == lone);
+  out_u[2 * 32 + lane] = __all_sync(0xffffffffu, lane != lone);
   out_u[3 * 32 + lane] = __match_any_sync(0xffffffffu, lane / 4);
+  out_u[4 * 32 + lane] = __ballot_sync(0xffffffffu, lane == lone);
   __syncwarp();
+}
+
+// Warp reductions (sm_80) over the lanes of `mask`; the other lanes return first. Rows of out_i:
+// add, min, max of the values as int; of out_u: add, min, max, and, or, xor of them as unsigned.
+// values: [32] int, out_i: [3, 32] int, out_u: [6, 32] unsigned.
+__global__ void warp_reductions(const int* values, int* out_i, unsigned* out_u, unsigned mask) {
+  const int lane = threadIdx.x;
+  if (!(mask >> lane & 1u)) return;
+  const int v = values[lane];
+  const unsigned u = (unsigned)v;
+  out_i[0 * 32 + lane] = __reduce_add_sync(mask, v);
+  out_i[1 * 32 + lane] = __reduce_min_sync(mask, v);
+  out_i[2 * 32 + lane] = __reduce_max_sync(mask, v);
+  out_u[0 * 32 + lane] = __reduce_add_sync(mask, u);
+  out_u[1 * 32 + lane] = __reduce_min_sync(mask, u);
+  out_u[2 * 32 + lane] = __reduce_max_sync(mask, u);
+  out_u[3 * 32 + lane] = __reduce_and_sync(mask, u);
+  out_u[4 * 32 + lane] = __reduce_or_sync(mask, u);
+  out_u[5 * 32 + lane] = __reduce_xor_sync(mask, u);
 }
 
 // A half-warp shuffle inside a branch: lanes 0-15 only, with a matching mask.
