@@ -24,7 +24,7 @@ from test_traffic import PatchedBackend
 
 SOURCE = Path(__file__).parent / "emulator_kernels" / "shared_arrays.cu"
 KERNELS = ["write_past_first", "read_before_second", "tile_past_the_launch", "two_phases", "stale_pointer",
-           "disagreeing_threads", "misaligned_array", "race_on_array"]
+           "disagreeing_threads", "misaligned_array", "race_on_array", "raw_before_layout"]
 THREADS = 64
 VALUES_AFTER_FLAGS = 'float* values = layout.take<float>(blockDim.x, "values");'
 site = lambda needle: re.escape(source_site(SOURCE, needle))  # noqa: E731
@@ -71,6 +71,10 @@ FAULTS = [
     ("two_phases", 1, 2 * 4 * THREADS,
      r"thread \(63,0,0\): out-of-bounds write of 4 bytes at the first byte past the end of shared array 'sums' "
      r"\(512 bytes at \[0, 512\) of the dynamic shared memory\) at " + site("sums[n + t + reach] = 1.0f;")),
+    # a thread that has taken no layout may use the bytes the launch asked for, and no more
+    ("raw_before_layout", 1, 4 * THREADS,
+     r"thread \(63,0,0\): out-of-bounds write of 4 bytes at dynamic shared memory byte offset 256 \(past the end "
+     r"of the 256 bytes the launch asked for\) at " + site("raw[threadIdx.x + reach] = 1.0f;")),
     # weights[t] after the merge layout began: the bytes belong to `sums` now
     ("stale_pointer", 0, 2 * 4 * THREADS,
      r"out-of-bounds write of 4 bytes at \d+ bytes past the end of shared array 'sums' \(512 bytes at \[0, 512\) "
@@ -106,6 +110,7 @@ def test_each_planted_kernel_is_right_without_its_bug(arrays):
     assert np.array_equal(run(arrays, "read_before_second", 0), np.full(THREADS, 2.0))
     assert np.array_equal(run(arrays, "tile_past_the_launch", 0, shared_mem=4 * THREADS), np.ones(THREADS))
     assert np.array_equal(run(arrays, "two_phases", 0), ((THREADS - t) % THREADS) * 2.0 + 1.0)
+    assert np.array_equal(run(arrays, "raw_before_layout", 0, shared_mem=4 * THREADS), np.ones(THREADS))
 
 
 def test_the_bank_counters_extent_is_the_bytes_a_gpu_uses(arrays):

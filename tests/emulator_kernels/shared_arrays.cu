@@ -98,6 +98,16 @@ __global__ void misaligned_array(float* out, int n_unused) {
     out[threadIdx.x] = values[threadIdx.x] + (float)n_unused;
 }
 
+// Uses the dynamic shared memory raw, without a layout: each thread writes the float `reach` past its
+// own, the last thread one past the launch's 4 * blockDim.x bytes at reach 1.
+__global__ void raw_before_layout(float* out, int reach) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* raw = reinterpret_cast<float*>(smem);
+    raw[threadIdx.x + reach] = 1.0f;
+    __syncthreads();
+    out[threadIdx.x] = raw[threadIdx.x];
+}
+
 // Threads 0 and 1 write different values to totals[1] with nothing between them: a race.
 __global__ void race_on_array(float* out, int n_unused) {
     extern __shared__ __align__(16) unsigned char smem[];

@@ -16,7 +16,8 @@
 // ldmatrix (async_copy.cpp, fragments.cpp) through trace_access. For each access that reaches
 // it, record():
 //   1. returns at once unless a launch runs whose accesses are watched (observers, guard spans,
-//      asynchronous copies, a static __shared__ variable reached), or for a fiber stack;
+//      asynchronous copies, a static __shared__ variable reached, dynamic shared memory that the
+//      module carves into arrays), or for a fiber stack;
 //   2. finds the watched region: dynamic shared memory, the module's static __shared__
 //      variables (its thread-local storage block, located through cuemu_module_tls_probe), or
 //      an array argument; anything else sharing an 8-byte shadow granule is ignored; an access
@@ -450,9 +451,14 @@ bool trace_launch_begin(const cuemu_launch_params* p, uint32_t nthreads, uintptr
         return false;
       }
   }
-  // Without observers only the guards are watched; the last launch's other shadow bytes are cleared.
+  // A module that carves its dynamic shared memory has room mapped past the bytes the launch asked
+  // for, which no guard covers: every access of the region is checked (check_dynamic_bounds), an
+  // access before the thread's first layout included, with or without observers.
+  if (g_dynamic_carvable && g_shadow_ready && dyn.hi > dyn.lo) dyn.watched = true;
+  // Without observers only the guards (and carved shared memory) are watched; the last launch's
+  // other shadow bytes are cleared.
   rebuild_watch();
-  T.active = T.nobservers > 0 || !g_guards.empty();
+  T.active = T.nobservers > 0 || !g_guards.empty() || dyn.watched;
   return true;
 }
 
@@ -615,12 +621,6 @@ uintptr_t shared_array_taken(uintptr_t base, uint64_t offset, uint64_t bytes, ui
   }
   const uintptr_t lo = base + offset + (uintptr_t)index * CUEMU_SHARED_ARRAY_GAP;
   layout.push_back(SharedArray{offset, bytes, lo, lo + bytes, name});
-  Region& dyn = g_regions[0];
-  if (g_shadow_ready && !dyn.watched && dyn.hi > dyn.lo) {  // from now on every access is checked
-    dyn.watched = true;
-    rebuild_watch();
-    T.active = true;
-  }
   return lo;
 }
 
