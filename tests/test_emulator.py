@@ -31,7 +31,7 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
-             "shuffle_split_sites", "huge_local", "null_deref", "divide_by_zero",
+             "shuffle_split_sites", "shuffle_width_and_mask", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_float4_components", "misaligned_atomic",
              "dyn_smem_half_written", "uncleared_counter", "dyn_smem_vector_unwritten",
@@ -526,10 +526,12 @@ def test_e_write_before_start(good, bugs):
     assert_still_works(good)
 
 
+@pytest.mark.parametrize("racecheck", ["1", "0"])
 @pytest.mark.parametrize("shared_mem", [256, 248])
-def test_f_dynamic_shared_memory_out_of_bounds(good, bugs, shared_mem):
+def test_f_dynamic_shared_memory_out_of_bounds(good, bugs, monkeypatch, racecheck, shared_mem):
     """One float past the end of dynamic shared memory (only the last thread writes there): the
-    guard page at 256 bytes, the padding before it at 248."""
+    guard page at 256 bytes, the padding before it at 248, with the race checker on or off."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
     last = shared_mem // 4 - 1
     line = line_number(BUGS, "s[threadIdx.x + 1] = 1.f;")
     with pytest.raises(E.EmulatorFault, match=rf"thread \({last},0,0\): out-of-bounds dynamic shared "
@@ -906,6 +908,31 @@ def test_shuffle_reading_outside_mask(good, bugs):
 def test_shuffle_lanes_at_different_sites(good, bugs):
     with pytest.raises(E.BarrierError, match=r"warp-synchronous operations cannot complete"):
         bugs.get_function("shuffle_split_sites")(1, 32, (E.zeros(32, np.int32),))
+    assert_still_works(good)
+
+
+@pytest.mark.parametrize("width", [0, 3, 24, 64])
+def test_a_shuffle_width_must_be_a_power_of_two_up_to_32(good, bugs, width):
+    call = bug_site("y[threadIdx.x] = __shfl_sync(mask, (float)threadIdx.x, 0, width);")
+    with pytest.raises(E.BarrierError, match=rf"__shfl_sync at .*{call} \(mask 0xffffffff\) in warp 0: width {width} "
+                                             r"is not a power of two in 1\.\.32"):
+        bugs.get_function("shuffle_width_and_mask")(1, 32, (E.zeros(32), np.int32(width), np.uint32(0xFFFFFFFF)))
+    for good_width in (1, 8, 32):   # each lane gets its segment's first lane
+        y = E.zeros(32)
+        bugs.get_function("shuffle_width_and_mask")(1, 32, (y, np.int32(good_width), np.uint32(0xFFFFFFFF)))
+        np.testing.assert_array_equal(y, np.arange(32) // good_width * good_width)
+    assert_still_works(good)
+
+
+def test_a_mask_naming_lanes_the_block_lacks_fails_naming_them(good, bugs):
+    call = bug_site("y[threadIdx.x] = __shfl_sync(mask, (float)threadIdx.x, 0, width);")
+    with pytest.raises(E.BarrierError, match=rf"__shfl_sync at .*{call} \(mask 0xffffffff\) in warp 0: the mask names "
+                                             r"lanes 24-31 \(threads 24-31\) that do not exist \(the block has 24 "
+                                             r"threads\)"):
+        bugs.get_function("shuffle_width_and_mask")(1, 24, (E.zeros(24), np.int32(32), np.uint32(0xFFFFFFFF)))
+    y = E.zeros(24)
+    bugs.get_function("shuffle_width_and_mask")(1, 24, (y, np.int32(32), np.uint32(0x00FFFFFF)))
+    np.testing.assert_array_equal(y, np.zeros(24))
     assert_still_works(good)
 
 

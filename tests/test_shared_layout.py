@@ -24,7 +24,8 @@ from test_traffic import PatchedBackend
 
 SOURCE = Path(__file__).parent / "emulator_kernels" / "shared_arrays.cu"
 KERNELS = ["write_past_first", "read_before_second", "tile_past_the_launch", "two_phases", "stale_pointer",
-           "disagreeing_threads", "misaligned_array", "race_on_array", "raw_before_layout"]
+           "disagreeing_threads", "misaligned_array", "race_on_array", "raw_before_layout",
+           "tile_per_block"]
 THREADS = 64
 VALUES_AFTER_FLAGS = 'float* values = layout.take<float>(blockDim.x, "values");'
 site = lambda needle: re.escape(source_site(SOURCE, needle))  # noqa: E731
@@ -111,6 +112,13 @@ def test_each_planted_kernel_is_right_without_its_bug(arrays):
     assert np.array_equal(run(arrays, "tile_past_the_launch", 0, shared_mem=4 * THREADS), np.ones(THREADS))
     assert np.array_equal(run(arrays, "two_phases", 0), ((THREADS - t) % THREADS) * 2.0 + 1.0)
     assert np.array_equal(run(arrays, "raw_before_layout", 0, shared_mem=4 * THREADS), np.ones(THREADS))
+
+
+def test_each_block_carves_its_own_layout(arrays):
+    """Blocks take tiles of different sizes under one name: each block's layout is its own."""
+    out = E.zeros(3 * THREADS, np.float32)
+    arrays.get_function("tile_per_block")(3, THREADS, (out, np.int32(0)), shared_mem=3 * 4 * THREADS)
+    np.testing.assert_array_equal(out, np.repeat(np.arange(3, dtype=np.float32), THREADS))
 
 
 def test_the_bank_counters_extent_is_the_bytes_a_gpu_uses(arrays):

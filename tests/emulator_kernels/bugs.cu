@@ -71,6 +71,12 @@ __global__ void shuffle_outside_mask(int* y) {
   if (threadIdx.x < 16) y[threadIdx.x] = __shfl_down_sync(0x0000ffffu, (int)threadIdx.x, 8);
 }
 
+// Every thread of the block reads lane 0 of its segment of `width` lanes under `mask`: wrong for a
+// width that is not a power of two in 1..32, or a mask naming lanes the block lacks.
+__global__ void shuffle_width_and_mask(float* y, int width, unsigned mask) {
+  y[threadIdx.x] = __shfl_sync(mask, (float)threadIdx.x, 0, width);
+}
+
 // Lanes of one mask at different shuffle call sites.
 __global__ void shuffle_split_sites(int* y) {
   int v = threadIdx.x;

@@ -108,6 +108,17 @@ __global__ void raw_before_layout(float* out, int reach) {
     out[threadIdx.x] = raw[threadIdx.x];
 }
 
+// Block b takes a tile of (b + 1) * blockDim.x floats and writes its own slice of it: each block carves
+// its layout anew, whatever the blocks before it took.
+__global__ void tile_per_block(float* out, int n_unused) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem);
+    float* tile = layout.take<float>((blockIdx.x + 1) * blockDim.x, "tile");
+    const unsigned slot = blockIdx.x * blockDim.x + threadIdx.x;
+    tile[slot] = (float)blockIdx.x;
+    out[slot] = tile[slot] + (float)n_unused;
+}
+
 // Threads 0 and 1 write different values to totals[1] with nothing between them: a race.
 __global__ void race_on_array(float* out, int n_unused) {
     extern __shared__ __align__(16) unsigned char smem[];
