@@ -25,7 +25,7 @@ from test_traffic import PatchedBackend
 SOURCE = Path(__file__).parent / "emulator_kernels" / "shared_arrays.cu"
 KERNELS = ["write_past_first", "read_before_second", "tile_past_the_launch", "two_phases", "stale_pointer",
            "disagreeing_threads", "misaligned_array", "race_on_array", "raw_before_layout",
-           "tile_per_block"]
+           "tile_per_block", "layout_past_the_base", "nine_arrays"]
 THREADS = 64
 VALUES_AFTER_FLAGS = 'float* values = layout.take<float>(blockDim.x, "values");'
 site = lambda needle: re.escape(source_site(SOURCE, needle))  # noqa: E731
@@ -72,6 +72,14 @@ FAULTS = [
     ("two_phases", 1, 2 * 4 * THREADS,
      r"thread \(63,0,0\): out-of-bounds write of 4 bytes at the first byte past the end of shared array 'sums' "
      r"\(512 bytes at \[0, 512\) of the dynamic shared memory\) at " + site("sums[n + t + reach] = 1.0f;")),
+    # a layout over any base but the extern __shared__ array's start
+    ("layout_past_the_base", 1, 4 * THREADS + 16,
+     r"shared array 'tile' carved from another address at " + taken_at('layout.take<float>(blockDim.x, "tile")')
+     + r": a SharedLayout carves the dynamic shared memory \(extern __shared__\)"),
+    # a ninth array
+    ("nine_arrays", 1, 9 * 4 * THREADS,
+     r"shared array 'slice' taken as array 8 of layout 1 \(8 taken; at most 8\) at "
+     + taken_at('last = layout.take<float>(blockDim.x, "slice")')),
     # a thread that has taken no layout may use the bytes the launch asked for, and no more
     ("raw_before_layout", 1, 4 * THREADS,
      r"thread \(63,0,0\): out-of-bounds write of 4 bytes at dynamic shared memory byte offset 256 \(past the end "
@@ -112,6 +120,8 @@ def test_each_planted_kernel_is_right_without_its_bug(arrays):
     assert np.array_equal(run(arrays, "tile_past_the_launch", 0, shared_mem=4 * THREADS), np.ones(THREADS))
     assert np.array_equal(run(arrays, "two_phases", 0), ((THREADS - t) % THREADS) * 2.0 + 1.0)
     assert np.array_equal(run(arrays, "raw_before_layout", 0, shared_mem=4 * THREADS), np.ones(THREADS))
+    assert np.array_equal(run(arrays, "layout_past_the_base", 0, shared_mem=4 * THREADS + 16), np.ones(THREADS))
+    assert np.array_equal(run(arrays, "nine_arrays", 0, shared_mem=9 * 4 * THREADS), np.ones(THREADS))
 
 
 def test_each_block_carves_its_own_layout(arrays):

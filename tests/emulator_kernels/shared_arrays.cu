@@ -119,6 +119,27 @@ __global__ void tile_per_block(float* out, int n_unused) {
     out[slot] = tile[slot] + (float)n_unused;
 }
 
+// A layout that starts 16 bytes into the dynamic shared memory at shift 1: the emulator places a
+// layout's arrays from the extern __shared__ array's own start, and refuses any other base.
+__global__ void layout_past_the_base(float* out, int shift) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem + 16 * shift);
+    float* tile = layout.take<float>(blockDim.x, "tile");
+    tile[threadIdx.x] = 1.0f;
+    out[threadIdx.x] = tile[threadIdx.x];
+}
+
+// Eight arrays of blockDim.x floats, nine at extra 1: more than a layout may hold
+// (CUEMU_SHARED_ARRAYS_MAX). Each thread uses the last one.
+__global__ void nine_arrays(float* out, int extra) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem);
+    float* last = nullptr;
+    for (int i = 0; i < 8 + extra; ++i) last = layout.take<float>(blockDim.x, "slice");
+    last[threadIdx.x] = 1.0f;
+    out[threadIdx.x] = last[threadIdx.x];
+}
+
 // Threads 0 and 1 write different values to totals[1] with nothing between them: a race.
 __global__ void race_on_array(float* out, int n_unused) {
     extern __shared__ __align__(16) unsigned char smem[];
