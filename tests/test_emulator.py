@@ -577,12 +577,18 @@ ARRAY_INDEX_BOUNDS = [
      r"out-of-bounds index (8|9|1[0-5]) into an array of type 'float \[8\]'"),
     ("local_array_before_start", 2, lambda: (E.zeros(2), np.int32(0)), "window[first + (int)threadIdx.x - 1]",
      r"thread \(0,0,0\): out-of-bounds index -1 into an array of type 'float \[4\]'"),
+    # indices far outside, which need every bit of the index's type to print
+    ("local_array_before_start", 1, lambda: (E.zeros(1), np.int32(-99999)), "window[first + (int)threadIdx.x - 1]",
+     r"thread \(0,0,0\): out-of-bounds index -100000 into an array of type 'float \[4\]'"),
+    ("local_array_before_start", 1, lambda: (E.zeros(1), np.int32(100001)), "window[first + (int)threadIdx.x - 1]",
+     r"thread \(0,0,0\): out-of-bounds index 100000 into an array of type 'float \[4\]'"),
 ]
 
 
 @pytest.mark.parametrize("racecheck", ["1", "0"])
 @pytest.mark.parametrize("kernel, threads, arguments, needle, message", ARRAY_INDEX_BOUNDS,
-                         ids=["static-shared-into-neighbour", "local-array", "inner-dimension", "negative"])
+                         ids=["static-shared-into-neighbour", "local-array", "inner-dimension", "negative",
+                              "far-negative", "far-positive"])
 def test_an_index_outside_an_arrays_bound_fails(good, bugs, monkeypatch, racecheck, kernel, threads, arguments,
                                                needle, message):
     """An index outside the bound an array's type states ends the launch, naming the kernel, the
