@@ -509,11 +509,14 @@ def test_a_padded_head_reads_and_writes_only_its_own_dims(backend, dtype, io_dty
 @pytest.mark.parametrize("poison, last_dim_only", [(np.nan, False), (np.inf, False), (-np.inf, False), (np.nan, True)],
                          ids=["nan", "inf", "-inf", "nan-in-the-last-dim"])
 @pytest.mark.parametrize("tiling", ["one-tile", "row-groups"])
+@pytest.mark.parametrize("lengths", [[121, 40], [126, 45]], ids=["mid-step", "step-edges"])
 def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backend, dtype, io_dtype, head_dim, poison,
-                                                                          last_dim_only, tiling):
+                                                                          last_dim_only, tiling, lengths):
     """Pending row n + 2 of a verification tile holds NaN or an infinity in half of V's dims
-    (or NaN in its last dim alone, which one lane of the warp's stage scan reads):
-    queries 0 and 1 share its step but do not attend it. In an mma their weight 0 times it would be
+    (or NaN in its last dim alone, which one lane of the warp's stage scan reads): queries 0 and 1
+    do not attend it, and share its step (mid-step: at lengths 121 and 40 it is key 11 and 10 of its
+    16-key step) or run in the step before (step-edges: at 126 and 45 it is key 0 of its step, and
+    key 15 of the step queries 0 and 1 share). In an mma their weight 0 times it would be
     NaN, so in such a step the kernel zeroes those elements and marks the rows that attend them.
     Queries 0 and 1 match the reference; the later ones, which attend it with a weight above 0, are
     NaN in every dim (the reference is non-finite in the poisoned dims only). 15 rows run a one-tile
@@ -524,7 +527,6 @@ def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backen
                             io_dtype=io_dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(5)
-    lengths = [121, 40]   # sequence 0's pending rows straddle a 16-key step
     q_len, group = 5, 3
     if tiling == "row-groups":   # every row in one block of the most rows
         group = 4
