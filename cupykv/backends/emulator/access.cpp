@@ -247,16 +247,15 @@ std::string dynamic_place(const std::vector<SharedArray>& layout, uintptr_t addr
     return "shared array '" + std::string(a.name) + "' (" + std::to_string(a.bytes) + " bytes at [" +
            std::to_string(a.offset) + ", " + std::to_string(a.offset + a.bytes) + ") of the dynamic shared memory)";
   };
-  auto bytes = [](uint64_t n) { return n == 1 ? std::string("1 byte") : std::to_string(n) + " bytes"; };
   std::string text;
   if (before && addr < before->hi) {
     text = "byte offset " + std::to_string(addr - before->lo) + " of " + named(*before) + ", running " +
-           bytes(addr + size - before->hi) + " past its end";
+           byte_count_text(addr + size - before->hi) + " past its end";
   } else if (before && (!after || addr - before->hi < after->lo - addr)) {  // nearer the end of one
-    text = (addr == before->hi ? std::string("the first byte") : bytes(addr - before->hi)) + " past the end of " +
-           named(*before);
+    text = (addr == before->hi ? std::string("the first byte") : byte_count_text(addr - before->hi)) +
+           " past the end of " + named(*before);
   } else if (after) {                                                        // than the start of the next
-    text = bytes(after->lo - addr) + " before the start of " + named(*after);
+    text = byte_count_text(after->lo - addr) + " before the start of " + named(*after);
   } else {
     text = "dynamic shared memory byte offset " + std::to_string(addr - g_regions[0].lo);
   }
@@ -630,6 +629,8 @@ std::string site_text(uint32_t site) {
   snprintf(buf, sizeof buf, "@site(0x%x)", site);  // file:line
   return buf;
 }
+
+std::string byte_count_text(uint64_t n) { return n == 1 ? std::string("1 byte") : std::to_string(n) + " bytes"; }
 
 std::string place_text(int region, uint64_t offset) {
   char buf[96];

@@ -159,8 +159,7 @@ void async_check(const Access& a) {
     const Copy* c = find_copy(issuer, a.addr + k);
     const char* what = g.issuing ? "a cp.async into" : (a.kind & ACCESS_ATOMIC) ? "an atomic on"
                        : (a.kind & ACCESS_WRITE) ? "a write to" : "a read of";
-    std::string msg = std::string(what) + " " + std::to_string(a.size) +
-                      (a.size == 1 ? " byte of " : " bytes of ") + place_text(region, first) +
+    std::string msg = std::string(what) + " " + byte_count_text(a.size) + " of " + place_text(region, first) +
                       " by thread " + thread_text(a.tid) + " at " +
                       site_text(a.site) + " touches bytes that an asynchronous copy still writes (" +
                       std::to_string(c ? c->size : 0) + "-byte cp.async issued by thread " +

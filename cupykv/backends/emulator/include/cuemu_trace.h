@@ -139,10 +139,12 @@ int fragment_release(int op, int arg, uint32_t base_tid, const FragmentLane* lan
 
 // Words for error messages, with tokens that launch.py spells out: a call site (an offset into
 // the module) as file:line; a region of shared memory (0 dynamic, 1 static) and a byte offset in
-// it, a static variable by name; an address as shared memory, an argument's element, or a number.
+// it, a static variable by name; an address as shared memory, an argument's element, or a number;
+// a count of bytes ("1 byte", "12 bytes").
 std::string site_text(uint32_t site);
 std::string place_text(int region, uint64_t offset);
 std::string address_text(uintptr_t addr);
+std::string byte_count_text(uint64_t n);
 
 // A byte offset into the dynamic shared memory as on a GPU: where a kernel carves it into arrays
 // (SharedLayout), the emulator places each a gap further on; this takes the gaps out, by the layout
