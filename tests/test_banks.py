@@ -35,6 +35,11 @@ def shared_sites(t, kind):
     return [s for s in t.launches[0].shared_sites if s.kind == kind]
 
 
+def sites_by_line(t, kind):
+    """:func:`shared_sites` of ``kind``, in the order of their source lines."""
+    return sorted(shared_sites(t, kind), key=lambda s: int(s.site.split(":")[1]))
+
+
 def one_site(t, kind):
     found = shared_sites(t, kind)
     assert len(found) == 1, t.report()
@@ -142,7 +147,7 @@ def test_four_scalar_stores_over_an_aligned_piece_count_as_one_vector_store(kern
     with E.traffic(banks=True) as t:
         kernels.get_function("scalar_quads")(1, 32, (out, np.int32(stride), np.int32(first)),
                                              shared_mem=4 * (4 * (31 * stride + 1) + first))
-    stores = sorted(shared_sites(t, "store"), key=lambda s: int(s.site.split(":")[1]))
+    stores = sites_by_line(t, "store")
     lines = ["the quad's first store"] if first == 0 else ["the quad's first store", "the third store"]
     assert [s.site for s in stores] == [source_site(SOURCE, line) for line in lines], t.report()
     pieces = len(lines)
@@ -161,7 +166,7 @@ def test_adjacent_atomics_are_their_own_kind_and_never_join(kernels):
     out = E.zeros(32, np.int32)
     with E.traffic(banks=True) as t:
         kernels.get_function("shared_atomics")(1, 32, (out,), shared_mem=4 * 64)
-    atomics = sorted(shared_sites(t, "atomic"), key=lambda s: int(s.site.split(":")[1]))
+    atomics = sites_by_line(t, "atomic")
     assert [s.site for s in atomics] == [source_site(SOURCE, "the even word's atomic"),
                                          source_site(SOURCE, "the odd word's atomic")], t.report()
     for site in atomics:
