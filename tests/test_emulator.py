@@ -27,7 +27,7 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
               "reverse_float4", "indices3d", "axpy<float>", "axpy<__half>",
               "axpy<__nv_bfloat16>", "convert", "barrier_preds", "scalars", "maybe_null",
               "math", "hello", "busy", "intrinsics", "fp16_ops<__half>",
-              "fp16_ops<__nv_bfloat16>", "match_in_halves", "warp_reductions"]
+              "fp16_ops<__nv_bfloat16>", "match_in_halves", "warp_reductions", "record_block_order"]
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",

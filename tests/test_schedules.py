@@ -23,6 +23,7 @@ from cupykv import validate_launches
 from cupykv.backends import emulator as E
 from cupykv.backends.base import Backend
 
+from test_emulator import GOOD, GOOD_NAMES, KERNELS
 from test_races import RACE_NAMES, RACES
 
 SESSION_SEED = int(os.environ["CUPYKV_EMULATOR_SEED"], 0)   # conftest.py sets it
@@ -98,7 +99,10 @@ def test_seeds_reorder_blocks_and_replay(races, monkeypatch):
 
 
 def test_seeds_reorder_threads(races, monkeypatch):
-    """64 threads of one block store their index in one flag: the last one to run wins."""
+    """64 threads of one block store their index in one flag: the last one to run wins.
+
+    Each seeded order runs the two warps in a seeded order, each in a seeded lane order, so the
+    winner's warp and its lane both change with the seed."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")
     winners = []
     for seed in range(8):
@@ -106,7 +110,43 @@ def test_seeds_reorder_threads(races, monkeypatch):
         flag = E.zeros(1, np.int32)
         races.get_function("set_flag")(1, 64, (flag, np.int32(1)))
         winners.append(int(flag[0]))
-    assert winners[0] == 63 and len(set(winners)) > 1
+    assert winners[0] == 63                                       # index order: thread 63 runs last
+    assert len({w // 32 for w in winners[1:]}) > 1                 # the seed decides which warp runs last
+    assert len({w % 32 for w in winners[1:]}) > 1                  # and which lane of it
+
+
+def block_order(good, seed, blocks, monkeypatch):
+    """[blocks] uint32: the block indices in the order the emulator ran them under ``seed``."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")   # one array of 4M blocks: no shadow needed
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", str(seed))
+    order, taken = E.zeros(blocks, np.uint32), E.zeros(1, np.uint32)
+    good.get_function("record_block_order")(blocks, 1, (order, taken))
+    assert int(taken[0]) == blocks
+    return np.asarray(order).copy()
+
+
+@pytest.fixture(scope="module")
+def good():
+    return E.Module(GOOD.read_text(), GOOD_NAMES, include_dirs=[KERNELS], filename=str(GOOD))
+
+
+# schedule.cpp permutes grids of up to 2**22 blocks (Fisher-Yates) and orders larger ones by a
+# seeded affine bijection k -> (a * k + c) mod n.
+@pytest.mark.parametrize("blocks", [2, 37, (1 << 22) + 1], ids=["two blocks", "permuted", "affine"])
+def test_a_seed_runs_every_block_once_in_an_order_it_replays(good, blocks, monkeypatch):
+    every_block = np.arange(blocks, dtype=np.uint32)
+    assert (block_order(good, 0, blocks, monkeypatch) == every_block).all()      # seed 0: index order
+    orders = {}
+    for seed in (5, 6):
+        block_order(good, 3, 37, monkeypatch)   # a small seeded grid just before must leave no order behind
+        orders[seed] = block_order(good, seed, blocks, monkeypatch)
+        assert (np.sort(orders[seed]) == every_block).all(), f"seed {seed}: a block ran twice or never"
+        assert (block_order(good, seed, blocks, monkeypatch) == orders[seed]).all(), f"seed {seed} does not replay"
+    if blocks == 2:   # a coin per seed: some seed of 1..16 runs block 1 first
+        assert any(block_order(good, seed, 2, monkeypatch)[0] == 1 for seed in range(1, 17))
+    else:   # one of 37! permutations or of trillions of affine maps: index order or a repeat is no chance
+        assert all((order != every_block).any() for order in orders.values())
+        assert (orders[5] != orders[6]).any()
 
 
 def test_a_bad_seed_is_refused(monkeypatch, races):

@@ -273,3 +273,10 @@ __global__ void fp16_ops(const T* a, const T* b, T* out, int n) {
   out[2 * n + i] = __hmul(a[i], b[i]);
   out[3 * n + i] = a[i] / b[i];
 }
+
+// Each block's thread 0 takes the next slot of a counter and writes its block index there,
+// so order[k] is the k-th block to run (tests/test_schedules.py). order: [gridDim.x] unsigned,
+// next: [1] unsigned (zeroed).
+__global__ void record_block_order(unsigned* order, unsigned* next) {
+  if (threadIdx.x == 0) order[atomicAdd(next, 1u)] = blockIdx.x;
+}
