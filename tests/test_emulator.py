@@ -30,7 +30,7 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
               "fp16_ops<__nv_bfloat16>", "match_in_halves", "warp_reductions", "record_block_order"]
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
-             "takes_int", "failing_assert", "shuffle_exited_lane", "shuffle_outside_mask",
+             "takes_int", "failing_assert", "trap_at", "shuffle_exited_lane", "shuffle_outside_mask",
              "shuffle_split_sites", "shuffle_width_and_mask", "huge_local", "null_deref", "divide_by_zero",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_float4_components", "misaligned_atomic",
@@ -882,6 +882,18 @@ def test_j_failing_device_assert(good, bugs):
     msg = str(e.value)
     assert "thread (5,0,0)" in msg and "x[threadIdx.x] != 5" in msg
     assert bug_site('assert(x[') in msg
+    assert_still_works(good)
+
+
+def test_a_trap_names_its_block_and_thread_and_says_only_what_it_said(good, bugs):
+    """__trap() in thread (5,1,0) of block (3,1,2) of a 3D grid, launched after an assert failed:
+    the report names that block and thread, and holds none of the earlier error's text."""
+    with pytest.raises(E.DeviceAssertError, match="device assertion"):
+        bugs.get_function("failing_assert")(1, 8, (E.asarray(np.arange(8, dtype=np.int32)),))
+    with pytest.raises(E.DeviceAssertError) as e:
+        bugs.get_function("trap_at")((4, 3, 3), (8, 2, 1), tuple(np.int32(v) for v in (3, 1, 2, 5, 1)))
+    where = r"kernel 'trap_at' block \(3,1,2\) thread \(5,1,0\)"
+    assert re.fullmatch(rf"{where}: __trap\(\) at \S*{re.escape(bug_site('__trap()'))}( \[.*\])?", str(e.value))
     assert_still_works(good)
 
 

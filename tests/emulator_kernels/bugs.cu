@@ -60,6 +60,12 @@ __global__ void takes_int(float* y, int n) {
 // (j) a device assert that fails for thread 5.
 __global__ void failing_assert(const int* x) { assert(x[threadIdx.x] != 5); }
 
+// (j') a trap in one thread (tx, ty) of one block (bx, by, bz) of a 3D grid.
+__global__ void trap_at(int bx, int by, int bz, int tx, int ty) {
+  const bool here = blockIdx.x == bx && blockIdx.y == by && blockIdx.z == bz;
+  if (here && threadIdx.x == tx && threadIdx.y == ty) __trap();
+}
+
 // (k) lanes 16-31 exit, lanes 0-15 then shuffle with a full mask.
 __global__ void shuffle_exited_lane(float* y) {
   if (threadIdx.x >= 16) return;
