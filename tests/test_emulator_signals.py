@@ -27,9 +27,13 @@ NAMES = ["spin", "wait_for_flag", "wait_at_barriers", "print_string", "fill", "s
 # it checks that Python's SIGINT handler is back and that the emulator still runs kernels (with
 # catch=False it lets the kernel's KeyboardInterrupt end the process). A Ctrl-C that lands before
 # the launch began (a slow start on a busy machine) prints "early", and the launch starts again.
-# Once the launch's Ctrl-C is caught, further ones (the parent's resends) are ignored.
+# Once the launch's Ctrl-C is caught, further ones (the parent's resends) are ignored. The child
+# first installs Python's default SIGINT handler, as an interactive Python has it: a process started
+# as a shell's background job (`cmd &`) inherits SIGINT ignored, Python then installs no handler,
+# and the emulator rightly leaves Ctrl-C alone, so the kernel would spin on.
 CHILD = textwrap.dedent("""
     import signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     from cupykv.backends import emulator as E
     path, kernel, catch = sys.argv[1], sys.argv[2], sys.argv[3] == "catch"
@@ -232,13 +236,17 @@ def test_memmove_and_memset(kernels):
 
 
 def test_launch_off_the_main_thread_leaves_sigint_to_python(kernels):
-    seen = []
-    out = E.zeros(64, np.int32)
-    thread = threading.Thread(target=lambda: seen.append(kernels.get_function("fill")(1, 64, (out,))))
-    thread.start()
-    thread.join()
-    assert seen == [None] and out.tolist() == [7] * 64
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # whatever this process inherited
+    try:
+        seen = []
+        out = E.zeros(64, np.int32)
+        thread = threading.Thread(target=lambda: seen.append(kernels.get_function("fill")(1, 64, (out,))))
+        thread.start()
+        thread.join()
+        assert seen == [None] and out.tolist() == [7] * 64
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # Launches one kernel of signals.cu with 2 warps under a 0.5 s time limit, on the main thread or
