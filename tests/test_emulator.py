@@ -961,6 +961,36 @@ def test_l_stack_overflow(good, bugs):
     assert_still_works(good)
 
 
+def test_the_stack_setting_takes_effect_at_the_next_launch(good, bugs, monkeypatch):
+    """huge_local's frame holds an 800,000-byte array: past a 64 KiB stack, inside a 1 MiB one.
+    CUPYKV_EMULATOR_STACK_KIB is read at every launch, as the overflow's message invites."""
+    def run(kib):
+        if kib is None:
+            monkeypatch.delenv("CUPYKV_EMULATOR_STACK_KIB", raising=False)
+        else:
+            monkeypatch.setenv("CUPYKV_EMULATOR_STACK_KIB", str(kib))
+        y = E.zeros(4)
+        bugs.get_function("huge_local")(1, 4, (y, np.int32(1000)))
+        return y
+
+    for kib, shown in [(None, 64), (16, 16)]:
+        with pytest.raises(E.EmulatorFault, match=rf"stack overflow: the thread used more than its {shown} KiB fiber "
+                                                  r"stack .*set CUPYKV_EMULATOR_STACK_KIB to enlarge it"):
+            run(kib)
+        np.testing.assert_array_equal(run(1024), np.full(4, 999.0))   # after an overflow, in the same process
+    assert_still_works(good)
+
+
+@pytest.mark.parametrize("value", ["15", "0", "-64", "1.5", "ten", "65537"])
+def test_the_stack_setting_is_checked_before_anything_runs(good, monkeypatch, value):
+    monkeypatch.setenv("CUPYKV_EMULATOR_STACK_KIB", value)
+    y = E.asarray(np.full(4, -1.0, np.float32))
+    with pytest.raises(ValueError, match=rf"CUPYKV_EMULATOR_STACK_KIB: expected a whole number of KiB from 16 to "
+                                         rf"65536, got '{re.escape(value)}'"):
+        good.get_function("axpy<float>")(1, 4, (y, y, np.float32(2), np.int32(4)))
+    assert (np.asarray(y) == -1).all()
+
+
 def test_null_pointer_and_division_by_zero(good, bugs):
     with pytest.raises(E.EmulatorFault, match="null"):
         bugs.get_function("null_deref")(1, 4, (None,))

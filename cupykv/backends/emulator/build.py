@@ -169,7 +169,7 @@ class _LaunchParams(ctypes.Structure):
                 ("tls_probe", ctypes.c_void_p), ("guards", ctypes.c_void_p),
                 ("nguards", ctypes.c_uint32), ("dyn_smem_room", ctypes.c_uint64),
                 ("time_limit_s", ctypes.c_double), ("text_lo", ctypes.c_uint64),
-                ("text_hi", ctypes.c_uint64)]
+                ("text_hi", ctypes.c_uint64), ("stack_kib", ctypes.c_uint32)]
 
 
 class _Region(ctypes.Structure):

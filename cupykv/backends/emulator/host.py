@@ -95,6 +95,17 @@ def seconds_setting(name, default):
     return seconds
 
 
+def kib_setting(name, default, minimum, maximum):
+    """The whole number of KiB the environment variable ``name`` holds (read now), or ``default``
+    when it is unset or blank; anything outside ``minimum..maximum`` raises InputError naming it."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not (text.isdigit() and minimum <= int(text) <= maximum):
+        raise InputError(f"{name}: expected a whole number of KiB from {minimum} to {maximum}, got {text!r}")
+    return int(text)
+
+
 def run_compiler(cmd, what, cwd=None):
     """Run ``cmd`` (a g++ command line) in ``cwd``; returns ``(returncode, output)``.
 

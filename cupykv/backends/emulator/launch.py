@@ -32,6 +32,10 @@ ERR_TIME_LIMIT = 11       # cuemu_launch's status when the launch ran past its C
 LAUNCH_TIMEOUT_ENV = "CUPYKV_EMULATOR_LAUNCH_TIMEOUT"
 # CPU seconds one launch may take (its kernel and the checkers); the suite's slowest takes about 8
 DEFAULT_LAUNCH_TIMEOUT = 600.0
+STACK_KIB_ENV = "CUPYKV_EMULATOR_STACK_KIB"
+# Each fiber's stack: 64 KiB holds every cupykv kernel; from 16 KiB (the runtime's own frames and a
+# signal's) to 64 MiB (1024 fibers of it are 64 GiB of address space, mapped without reserving memory)
+DEFAULT_STACK_KIB, MIN_STACK_KIB, MAX_STACK_KIB = 64, 16, 65536
 # The runtime's messages name places it cannot describe itself: a call site (an offset into the
 # module, named file:line here), a static shared memory offset, an argument region's byte.
 _TOKEN = re.compile(r"@site\(0x([0-9a-f]+)\)|@static\(0x([0-9a-f]+)\)|@arg\((\d+),0x([0-9a-f]+)\)")
@@ -271,8 +275,9 @@ class Function:
 
         Raises:
             LaunchError: bad geometry, shared memory size or arguments (nothing ran).
-            ValueError: ``CUPYKV_EMULATOR_POISON`` is not a byte value, or
-                ``CUPYKV_EMULATOR_LAUNCH_TIMEOUT`` not a number of seconds > 0 (nothing ran).
+            ValueError: ``CUPYKV_EMULATOR_POISON`` is not a byte value,
+                ``CUPYKV_EMULATOR_LAUNCH_TIMEOUT`` not a number of seconds > 0, or
+                ``CUPYKV_EMULATOR_STACK_KIB`` not a whole number from 16 to 65536 (nothing ran).
             EmulatorFault: out-of-bounds access or stack overflow.
             BarrierError: divergent barrier, bad warp-intrinsic mask, deadlock.
             DeviceAssertError: failed device assert or trap.
@@ -287,10 +292,11 @@ class Function:
         """
         grid, block, shared_mem = self._check_geometry(grid, block, shared_mem)
         seed, poison, time_limit = schedule.session_seed(), memory.poison_byte(), launch_timeout()
+        stack_kib = fiber_stack_kib()
         with _launch_lock:  # one launch at a time: the runtime and the buffers are shared
-            self._launch(grid, block, args, shared_mem, seed, poison, time_limit)
+            self._launch(grid, block, args, shared_mem, seed, poison, time_limit, stack_kib)
 
-    def _launch(self, grid, block, args, shared_mem, seed, poison, time_limit):
+    def _launch(self, grid, block, args, shared_mem, seed, poison, time_limit, stack_kib):
         array_args = self._pack(args)
         self._check_restrict(array_args)
         bindings, shadows = self._bind_arrays(array_args)
@@ -328,6 +334,7 @@ class Function:
         p.nguards = len(guard_table) if guard_table[0].hi else 0
         p.options = STOP_ON_SIGINT if _takes_sigint() else 0
         p.time_limit_s = time_limit
+        p.stack_kib = stack_kib
         lib = build.runtime()
         try:
             rc = lib.cuemu_launch(ctypes.byref(p), ctypes.byref(r))
@@ -565,6 +572,12 @@ def launch_timeout():
     thread) before it stops with :class:`LaunchTimeoutError`: ``$CUPYKV_EMULATOR_LAUNCH_TIMEOUT``,
     read at every launch, default 600."""
     return host.seconds_setting(LAUNCH_TIMEOUT_ENV, DEFAULT_LAUNCH_TIMEOUT)
+
+
+def fiber_stack_kib():
+    """KiB of stack each thread of a launch runs on: ``$CUPYKV_EMULATOR_STACK_KIB``, read at every
+    launch (a change remaps the stacks at the next one), default 64."""
+    return host.kib_setting(STACK_KIB_ENV, DEFAULT_STACK_KIB, MIN_STACK_KIB, MAX_STACK_KIB)
 
 
 def _takes_sigint():

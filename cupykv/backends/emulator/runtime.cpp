@@ -303,17 +303,14 @@ static void restore_host_csr() {
 #endif
 
 // ---- stacks and fibers ------------------------------------------------------------
-static bool ensure_fibers(uint32_t need) {
-  if (need <= g_capacity) return true;
+// `need` fibers with stacks of `stack_kib` KiB each (rounded up to pages): the stacks are remapped
+// when more fibers are needed or the size changed since the last launch.
+static bool ensure_fibers(uint32_t need, uint32_t stack_kib) {
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  const size_t size = ((size_t)stack_kib * 1024 + page - 1) / page * page;
+  if (need <= g_capacity && size == g_stacks.size) return true;
   uint32_t n = 64;  // grow in powers of two: each growth remaps every stack
   while (n < need) n *= 2;
-  size_t page = (size_t)sysconf(_SC_PAGESIZE);
-  size_t size = 64 * 1024;
-  if (const char* env = getenv("CUPYKV_EMULATOR_STACK_KIB")) {
-    long kib = atol(env);
-    if (kib >= 16) size = (size_t)kib * 1024;
-  }
-  size = (size + page - 1) / page * page;
   if (g_stacks.base) munmap(g_stacks.base, g_stacks.count * g_stacks.stride);
   free(g_fibers);
   free(g_queue);
@@ -1230,7 +1227,7 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   r->msg[0] = 0;
   r->is_write = -1;
   const uint32_t n = p->block[0] * p->block[1] * p->block[2];
-  if (n == 0 || n > 1024 || !ensure_fibers(n)) {
+  if (n == 0 || n > 1024 || !ensure_fibers(n, p->stack_kib)) {
     r->kind = CUEMU_ERR_SETUP;
     snprintf(r->msg, sizeof r->msg, "cannot prepare %u fibers", n);
     return r->kind;

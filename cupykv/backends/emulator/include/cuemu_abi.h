@@ -178,6 +178,9 @@ struct cuemu_launch_params {
   // which a stop (Ctrl-C, the time limit) may leave at once, without the PLT stubs before it,
   // whose pc names no line (the hook they jump to polls instead).
   uint64_t text_lo, text_hi;
+  // KiB of stack for each fiber (CUPYKV_EMULATOR_STACK_KIB, read by launch.py at every launch): the
+  // stacks are remapped when it differs from the last launch's
+  uint32_t stack_kib;
 };
 
 // Hazard kinds (cuemu_hazard.kind).
