@@ -33,8 +33,8 @@ LAUNCH_TIMEOUT_ENV = "CUPYKV_EMULATOR_LAUNCH_TIMEOUT"
 # CPU seconds one launch may take (its kernel and the checkers); the suite's slowest takes about 8
 DEFAULT_LAUNCH_TIMEOUT = 600.0
 STACK_KIB_ENV = "CUPYKV_EMULATOR_STACK_KIB"
-# Each fiber's stack: 64 KiB holds every cupykv kernel; from 16 KiB (the runtime's own frames and a
-# signal's) to 64 MiB (1024 fibers of it are 64 GiB of address space, mapped without reserving memory)
+# Each fiber's stack: 64 KiB holds every cupykv kernel; from 16 KiB (the runtime's own calls from a
+# thread run on it too) to 64 MiB (1024 fibers of it are 64 GiB of address space, mapped unreserved)
 DEFAULT_STACK_KIB, MIN_STACK_KIB, MAX_STACK_KIB = 64, 16, 65536
 # The runtime's messages name places it cannot describe itself: a call site (an offset into the
 # module, named file:line here), a static shared memory offset, an argument region's byte.

@@ -1229,7 +1229,7 @@ CUEMU_EXPORT int cuemu_launch(const cuemu_launch_params* p, cuemu_result* r) {
   const uint32_t n = p->block[0] * p->block[1] * p->block[2];
   if (n == 0 || n > 1024 || !ensure_fibers(n, p->stack_kib)) {
     r->kind = CUEMU_ERR_SETUP;
-    snprintf(r->msg, sizeof r->msg, "cannot prepare %u fibers", n);
+    snprintf(r->msg, sizeof r->msg, "cannot prepare %u fibers of %u KiB stack each", n, p->stack_kib);
     return r->kind;
   }
   if (!g_altstack) {
