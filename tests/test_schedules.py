@@ -147,6 +147,7 @@ def test_a_seed_runs_every_block_once_in_an_order_it_replays(good, blocks, monke
     else:   # one of 37! permutations or of trillions of affine maps: index order or a repeat is no chance
         assert all((order != every_block).any() for order in orders.values())
         assert (orders[5] != orders[6]).any()
+    assert (block_order(good, 0, blocks, monkeypatch) == every_block).all()      # and seed 0 after them
 
 
 def test_a_bad_seed_is_refused(monkeypatch, races):
