@@ -43,9 +43,14 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "atomic_past_end", "atomic_past_end_last"]
 
 
+def load_good():
+    """good.cu's kernels, built (or taken from the cache) as one module."""
+    return E.Module(GOOD.read_text(), GOOD_NAMES, include_dirs=[KERNELS], filename=str(GOOD))
+
+
 @pytest.fixture(scope="module")
 def good():
-    return E.Module(GOOD.read_text(), GOOD_NAMES, include_dirs=[KERNELS], filename=str(GOOD))
+    return load_good()
 
 
 @pytest.fixture(scope="module")

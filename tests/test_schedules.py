@@ -23,7 +23,7 @@ from cupykv import validate_launches
 from cupykv.backends import emulator as E
 from cupykv.backends.base import Backend
 
-from test_emulator import GOOD, GOOD_NAMES, KERNELS
+from test_emulator import load_good
 from test_races import RACE_NAMES, RACES
 
 SESSION_SEED = int(os.environ["CUPYKV_EMULATOR_SEED"], 0)   # conftest.py sets it
@@ -127,7 +127,7 @@ def block_order(good, seed, blocks, monkeypatch):
 
 @pytest.fixture(scope="module")
 def good():
-    return E.Module(GOOD.read_text(), GOOD_NAMES, include_dirs=[KERNELS], filename=str(GOOD))
+    return load_good()
 
 
 # schedule.cpp permutes grids of up to 2**22 blocks (Fisher-Yates) and orders larger ones by a
