@@ -17,6 +17,7 @@ import pytest
 from cupykv import nvrtc_check
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import build
+from cupykv.kernels import KERNEL_DIR
 from source_lines import line_number, source_site
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
@@ -1118,11 +1119,14 @@ def test_a_static_shared_array_aligned_past_the_guard_keeps_its_alignment():
         module.get_function("wide_race")(1, 32, (E.zeros(32),))
 
 
-@pytest.mark.parametrize("path", [GOOD, BUGS], ids=["good.cu", "bugs.cu"])
-def test_same_source_compiles_with_nvrtc(path):
-    """The emulator's test kernels are real CUDA: NVRTC compiles them unchanged for sm_80."""
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("path", sorted(KERNELS.glob("*.cu")), ids=lambda path: path.name)
+def test_same_source_compiles_with_nvrtc(path, arch):
+    """The emulator's test kernels are real CUDA: NVRTC compiles each file unchanged, with the
+    product's headers, for sm_80 and sm_90, as their header comments say."""
     nvrtc = nvrtc_check.load_nvrtc()
-    nvrtc_check.compile_file(nvrtc, path.name, path.read_text(), [], "sm_80", include_dirs=(str(KERNELS),))
+    include_dirs = (str(KERNELS), str(KERNEL_DIR))
+    nvrtc_check.compile_file(nvrtc, path.name, path.read_text(), [], arch, include_dirs=include_dirs)
 
 
 # ---- speed -----------------------------------------------------------------------------

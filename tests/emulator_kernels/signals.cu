@@ -1,6 +1,6 @@
 // signals.cu: kernels that never finish (for Ctrl-C and the launch's time limit), that fault
 // inside libc, or inside the kernels' memcpy (tests/test_emulator_signals.py). They compile for
-// NVRTC too.
+// NVRTC too, but for `shift`.
 
 // Spins on a local variable: no access the emulator sees, no barrier, no call.
 __global__ void spin(int* out) {
@@ -34,7 +34,9 @@ __global__ void print_string(const char* text) {
 __global__ void fill(int* out) { out[threadIdx.x] = 7; }
 
 // memmove within one array in both directions (n <= size - 2), and a memset: the runtime's
-// copy routines, not libc's, run them.
+// copy routines, not libc's, run them. CUDA has no device memmove, but g++ may emit calls to it
+// for a kernel's copy loops, so the emulator provides one: this kernel is for the emulator only.
+#ifdef CUPYKV_EMULATOR
 __global__ void shift(int* a, int n) {
   if (threadIdx.x == 0) {
     memmove(a + 1, a, n * sizeof(int));      // overlapping, destination after the source
@@ -42,6 +44,7 @@ __global__ void shift(int* a, int n) {
     memset(a + n, 0, 2 * sizeof(int));
   }
 }
+#endif
 
 // Copies n floats from x into y: one past the end of x when n is its size + 1.
 __global__ void copy_floats(float* y, const float* x, int n) {
