@@ -2,6 +2,8 @@
 and a fault is reported only where that is well defined (kernel code, the kernels' memcpy), else
 the process stops loudly."""
 
+import ctypes
+import ctypes.util
 import os
 import queue
 import re
@@ -21,7 +23,7 @@ from cupykv.backends import emulator as E
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
 SIGNALS = KERNELS / "signals.cu"
-NAMES = ["spin", "wait_for_flag", "wait_at_barriers", "print_string", "fill", "shift", "copy_floats"]
+NAMES = ["spin", "spin_after_libm", "wait_for_flag", "wait_at_barriers", "print_string", "fill", "shift", "copy_floats"]
 
 # Launches one kernel of signals.cu with 2 warps; prints "launching" first. On KeyboardInterrupt
 # it checks that Python's SIGINT handler is back and that the emulator still runs kernels (with
@@ -249,23 +251,26 @@ def test_launch_off_the_main_thread_leaves_sigint_to_python(kernels):
         signal.signal(signal.SIGINT, previous)
 
 
-# Launches one kernel of signals.cu with 2 warps under a 0.5 s time limit, on the main thread or
-# another one, and prints the error; then spends 0.3 s of CPU time (a timer left behind would
-# signal again and end the process), checks that the emulator still runs kernels, and sends itself
-# the time limit's signal, whose default action (the runtime's handler gone) ends the process. A child process: were the limit broken, the launch would never end, and the parent's
-# timeout fails the test instead of hanging the suite.
+# Launches one kernel of signals.cu with 2 warps under the time limit CUPYKV_EMULATOR_LAUNCH_TIMEOUT
+# sets, on the main thread or another one, with (out,) or (out, order) as its arguments, and prints
+# the error; then spends 0.3 s of CPU time (a timer left behind would signal again and end the
+# process), checks that the emulator still runs kernels, and sends itself the time limit's signal,
+# whose default action (the runtime's handler gone) ends the process. A child process: were the
+# limit broken, the launch would never end, and the parent's timeout fails the test instead of
+# hanging the suite.
 TIME_LIMIT_CHILD = textwrap.dedent("""
     import signal, sys, threading, time
     import numpy as np
     from cupykv.backends import emulator as E
     path, kernel, on_thread = sys.argv[1], sys.argv[2], sys.argv[3] == "thread"
+    args = tuple(np.int32(a) for a in sys.argv[4:])
     mod = E.Module(open(path).read(), {names!r}, filename=path)
     out = E.zeros(64, np.int32)
     errors = []
 
     def launch():
         try:
-            mod.get_function(kernel)(1, 64, (out,))
+            mod.get_function(kernel)(1, 64, (out,) + args)
         except E.LaunchTimeoutError as error:
             errors.append(error)
     if on_thread:
@@ -305,8 +310,30 @@ def _line_of(text):
     ("wait_at_barriers", "1", "main", ["while (seen[0] == 0)", "__syncthreads();", None]),
 ])
 def test_a_kernel_that_never_ends_stops_at_the_time_limit_naming_its_line(kernel, racecheck, thread, stopped_at):
-    env = dict(os.environ, CUPYKV_EMULATOR_RACECHECK=racecheck, CUPYKV_EMULATOR_LAUNCH_TIMEOUT="0.5")
-    child = _start(TIME_LIMIT_CHILD, SIGNALS, kernel, thread, env=env)
+    _check_stopped_at_the_time_limit(kernel, racecheck, thread, stopped_at, limit="0.5")
+
+
+def test_the_time_limit_signal_repeats_until_one_lands_where_it_can_stop_the_thread():
+    """The first signal lands in libm, where it only sets a flag, and nothing polls it afterwards.
+
+    The kernel calls jnf of a large order and then spins on a local. A timer that signalled once
+    would leave the launch spinning forever (the child's timeout fails the test); the repeating
+    one stops it in the spin. The premise, that the call outlasts the limit, is measured here.
+    """
+    order, limit = 200_000_000, 0.2
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.jnf.restype, libm.jnf.argtypes = ctypes.c_float, [ctypes.c_int, ctypes.c_float]
+    started = time.thread_time()
+    libm.jnf(order, 1.0)
+    spent = time.thread_time() - started
+    assert spent > 2 * limit, f"jnf({order}, 1) took {spent:.3f} s of CPU time: too short to hold the first signal"
+    _check_stopped_at_the_time_limit("spin_after_libm", "1", "main", ["while (spinning)"], limit=str(limit),
+                                     args=(order,))
+
+
+def _check_stopped_at_the_time_limit(kernel, racecheck, thread, stopped_at, limit, args=()):
+    env = dict(os.environ, CUPYKV_EMULATOR_RACECHECK=racecheck, CUPYKV_EMULATOR_LAUNCH_TIMEOUT=limit)
+    child = _start(TIME_LIMIT_CHILD, SIGNALS, kernel, thread, *args, env=env)
     try:
         out, err = child.communicate(timeout=120)
     finally:
@@ -316,7 +343,7 @@ def test_a_kernel_that_never_ends_stops_at_the_time_limit_naming_its_line(kernel
     places = "|".join(rf"at \S*signals\.cu:{_line_of(text)}\b" if text else "between threads, in the scheduler"
                       for text in stopped_at)
     assert re.match(rf"kernel '{kernel}' block \(0,0,0\)( thread \(\d+,0,0\))?: the launch used more than its "
-                    rf"0\.5 s of CPU time \(CUPYKV_EMULATOR_LAUNCH_TIMEOUT\) and was stopped ({places})",
+                    rf"{re.escape(limit)} s of CPU time \(CUPYKV_EMULATOR_LAUNCH_TIMEOUT\) and was stopped ({places})",
                     error), error
     assert "its outputs are incomplete" in error and "waits forever" in error
     assert still_runs == "still runs"

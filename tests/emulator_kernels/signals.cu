@@ -10,6 +10,22 @@ __global__ void spin(int* out) {
   out[threadIdx.x] = go;
 }
 
+// Spends a long stretch inside libm, then spins on a local like `spin`. glibc's jnf runs a
+// recurrence as many steps long as the order (about 0.5 s for 2e8 steps), so the time limit's
+// first signal lands in the library, where the runtime's handler may only set the flag it polls;
+// after the call nothing polls (no access it sees, no barrier), so only a later signal of the
+// repeating timer, landing in the spin, stops the thread. Volatile locals keep g++ from folding
+// the call and keep the access hook out of the way.
+__global__ void spin_after_libm(int* out, int order) {
+  volatile int bessel_order = order;
+  volatile float x = 1.0f;
+  volatile float value = jnf(bessel_order, x);
+  volatile int spinning = 1;
+  while (spinning) {
+  }
+  out[threadIdx.x] = spinning + (int)value;
+}
+
 // Busy-waits on a flag in global memory that nothing sets: every read of the (watched)
 // argument calls the emulator's access hook.
 __global__ void wait_for_flag(int* flag) {
