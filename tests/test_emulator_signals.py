@@ -163,9 +163,11 @@ def test_fault_inside_libc_stops_the_process_with_a_clear_message(kernels):
     child = _start(code, SIGNALS)
     _, err = child.communicate(timeout=120)
     assert child.returncode == -signal.SIGSEGV, err
-    assert "cupykv emulator: SIGSEGV (address 0x10) in block (0,0,0) thread (0,0,0) inside a library " \
-           "function the kernel called" in err
-    assert "cannot be abandoned safely: the process stops here" in err
+    # the whole report, a line of its own from its first byte (the runtime writes it byte by byte)
+    assert re.search(r"^cupykv emulator: SIGSEGV \(address 0x10\) in block \(0,0,0\) thread \(0,0,0\) inside a "
+                     r"library function the kernel called \(pc 0x[0-9a-f]+; printf with a bad pointer, for "
+                     r"example\)\. That code may hold locks or be halfway through updating its state, so the "
+                     r"launch cannot be abandoned safely: the process stops here\.$", err, re.M), err
 
 
 def test_out_of_bounds_memcpy_is_reported(kernels):
