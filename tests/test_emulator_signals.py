@@ -152,19 +152,20 @@ def test_uncaught_ctrl_c_ends_the_process_with_keyboard_interrupt(kernels):
 
 
 def test_fault_inside_libc_stops_the_process_with_a_clear_message(kernels):
-    """printf faults in libc, which may hold its stdout lock: the launch cannot be left safely."""
+    """printf faults in libc, which may hold its stdout lock: the launch cannot be left safely. The
+    report names the faulting block and thread (indices of two digits, printed by hand)."""
     code = textwrap.dedent(f"""
         import sys
         import numpy as np
         from cupykv.backends import emulator as E
         mod = E.Module(open(sys.argv[1]).read(), {NAMES!r}, filename=sys.argv[1])
-        mod.get_function("print_string")(1, 32, (np.uint64(16),))
+        mod.get_function("print_string")(12, 32, (np.uint64(16), np.int32(11 * 32 + 17)))
     """)
     child = _start(code, SIGNALS)
     _, err = child.communicate(timeout=120)
     assert child.returncode == -signal.SIGSEGV, err
     # the whole report, a line of its own from its first byte (the runtime writes it byte by byte)
-    assert re.search(r"^cupykv emulator: SIGSEGV \(address 0x10\) in block \(0,0,0\) thread \(0,0,0\) inside a "
+    assert re.search(r"^cupykv emulator: SIGSEGV \(address 0x10\) in block \(11,0,0\) thread \(17,0,0\) inside a "
                      r"library function the kernel called \(pc 0x[0-9a-f]+; printf with a bad pointer, for "
                      r"example\)\. That code may hold locks or be halfway through updating its state, so the "
                      r"launch cannot be abandoned safely: the process stops here\.$", err, re.M), err

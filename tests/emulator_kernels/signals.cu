@@ -41,9 +41,10 @@ __global__ void wait_at_barriers(int* flag) {
   }
 }
 
-// Hands printf a bad pointer: the fault happens inside libc, not in kernel code.
-__global__ void print_string(const char* text) {
-  if (threadIdx.x == 0) printf("[%s]\n", text);
+// Thread `who` of the grid hands printf a bad pointer: the fault happens inside libc, not in
+// kernel code.
+__global__ void print_string(const char* text, int who) {
+  if (blockIdx.x * blockDim.x + threadIdx.x == who) printf("[%s]\n", text);
 }
 
 // Finishes: the emulator still runs kernels after an interrupted launch.
