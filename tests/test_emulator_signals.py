@@ -256,7 +256,7 @@ def test_launch_off_the_main_thread_leaves_sigint_to_python(kernels):
 
 # Launches one kernel of signals.cu with 2 warps under the time limit CUPYKV_EMULATOR_LAUNCH_TIMEOUT
 # sets, on the main thread or another one, with (out,) or (out, order) as its arguments, and prints
-# the error; then spends 0.3 s of CPU time (a timer left behind would signal again and end the
+# the error and the CPU time the launching thread spent in the launch; then spends 0.3 s of CPU time (a timer left behind would signal again and end the
 # process), checks that the emulator still runs kernels, and sends itself the time limit's signal,
 # whose default action (the runtime's handler gone) ends the process. A child process: were the
 # limit broken, the launch would never end, and the parent's timeout fails the test instead of
@@ -269,13 +269,15 @@ TIME_LIMIT_CHILD = textwrap.dedent("""
     args = tuple(np.int32(a) for a in sys.argv[4:])
     mod = E.Module(open(path).read(), {names!r}, filename=path)
     out = E.zeros(64, np.int32)
-    errors = []
+    errors, spent = [], []
 
     def launch():
+        started = time.thread_time()
         try:
             mod.get_function(kernel)(1, 64, (out,) + args)
         except E.LaunchTimeoutError as error:
             errors.append(error)
+        spent.append(time.thread_time() - started)
     if on_thread:
         worker = threading.Thread(target=launch)
         worker.start()
@@ -283,6 +285,7 @@ TIME_LIMIT_CHILD = textwrap.dedent("""
     else:
         launch()
     print(*errors, flush=True)
+    print(*spent, flush=True)
     busy_until = time.thread_time() + 0.3
     while time.thread_time() < busy_until:
         pass
@@ -316,6 +319,12 @@ def test_a_kernel_that_never_ends_stops_at_the_time_limit_naming_its_line(kernel
     _check_stopped_at_the_time_limit(kernel, racecheck, thread, stopped_at, limit="0.5")
 
 
+def test_a_limit_far_below_a_nanosecond_still_stops_the_launch():
+    """The timer counts whole nanoseconds: a limit that rounds to 0 must still arm it (a zero
+    expiry would disarm it, and the spin would never end)."""
+    _check_stopped_at_the_time_limit("spin", "1", "main", None, limit="1e-12")
+
+
 def test_the_time_limit_signal_repeats_until_one_lands_where_it_can_stop_the_thread():
     """The first signal lands in libm, where it only sets a flag, and nothing polls it afterwards.
 
@@ -335,6 +344,9 @@ def test_the_time_limit_signal_repeats_until_one_lands_where_it_can_stop_the_thr
 
 
 def _check_stopped_at_the_time_limit(kernel, racecheck, thread, stopped_at, limit, args=()):
+    """Runs TIME_LIMIT_CHILD and checks its error, which names one of the places in `stopped_at`
+    (a line of signals.cu holding the text, or None for between threads; any place when
+    `stopped_at` is None), and that the launch ran for at least its limit, on the timer's clock."""
     env = dict(os.environ, CUPYKV_EMULATOR_RACECHECK=racecheck, CUPYKV_EMULATOR_LAUNCH_TIMEOUT=limit)
     child = _start(TIME_LIMIT_CHILD, SIGNALS, kernel, thread, *args, env=env)
     try:
@@ -342,13 +354,14 @@ def _check_stopped_at_the_time_limit(kernel, racecheck, thread, stopped_at, limi
     finally:
         child.kill()
     assert child.returncode == -(signal.SIGRTMIN + 2), (child.returncode, out, err)
-    error, still_runs = out.strip().splitlines()
-    places = "|".join(rf"at \S*signals\.cu:{_line_of(text)}\b" if text else "between threads, in the scheduler"
-                      for text in stopped_at)
+    error, cpu_seconds, still_runs = out.strip().splitlines()
+    places = ".*" if stopped_at is None else "|".join(
+        rf"at \S*signals\.cu:{_line_of(text)}\b" if text else "between threads, in the scheduler" for text in stopped_at)
     assert re.match(rf"kernel '{kernel}' block \(0,0,0\)( thread \(\d+,0,0\))?: the launch used more than its "
                     rf"{re.escape(limit)} s of CPU time \(CUPYKV_EMULATOR_LAUNCH_TIMEOUT\) and was stopped ({places})",
                     error), error
     assert "its outputs are incomplete" in error and "waits forever" in error
+    assert float(cpu_seconds) >= float(limit), (cpu_seconds, limit)
     assert still_runs == "still runs"
 
 
