@@ -32,7 +32,7 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "trap_at", "shuffle_exited_lane", "shuffle_outside_mask",
-             "shuffle_split_sites", "shuffle_width_and_mask", "huge_local", "null_deref", "divide_by_zero",
+             "shuffle_split_sites", "shuffle_width_and_mask", "huge_local", "null_deref", "divide_by_zero", "illegal_instruction",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_float4_components", "misaligned_atomic",
              "dyn_smem_half_written", "uncleared_counter", "dyn_smem_vector_unwritten",
@@ -899,7 +899,7 @@ def test_a_trap_names_its_block_and_thread_and_says_only_what_it_said(good, bugs
     with pytest.raises(E.DeviceAssertError) as e:
         bugs.get_function("trap_at")((4, 3, 3), (8, 2, 1), tuple(np.int32(v) for v in (3, 1, 2, 5, 1)))
     where = r"kernel 'trap_at' block \(3,1,2\) thread \(5,1,0\)"
-    assert re.fullmatch(rf"{where}: __trap\(\) at \S*{re.escape(bug_site('__trap()'))}( \[.*\])?", str(e.value))
+    assert re.fullmatch(rf"{where}: __trap\(\) at \S*{re.escape(bug_site('ty) __trap()'))}( \[.*\])?", str(e.value))
     assert_still_works(good)
 
 
@@ -1000,8 +1000,22 @@ def test_the_stack_setting_is_checked_before_anything_runs(good, monkeypatch, va
 def test_null_pointer_and_division_by_zero(good, bugs):
     with pytest.raises(E.EmulatorFault, match="null"):
         bugs.get_function("null_deref")(1, 4, (None,))
-    with pytest.raises(E.DeviceAssertError, match="division by zero"):
+    with pytest.raises(E.DeviceAssertError) as e:
         bugs.get_function("divide_by_zero")(1, 4, (E.zeros(4, np.int32), np.int32(0)))
+    assert re.fullmatch(r"kernel 'divide_by_zero' block \(0,0,0\) thread \([0-3],0,0\): arithmetic exception \(SIGFPE, "
+                        r"e\.g\. integer division by zero; the GPU would return an unspecified value instead\) "
+                        rf"at \S*{re.escape(bug_site('100 / d'))}( \[.*\])?", str(e.value)), str(e.value)
+    assert_still_works(good)
+
+
+def test_an_illegal_instruction_names_its_thread_and_line(good, bugs):
+    x = np.zeros((2, 8), np.int32)
+    x[1, 5] = 3   # block 1, thread 5: the first thread to run that reads 3
+    with pytest.raises(E.DeviceAssertError) as e:
+        bugs.get_function("illegal_instruction")(2, 8, (E.asarray(x),))
+    assert re.fullmatch(r"kernel 'illegal_instruction' block \(1,0,0\) thread \(5,0,0\): illegal instruction "
+                        r"\(SIGILL, e\.g\. __builtin_trap or reaching unreachable code\) "
+                        rf"at \S*{re.escape(bug_site('__builtin_trap()'))}( \[.*\])?", str(e.value)), str(e.value)
     assert_still_works(good)
 
 

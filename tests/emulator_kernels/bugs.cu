@@ -104,6 +104,17 @@ __global__ void null_deref(float* y) { y[threadIdx.x] = 1.f; }
 // Integer division by zero (the GPU returns garbage; the emulator reports it).
 __global__ void divide_by_zero(int* y, int d) { y[threadIdx.x] = 100 / d; }
 
+// An illegal instruction in the threads that read 3: g++'s __builtin_trap is x86's ud2 (SIGILL);
+// NVRTC has no __builtin_trap; CUDA code writes __trap, which the emulator reports itself
+// (trap_at above).
+__global__ void illegal_instruction(const int* x) {
+#ifdef CUPYKV_EMULATOR
+  if (x[blockIdx.x * blockDim.x + threadIdx.x] == 3) __builtin_trap();
+#else
+  if (x[blockIdx.x * blockDim.x + threadIdx.x] == 3) __trap();
+#endif
+}
+
 // (m) a static __shared__ array written one past its end through a pointer (an index into the
 // array itself is caught by its bound first, kernels below): one slot per warp, off by one.
 __global__ void static_smem_past_end(float* y) {

@@ -1142,6 +1142,11 @@ void cuemu::stop_for_interrupt(const void* ra) {
   fail(CUEMU_ERR_TIME_LIMIT, g_cur);
 }
 
+// Appends the kernel line of the faulting instruction (an @site token) when the fault has one.
+static void name_fault_site() {
+  if (g_has_fault_site) msgf(g_msg, " at @site(0x%x)", g_fault_site);
+}
+
 static void describe_fault(cuemu_result* r) {
   g_msg.clear();
   Fiber* f = g_fault_fiber;
@@ -1168,10 +1173,12 @@ static void describe_fault(cuemu_result* r) {
       r->kind = CUEMU_ERR_TRAP;
       msgf(g_msg, "arithmetic exception (SIGFPE, e.g. integer division by zero; the GPU would "
            "return an unspecified value instead)");
+      name_fault_site();
       return;
     case SIGILL:
       r->kind = CUEMU_ERR_TRAP;
       msgf(g_msg, "illegal instruction (SIGILL, e.g. __builtin_trap or reaching unreachable code)");
+      name_fault_site();
       return;
   }
   r->kind = CUEMU_ERR_FAULT;
