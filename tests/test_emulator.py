@@ -962,8 +962,14 @@ def test_a_mask_naming_lanes_the_block_lacks_fails_naming_them(good, bugs):
 
 
 def test_l_stack_overflow(good, bugs):
-    with pytest.raises(E.EmulatorFault, match=r"thread \([0-3],0,0\): stack overflow"):
+    """The report names the function whose frame overflowed (its first line: the frame is probed
+    on entry) and the setting that enlarges the stack."""
+    with pytest.raises(E.EmulatorFault) as e:
         bugs.get_function("huge_local")(1, 4, (E.zeros(4), np.int32(200000)))
+    assert re.fullmatch(r"kernel 'huge_local' block \(0,0,0\) thread \([0-3],0,0\): stack overflow: the thread used "
+                        r"more than its \d+ KiB fiber stack \(large local arrays\?\) "
+                        rf"at \S*{re.escape(bug_site('void huge_local('))}; set CUPYKV_EMULATOR_STACK_KIB to enlarge "
+                        r"it( \[.*\])?", str(e.value)), str(e.value)
     assert_still_works(good)
 
 

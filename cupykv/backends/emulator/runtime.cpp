@@ -1160,7 +1160,9 @@ static void describe_fault(cuemu_result* r) {
     if (in_stack_guard(f, a)) {
       r->kind = CUEMU_ERR_STACK;
       msgf(g_msg, "stack overflow: the thread used more than its %zu KiB fiber stack (large "
-           "local arrays?); set CUPYKV_EMULATOR_STACK_KIB to enlarge it", g_stacks.size / 1024);
+           "local arrays?)", g_stacks.size / 1024);
+      name_fault_site();
+      msgf(g_msg, "; set CUPYKV_EMULATOR_STACK_KIB to enlarge it");
       return;
     }
   }
