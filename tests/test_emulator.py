@@ -32,7 +32,8 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "trap_at", "shuffle_exited_lane", "shuffle_outside_mask",
-             "shuffle_split_sites", "shuffle_width_and_mask", "huge_local", "null_deref", "divide_by_zero", "illegal_instruction",
+             "shuffle_split_sites", "shuffle_width_and_mask", "huge_local", "null_deref", "divide_by_zero",
+             "illegal_instruction",
              "static_smem_past_end", "static_smem_before_start", "static_smem_unwritten",
              "misaligned_vector_load", "misaligned_float4_components", "misaligned_atomic",
              "dyn_smem_half_written", "uncleared_counter", "dyn_smem_vector_unwritten",
@@ -1016,7 +1017,7 @@ def test_null_pointer_and_division_by_zero(good, bugs):
 
 def test_an_illegal_instruction_names_its_thread_and_line(good, bugs):
     x = np.zeros((2, 8), np.int32)
-    x[1, 5] = 3   # block 1, thread 5: the first thread to run that reads 3
+    x[1, 5] = 3   # block 1, thread 5: the only thread that reads 3
     with pytest.raises(E.DeviceAssertError) as e:
         bugs.get_function("illegal_instruction")(2, 8, (E.asarray(x),))
     assert re.fullmatch(r"kernel 'illegal_instruction' block \(1,0,0\) thread \(5,0,0\): illegal instruction "

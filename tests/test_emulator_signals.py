@@ -23,7 +23,8 @@ from cupykv.backends import emulator as E
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
 SIGNALS = KERNELS / "signals.cu"
-NAMES = ["spin", "spin_after_libm", "wait_for_flag", "wait_at_barriers", "print_string", "fill", "shift", "copy_floats"]
+NAMES = ["spin", "spin_after_libm", "wait_for_flag", "wait_at_barriers", "print_string", "fill", "shift",
+         "copy_floats"]
 
 # Launches one kernel of signals.cu with 2 warps; prints "launching" first. On KeyboardInterrupt
 # it checks that Python's SIGINT handler is back and that the emulator still runs kernels (with
@@ -256,11 +257,11 @@ def test_launch_off_the_main_thread_leaves_sigint_to_python(kernels):
 
 # Launches one kernel of signals.cu with 2 warps under the time limit CUPYKV_EMULATOR_LAUNCH_TIMEOUT
 # sets, on the main thread or another one, with (out,) or (out, order) as its arguments, and prints
-# the error and the CPU time the launching thread spent in the launch; then spends 0.3 s of CPU time (a timer left behind would signal again and end the
-# process), checks that the emulator still runs kernels, and sends itself the time limit's signal,
-# whose default action (the runtime's handler gone) ends the process. A child process: were the
-# limit broken, the launch would never end, and the parent's timeout fails the test instead of
-# hanging the suite.
+# the error and the CPU time the launching thread spent in the launch; then spends 0.3 s of CPU
+# time (a timer left behind would signal again and end the process), checks that the emulator still
+# runs kernels, and sends itself the time limit's signal, whose default action (the runtime's
+# handler gone) ends the process. A child process: were the limit broken, the launch would never
+# end, and the parent's timeout fails the test instead of hanging the suite.
 TIME_LIMIT_CHILD = textwrap.dedent("""
     import signal, sys, threading, time
     import numpy as np
@@ -356,7 +357,8 @@ def _check_stopped_at_the_time_limit(kernel, racecheck, thread, stopped_at, limi
     assert child.returncode == -(signal.SIGRTMIN + 2), (child.returncode, out, err)
     error, cpu_seconds, still_runs = out.strip().splitlines()
     places = ".*" if stopped_at is None else "|".join(
-        rf"at \S*signals\.cu:{_line_of(text)}\b" if text else "between threads, in the scheduler" for text in stopped_at)
+        rf"at \S*signals\.cu:{_line_of(text)}\b" if text else "between threads, in the scheduler"
+        for text in stopped_at)
     assert re.match(rf"kernel '{kernel}' block \(0,0,0\)( thread \(\d+,0,0\))?: the launch used more than its "
                     rf"{re.escape(limit)} s of CPU time \(CUPYKV_EMULATOR_LAUNCH_TIMEOUT\) and was stopped ({places})",
                     error), error
