@@ -26,7 +26,7 @@ RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count"
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
               "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array", "byte_races",
-              "store_one_word", "reread_then_write", "copy_64_bytes"]
+              "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word"]
 
 
 @pytest.fixture(scope="module")
@@ -438,6 +438,20 @@ def test_two_stores_of_a_word_are_benign_only_if_every_byte_is_the_same(races, k
     hazard = only_hazard(caught.value)
     assert hazard.kind == "write-after-write", str(caught.value)
     assert hazard.first.site == hazard.second.site == source_site(RACES, store), str(caught.value)
+
+
+def test_a_store_over_two_earlier_writes_names_its_first_bytes_writer(races, monkeypatch):
+    """In index order (seed 0) block 2's 4-byte store comes after block 0's low half and block 1's
+    high half: one write-after-write, whose earlier write is that of the store's first byte."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    with pytest.raises(E.RaceError) as caught:
+        races.get_function("halves_then_word")(3, 1, (E.zeros(1, np.uint32),))
+    hazard = only_hazard(caught.value)
+    assert hazard.kind == "write-after-write", str(caught.value)
+    assert (hazard.first.block, hazard.first.site) == ((0, 0, 0), source_site(RACES, "halves[0] = 1")), \
+        str(caught.value)
+    assert (hazard.second.block, hazard.second.site) == ((2, 0, 0), source_site(RACES, "word[0] = 0x")), \
+        str(caught.value)
 
 
 def test_two_blocks_writing_one_output_element(races):

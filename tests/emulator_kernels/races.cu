@@ -231,6 +231,16 @@ __global__ void copy_64_bytes(unsigned* words, int differ) {
   memcpy(words, value, sizeof value);
 }
 
+// Block 0 stores the low half of a word, block 1 its high half, block 2 the whole word with other
+// bytes: unordered, so block 2's store races with both halves, one access over two earlier writes.
+// word: [1].
+__global__ void halves_then_word(unsigned* word) {
+  unsigned short* halves = reinterpret_cast<unsigned short*>(word);
+  if (blockIdx.x == 0) halves[0] = 1;
+  if (blockIdx.x == 1) halves[1] = 2;
+  if (blockIdx.x == 2) word[0] = 0x00070007u;
+}
+
 // Every thread reads a shared word, then thread `writer` overwrites it. `sync` 0: no barrier;
 // 1: only a __syncwarp, which orders the writer's own warp and no other; 2: a __syncthreads,
 // correct. The race is found through one of the two read records the checker keeps per word,
