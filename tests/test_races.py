@@ -454,6 +454,22 @@ def test_a_store_over_two_earlier_writes_names_its_first_bytes_writer(races, mon
         str(caught.value)
 
 
+@pytest.mark.parametrize("lines", [64, 66])
+def test_the_first_64_pairs_of_call_sites_are_described_and_the_rest_counted(lines):
+    """A kernel whose two threads race at `lines` store lines, one pair of call sites each: the
+    first 64 pairs are described, and the hazards past them are counted in the total only."""
+    stores = "".join(f"  out[{i}] = threadIdx.x;\n" for i in range(lines))   # volatile: one store a line
+    source = f"__global__ void many_sites(volatile int* out) {{\n{stores}}}\n"
+    kernel = E.Module(source, ["many_sites"]).get_function("many_sites")
+    with pytest.raises(E.RaceError) as caught:
+        kernel(1, 2, (E.zeros(lines, np.int32),))
+    message, described = str(caught.value), min(lines, 64)
+    assert len(caught.value.hazards) == described, message
+    assert f"({lines} hazards between {described} pairs of call sites)" in message, message
+    beyond = f"({lines - 64} hazards beyond the first 64 pairs of call sites are counted only)"
+    assert (beyond in message) == (lines > 64), message
+
+
 def test_two_blocks_writing_one_output_element(races):
     fn = races.get_function("blocks_share_output")
     with pytest.raises(E.RaceError) as caught:
