@@ -108,10 +108,11 @@ __global__ void divide_by_zero(int* y, int d) { y[threadIdx.x] = 100 / d; }
 // NVRTC has no __builtin_trap; CUDA code writes __trap, which the emulator reports itself
 // (trap_at above).
 __global__ void illegal_instruction(const int* x) {
+  if (x[blockIdx.x * blockDim.x + threadIdx.x] != 3) return;
 #ifdef CUPYKV_EMULATOR
-  if (x[blockIdx.x * blockDim.x + threadIdx.x] == 3) __builtin_trap();
+  __builtin_trap();
 #else
-  if (x[blockIdx.x * blockDim.x + threadIdx.x] == 3) __trap();
+  __trap();
 #endif
 }
 
