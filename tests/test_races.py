@@ -29,9 +29,14 @@ RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count"
               "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word"]
 
 
+def load_races():
+    """races.cu's kernels, built (or taken from the cache) as one module."""
+    return E.Module(RACES.read_text(), RACE_NAMES, filename=str(RACES))
+
+
 @pytest.fixture(scope="module")
 def races():
-    return E.Module(RACES.read_text(), RACE_NAMES, filename=str(RACES))
+    return load_races()
 
 
 def only_hazard(error):

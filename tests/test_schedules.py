@@ -24,7 +24,7 @@ from cupykv.backends import emulator as E
 from cupykv.backends.base import Backend
 
 from test_emulator import load_good
-from test_races import RACE_NAMES, RACES
+from test_races import load_races
 
 SESSION_SEED = int(os.environ["CUPYKV_EMULATOR_SEED"], 0)   # conftest.py sets it
 SEEDS = sorted({SESSION_SEED, SESSION_SEED + 1} - {0})
@@ -78,7 +78,7 @@ def test_the_sweep_covers_every_kernel_instance(index_order):
 # ---- the seeds do perturb the order -------------------------------------------------------
 @pytest.fixture(scope="module")
 def races():
-    return E.Module(RACES.read_text(), RACE_NAMES, filename=str(RACES))
+    return load_races()
 
 
 def last_block_to_write(races, seed, monkeypatch):
