@@ -626,7 +626,7 @@ uintptr_t shared_array_taken(uintptr_t base, uint64_t offset, uint64_t bytes, ui
 // ---- words for reports (launch.py spells out the @ tokens) ------------------------------
 std::string site_text(uint32_t site) {
   char buf[32];
-  snprintf(buf, sizeof buf, "@site(0x%x)", site);  // file:line
+  snprintf(buf, sizeof buf, CUEMU_SITE_TOKEN, site);  // file:line
   return buf;
 }
 
@@ -635,7 +635,7 @@ std::string byte_count_text(uint64_t n) { return n == 1 ? std::string("1 byte") 
 std::string place_text(int region, uint64_t offset) {
   char buf[96];
   if (region == 0) snprintf(buf, sizeof buf, "dynamic shared memory byte offset %llu", (unsigned long long)offset);
-  else snprintf(buf, sizeof buf, "@static(0x%llx)", (unsigned long long)offset);  // the variable's name
+  else snprintf(buf, sizeof buf, CUEMU_STATIC_TOKEN, (unsigned long long)offset);  // the variable's name
   return buf;
 }
 
@@ -643,7 +643,7 @@ std::string address_text(uintptr_t addr) {
   const Region* r = trace_region_at(addr);
   char buf[64];
   if (r && r->index <= 1) return place_text((int)r->index, addr - r->lo);
-  if (r) snprintf(buf, sizeof buf, "@arg(%u,0x%llx)", r->index - 2, (unsigned long long)(addr - r->lo));
+  if (r) snprintf(buf, sizeof buf, CUEMU_ARG_TOKEN, r->index - 2, (unsigned long long)(addr - r->lo));
   else snprintf(buf, sizeof buf, "address 0x%llx", (unsigned long long)addr);
   return buf;
 }

@@ -214,7 +214,7 @@ CUEMU_EXPORT void cuemu_cp_async(void* dst_, const void* src_, unsigned cp_size,
       fail(where + "the source (" + address_text(src) + ") is shared memory (cp.async reads global memory only)");
     if (r && src_size > r->hi - src) {
       char buf[200];
-      snprintf(buf, sizeof buf, "reads %u bytes at @arg(%u,0x%llx), %llu past the end of the array", src_size,
+      snprintf(buf, sizeof buf, "reads %u bytes at " CUEMU_ARG_TOKEN ", %llu past the end of the array", src_size,
                r->index - 2, (unsigned long long)(src - r->lo), (unsigned long long)(src + src_size - r->hi));
       fail(where + buf);
     }

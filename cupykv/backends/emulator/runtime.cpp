@@ -518,7 +518,7 @@ static inline bool is_fragment(int op) { return op >= CUEMU_MMA_F16; }
   va_end(ap);
   g_msg.clear();
   if (is_fragment(who->op))  // the header's line is every call's: name the kernel's call site
-    msgf(g_msg, "%s at @site(0x%x) in warp %u: %s", op_name(who->op), cuemu::trace_site(who->ra),
+    msgf(g_msg, "%s at " CUEMU_SITE_TOKEN " in warp %u: %s", op_name(who->op), cuemu::trace_site(who->ra),
          who->tid / 32, buf);
   else
     msgf(g_msg, "%s at %s:%d (mask 0x%08x) in warp %u: %s", op_name(who->op), who->file, who->line,
@@ -537,7 +537,7 @@ static void release_fragment(Warp& W, uint32_t base, Fiber* me) {
   const int blame = cuemu::fragment_release(me->op, me->arg, base, lanes, &why);
   if (blame >= 0) {
     g_msg.clear();
-    msgf(g_msg, "%s at @site(0x%x) in warp %u: %s", op_name(me->op), cuemu::trace_site(F[blame].ra),
+    msgf(g_msg, "%s at " CUEMU_SITE_TOKEN " in warp %u: %s", op_name(me->op), cuemu::trace_site(F[blame].ra),
          base / 32, why.c_str());
     fail(CUEMU_ERR_FRAGMENT, &F[blame]);
   }
@@ -803,7 +803,7 @@ static std::string describe(const Fiber& f) {
     case AT_BARRIER: msgf(s, "waiting at %s() %s:%d", bar_name(f.op), f.file, f.line); return s;
     case AT_WARP:
       if (f.op == CUEMU_ACTIVEMASK) msgf(s, "waiting at __activemask() %s:%d", f.file, f.line);
-      else if (is_fragment(f.op)) msgf(s, "waiting at %s @site(0x%x)", op_name(f.op), cuemu::trace_site(f.ra));
+      else if (is_fragment(f.op)) msgf(s, "waiting at %s " CUEMU_SITE_TOKEN, op_name(f.op), cuemu::trace_site(f.ra));
       else msgf(s, "waiting at %s(mask 0x%08x) %s:%d", op_name(f.op), f.mask, f.file, f.line);
       return s;
     case READY: return "ready";
@@ -877,7 +877,7 @@ static void describe_time_limit(bool has_site, uint32_t site, const char* otherw
   g_msg.clear();
   msgf(g_msg, "the launch used more than its %g s of CPU time (CUPYKV_EMULATOR_LAUNCH_TIMEOUT) and "
        "was stopped ", g_time_limit_s);
-  if (has_site) msgf(g_msg, "at @site(0x%x)", site);
+  if (has_site) msgf(g_msg, "at " CUEMU_SITE_TOKEN, site);
   else msgf(g_msg, "%s", otherwise);
 }
 
@@ -1144,7 +1144,7 @@ void cuemu::stop_for_interrupt(const void* ra) {
 
 // Appends the kernel line of the faulting instruction (an @site token) when the fault has one.
 static void name_fault_site() {
-  if (g_has_fault_site) msgf(g_msg, " at @site(0x%x)", g_fault_site);
+  if (g_has_fault_site) msgf(g_msg, " at " CUEMU_SITE_TOKEN, g_fault_site);
 }
 
 static void describe_fault(cuemu_result* r) {

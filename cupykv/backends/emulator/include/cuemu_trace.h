@@ -109,6 +109,11 @@ void trace_access_as(uint32_t tid, uintptr_t addr, size_t size, uint8_t kind, co
 uint32_t trace_thread();                  // linear id of the running thread in its block
 uint8_t trace_poison();                   // the launch's poison byte (0xFF when it has none)
 uint32_t trace_site(const void* ra);      // a return address as a call site (offset in the module)
+// The place tokens of messages, which launch.py spells out (_TOKEN): a call site (trace_site's
+// offset, as file:line), a static shared memory offset (its variable), an argument region's byte.
+#define CUEMU_SITE_TOKEN "@site(0x%x)"
+#define CUEMU_STATIC_TOKEN "@static(0x%llx)"
+#define CUEMU_ARG_TOKEN "@arg(%u,0x%llx)"
 // The launch's memory: the region of the table holding [addr, addr + size) entirely (0 dynamic
 // shared memory, 1 static shared memory, 2 + i regions[i]), -1 when none does; and the region
 // holding addr alone, or null.
