@@ -222,6 +222,22 @@ def test_a_changed_header_or_define_builds_another_module(fresh_cache, tmp_path)
     assert len(list(fresh_cache.glob("mod-*.so"))) == 4
 
 
+def test_an_assert_in_a_copied_header_names_the_users_header_and_line(fresh_cache, tmp_path):
+    """An include dir holding a header that declares ``__shared__`` variables is compiled from rewritten
+    copies of its headers. An assert in one of them, rewritten or not, names the header the user has and
+    its line, not the build's temporary copy (``__FILE__`` follows a ``#line`` at the top of each copy)."""
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "scratch.cuh").write_text("#pragma once\n__shared__ int scratch[4];\n")   # the dir is copied
+    (include / "checks.cuh").write_text("#pragma once\n#include <assert.h>\n\n"
+                                        "__device__ void must_be_positive(int v) { assert(v > 0); }\n")
+    source = '#include "checks.cuh"\n#include "scratch.cuh"\n' \
+             '__global__ void k(int v) { scratch[0] = v; must_be_positive(scratch[0]); }\n'
+    with pytest.raises(E.DeviceAssertError) as e:
+        E.Module(source, ["k"], include_dirs=[include]).get_function("k")(1, 1, (np.int32(0),))
+    assert f"device assertion `v > 0` failed at {include / 'checks.cuh'}:4 in " in str(e.value), str(e.value)
+
+
 def test_an_instrumented_and_a_plain_build_of_one_source_are_two_modules(fresh_cache, monkeypatch):
     """Where shadow memory cannot be mapped, modules are built without the access hooks: such a build
     must never be handed to a process that checks races, nor the other way round."""

@@ -37,6 +37,25 @@
 
 namespace cupykv {
 
+#ifdef CUPYKV_EMULATOR
+// The emulator runs a fragment instruction as a collective that writes each lane's WORDS result
+// registers through `words`. A guard word after them, checked on return, makes a runtime that wrote
+// one too many trap at the call (a check on the emulator itself), where it would have overwritten
+// the next variable on the fiber's stack unseen.
+constexpr unsigned kFragmentGuard = 0x9e3779b9u;
+template <int WORDS>
+__device__ __forceinline__ void emulated_fragment(int op, int arg, const void* in, unsigned (&words)[WORDS],
+                                                  const char* file, int line) {
+    unsigned out[WORDS + 1];
+    out[WORDS] = kFragmentGuard;
+    cuemu_warp_fragment(op, arg, in, out, file, line);
+    if (out[WORDS] != kFragmentGuard)
+        cuemu_trap("the emulator wrote past this fragment instruction's result registers (an emulator bug)", file,
+                   line);
+    for (int i = 0; i < WORDS; ++i) words[i] = out[i];
+}
+#endif
+
 template <typename T> struct is_bfloat16 { static constexpr bool value = false; };
 template <> struct is_bfloat16<__nv_bfloat16> { static constexpr bool value = true; };
 
@@ -46,10 +65,9 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[
     static_assert(sizeof(T) == 2, "mma_m16n8k16 multiplies __half or __nv_bfloat16");
 #ifdef CUPYKV_EMULATOR
     const cuemu_mma_in in = {{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {c[0], c[1], c[2], c[3]}};
-    float out[4];
-    cuemu_warp_fragment(is_bfloat16<T>::value ? CUEMU_MMA_BF16 : CUEMU_MMA_F16, 0, &in, out,
-                        __FILE__, __LINE__);
-    for (int i = 0; i < 4; ++i) d[i] = out[i];
+    unsigned out[4];
+    emulated_fragment(is_bfloat16<T>::value ? CUEMU_MMA_BF16 : CUEMU_MMA_F16, 0, &in, out, __FILE__, __LINE__);
+    for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(out[i]);
 #else
     if constexpr (is_bfloat16<T>::value) {
         asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -72,10 +90,7 @@ template <int MATRICES, bool TRANS>
 __device__ __forceinline__ void ldmatrix(unsigned (&r)[MATRICES], const void* row) {
     static_assert(MATRICES == 1 || MATRICES == 2 || MATRICES == 4, "ldmatrix loads 1, 2 or 4 matrices");
 #ifdef CUPYKV_EMULATOR
-    unsigned out[MATRICES];
-    cuemu_warp_fragment(CUEMU_LDMATRIX, MATRICES | (TRANS ? CUEMU_LDMATRIX_TRANS : 0), &row, out, __FILE__,
-                        __LINE__);
-    for (int m = 0; m < MATRICES; ++m) r[m] = out[m];
+    emulated_fragment(CUEMU_LDMATRIX, MATRICES | (TRANS ? CUEMU_LDMATRIX_TRANS : 0), &row, r, __FILE__, __LINE__);
 #else
     const unsigned address = (unsigned)__cvta_generic_to_shared(row);
     if constexpr (MATRICES == 1 && !TRANS) {

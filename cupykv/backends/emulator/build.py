@@ -296,9 +296,21 @@ def _host_options(options):
     return out
 
 
+# How _mirror_includes copies a header: part of every module's key, since the copies are not hashed.
+MIRROR_RECIPE = "mirrored header: #line 1 naming the original, then rewrite_shared"
+
+
+def _line_directive(path):
+    """``#line 1 "path"``: the lines after it are those of ``path`` (quoted for a C string)."""
+    quoted = str(path).replace("\\", "\\\\").replace('"', '\\"')
+    return f'#line 1 "{quoted}"\n'
+
+
 def _mirror_includes(include_dirs, work):
     """Include dirs whose headers declare ``__shared__`` variables are copied (rewritten)
-    under ``work``; returns the -I list to use."""
+    under ``work``; returns the -I list to use. Every copied header starts with a ``#line`` naming
+    its original, so that ``__FILE__`` (an assert's, a trap's) and the line tables name the header
+    the user has, not the build's temporary copy."""
     result = []
     for n, d in enumerate(include_dirs):
         files = list(_header_files(d))
@@ -311,9 +323,8 @@ def _mirror_includes(include_dirs, work):
             dst.parent.mkdir(parents=True, exist_ok=True)
             text = f.read_text(errors="replace")
             if source.needs_rewrite(text):
-                quoted = str(f).replace("\\", "\\\\").replace('"', '\\"')
-                text = f'#line 1 "{quoted}"\n' + source.rewrite_shared(text)
-            dst.write_text(text)
+                text = source.rewrite_shared(text)
+            dst.write_text(_line_directive(f) + text)
         result.append(str(mirror))
     return result
 
@@ -322,7 +333,7 @@ def module_key(text, host_opts, include_dirs, runtime_digest):
     """A module's cache key: its rewritten source, its -D/-U/-I options, its compile and link flags (which
     say whether it is instrumented), ``runtime_digest``, the runtime's key (its sources, the emulator's headers,
     the compiler; :func:`runtime_key`) and every header it may include."""
-    key_parts = [text, *host_opts, *module_flags(), *module_link_flags(), runtime_digest]
+    key_parts = [MIRROR_RECIPE, text, *host_opts, *module_flags(), *module_link_flags(), runtime_digest]
     for d in include_dirs:
         key_parts += _dir_parts(d)
     return _digest(key_parts)
@@ -334,8 +345,7 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
     check_platform()
     current_runtime = check_runtime_current()  # the module resolves the loaded runtime's symbols
     include_dirs = [Path(d).resolve() for d in include_dirs]
-    quoted = str(filename).replace("\\", "\\\\").replace('"', '\\"')
-    text = (f'#line 1 "{quoted}"\n' + source.rewrite_shared(code)
+    text = (_line_directive(filename) + source.rewrite_shared(code)
             + source.registry_source(list(name_expressions)))
     host_opts = _host_options(options)
     key = module_key(text, host_opts, include_dirs, current_runtime)
