@@ -832,6 +832,51 @@ def test_g_block_above_launch_bounds(good, bugs):
     assert_still_works(good)
 
 
+TEMPLATE_BOUNDS = """
+template <int WARPS> constexpr int threads_of() { return WARPS * 32; }
+template <int WARPS>
+__global__ void __launch_bounds__(threads_of<WARPS>(),  // one warp per
+                                  2)                    // and two blocks an SM
+    fill(int* out) {
+    out[(threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x] = 7;
+}
+"""
+
+
+@pytest.mark.parametrize("instance, largest, above", [
+    ("fill<2>", (64, 1, 1), (65, 1, 1)),
+    ("fill<3>", (8, 4, 3), (8, 4, 4)),   # every dimension counts: 96 threads, then 128
+])
+def test_g2_a_bound_that_depends_on_template_arguments_is_checked_per_instance(good, instance, largest, above):
+    """A bound written over template parameters has no value in the source alone; the emulator
+    checks it per instance as a GPU does (64 threads for fill<2>, 96 for fill<3>): a larger block
+    fails, at the launch's first thread, before any thread wrote."""
+    module = E.Module(TEMPLATE_BOUNDS, ["fill<2>", "fill<3>"], filename="template_bounds.cu")
+    fn = module.get_function(instance)
+    assert fn.max_threads is None   # what the source alone gives: nothing to check before the launch
+    threads = int(np.prod(largest))
+    out = E.zeros(threads, np.int32)
+    fn(1, largest, (out,))
+    assert E.asnumpy(out).tolist() == [7] * threads
+    untouched = E.zeros(2 * threads, np.int32)
+    with pytest.raises(E.LaunchError) as caught:
+        fn(1, above, (untouched,))
+    block = ", ".join(map(str, above))
+    assert re.fullmatch(rf"kernel '{re.escape(instance)}': block \({block}\) has {int(np.prod(above))} threads, above the "
+                        rf"kernel's __launch_bounds__\(threads_of<WARPS>\(\), 2\), whose first argument is {threads} "
+                        rf"here( \[.*\])?", str(caught.value)), str(caught.value)
+    assert not E.asnumpy(untouched).any()
+    assert_still_works(good)
+
+
+def test_g3_an_ill_formed_bound_fails_the_build_as_under_nvrtc():
+    """__launch_bounds__' arguments are compiled in the kernel's scope, as NVRTC compiles them: a
+    bound naming nothing declared fails the emulator's build too, naming the kernel's line."""
+    source = "__global__ void __launch_bounds__(kThreadsPerBlock) k(int* out) { out[threadIdx.x] = 1; }\n"
+    with pytest.raises(E.CompileError, match=r"ill_formed_bounds\.cu:1:.*kThreadsPerBlock"):
+        E.Module(source, ["k"], filename="ill_formed_bounds.cu")
+
+
 def test_h_dynamic_shared_memory_above_48k(good, bugs):
     with pytest.raises(E.LaunchError, match="49153 bytes of dynamic shared memory"):
         bugs.get_function("smem_past_end")(1, 64, (E.zeros(64),), shared_mem=49153)
@@ -1081,6 +1126,19 @@ def test_launch_bounds_parsing():
            "template <int B> __global__ void __launch_bounds__(B) c() {}\n")
     assert source.parse_launch_bounds(src) == {"a": ("NT", 256), "b": ("W * 16", 128),
                                                "c": ("B", None)}
+
+
+def test_the_launch_bounds_move_into_the_body_on_the_same_line():
+    from cupykv.backends.emulator import source
+    src = ("template <int B> __global__ void __launch_bounds__(B * 32,  // warps\n"
+           "    2) c(int* x)\n{\n  x[0] = 1;\n}\n"
+           "__launch_bounds__(64) __global__ void declared(int* x);\n"
+           "#define BOUNDED __launch_bounds__(32)\n")
+    out = source.rewrite_launch_bounds(src)
+    assert out.splitlines() == ["template <int B> __global__ void __launch_bounds__(B * 32,  // warps",
+                                "    2) c(int* x)", "{ CUEMU_LAUNCH_BOUNDS(B * 32, 2);", "  x[0] = 1;", "}",
+                                "__launch_bounds__(64) __global__ void declared(int* x);",
+                                "#define BOUNDED __launch_bounds__(32)"]
 
 
 def test_rewrite_keeps_line_numbers():

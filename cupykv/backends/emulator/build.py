@@ -345,7 +345,7 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
     check_platform()
     current_runtime = check_runtime_current()  # the module resolves the loaded runtime's symbols
     include_dirs = [Path(d).resolve() for d in include_dirs]
-    text = (_line_directive(filename) + source.rewrite_shared(code)
+    text = (_line_directive(filename) + source.rewrite_launch_bounds(source.rewrite_shared(code))
             + source.registry_source(list(name_expressions)))
     host_opts = _host_options(options)
     key = module_key(text, host_opts, include_dirs, current_runtime)

@@ -29,6 +29,7 @@ MAX_OPT_IN_SMEM = 232448  # with it: sm_90's 227 KiB per block (sm_80: 163 KiB; 
 STOP_ON_SIGINT = 1        # cuemu_launch_params.options: the runtime takes Ctrl-C during the launch
 ERR_INTERRUPTED = 7       # cuemu_launch's status when it did
 ERR_TIME_LIMIT = 11       # cuemu_launch's status when the launch ran past its CPU time limit
+ERR_LAUNCH_BOUNDS = 12    # cuemu_launch's status when a block is larger than the instance's __launch_bounds__
 LAUNCH_TIMEOUT_ENV = "CUPYKV_EMULATOR_LAUNCH_TIMEOUT"
 # CPU seconds one launch may take (its kernel and the checkers); the suite's slowest takes about 8
 DEFAULT_LAUNCH_TIMEOUT = 600.0
@@ -437,6 +438,8 @@ class Function:
             where += f" thread ({r.thread_idx[0]},{r.thread_idx[1]},{r.thread_idx[2]})"
         msg = _expand_places(r.msg.decode(errors="replace"), self.module.path, regions)
         kind = r.kind
+        if kind == ERR_LAUNCH_BOUNDS:   # found by the first thread to start: nothing ran, as _check_geometry's
+            return self._err(msg)
         if kind == 1:
             line = ""
             if r.has_fault_site:

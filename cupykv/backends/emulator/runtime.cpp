@@ -945,6 +945,13 @@ CUEMU_EXPORT void cuemu_trap(const char* what, const char* file, int line) {
   msgf(g_msg, "%s at %s:%d", what, file, line);
   fail(CUEMU_ERR_TRAP, g_cur);
 }
+CUEMU_EXPORT void cuemu_launch_bounds_exceeded(const char* bounds, long long max_threads) {
+  const uint3 b = cuemu_ctx.block_dim;
+  g_msg.clear();
+  msgf(g_msg, "block (%u, %u, %u) has %llu threads, above the kernel's __launch_bounds__(%s), whose first argument "
+       "is %lld here", b.x, b.y, b.z, (unsigned long long)b.x * b.y * b.z, bounds, max_threads);
+  fail(CUEMU_ERR_LAUNCH_BOUNDS, g_cur);
+}
 // An access the instrumentation caught in a guard span (alignment padding beside a buffer): ends
 // the launch as the fault a guard page would have raised there (on_fault, below).
 [[noreturn]] void cuemu::fail_with_fault(uint64_t addr, int is_write, uint32_t site) {

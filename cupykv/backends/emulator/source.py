@@ -255,6 +255,34 @@ def parse_launch_bounds(text):
     return found
 
 
+def rewrite_launch_bounds(text):
+    """``text`` with each kernel's ``__launch_bounds__(args)`` also stated as ``CUEMU_LAUNCH_BOUNDS(args);``
+    at the top of its body (cuemu.h), on the line of its opening brace, so that line numbers stay.
+
+    There the arguments are compiled in the kernel's scope (its template parameters included) and
+    the first is checked against the block at every launch of every instance: a bound that depends on
+    template arguments has no value :func:`parse_launch_bounds` could find.
+    """
+    blanked = blank(text)
+    inserts = []
+    for m in _LB.finditer(blanked):
+        if _in_directive(blanked, m.start()):
+            continue
+        end = _balanced(blanked, m.end() - 1)
+        args = " ".join(blanked[m.end():end - 1].split())   # one line: comments are blanks already
+        params = blanked.find("(", end)
+        if params < 0 or not args:
+            continue
+        body = _balanced(blanked, params)
+        while body < len(blanked) and blanked[body].isspace():
+            body += 1
+        if body < len(blanked) and blanked[body] == "{":   # a definition, not a declaration
+            inserts.append((body + 1, f" CUEMU_LAUNCH_BOUNDS({args});"))
+    for at, statement in reversed(inserts):
+        text = text[:at] + statement + text[at:]
+    return text
+
+
 _GLOBAL = re.compile(r"\b__global__\b")
 _CALL = re.compile(r"([A-Za-z_]\w*)\s*\(")
 

@@ -54,7 +54,7 @@
 #define __forceinline__ __inline__ __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
 #define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(...)
+#define __launch_bounds__(...)   // its arguments move into the kernel's body (CUEMU_LAUNCH_BOUNDS)
 #define __maxnreg__(...)
 #define __cluster_dims__(...)
 
@@ -107,6 +107,15 @@ struct dim3 {
 #define threadIdx (static_cast<const uint3&>(::cuemu_ctx.thread_idx))
 #define blockIdx (static_cast<const uint3&>(::cuemu_ctx.block_idx))
 #define blockDim (static_cast<const uint3&>(::cuemu_ctx.block_dim))
+
+// A kernel's __launch_bounds__ arguments, which source.py moves to the top of its body: compiled in
+// the kernel's scope, as NVRTC compiles them (an ill-formed bound fails the build here too), and
+// checked there per instance, template arguments included: a block of more threads than the first
+// argument allows fails the launch, as on a GPU, at its first thread, before anything else ran.
+#define CUEMU_LAUNCH_BOUNDS(...) ::cuemu_check_launch_bounds(#__VA_ARGS__, __VA_ARGS__)
+static inline void cuemu_check_launch_bounds(const char* bounds, long long max_threads, long long = 0, long long = 0) {
+  if ((long long)blockDim.x * blockDim.y * blockDim.z > max_threads) ::cuemu_launch_bounds_exceeded(bounds, max_threads);
+}
 #define gridDim (static_cast<const uint3&>(::cuemu_ctx.grid_dim))
 constexpr int warpSize = 32;
 

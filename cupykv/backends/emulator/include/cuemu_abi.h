@@ -75,6 +75,8 @@ enum {
   CUEMU_ERR_BAD_ACCESS = 10,  // an access a GPU faults on that no guard page catches: outside a
                               // static __shared__ variable (into its guard bytes), or misaligned
   CUEMU_ERR_TIME_LIMIT = 11,  // the launch used more CPU time than cuemu_launch_params.time_limit_s
+  CUEMU_ERR_LAUNCH_BOUNDS = 12,  // a block of more threads than the kernel's __launch_bounds__ allow
+                                //  (checked by its first thread, before anything else runs)
 };
 
 // Guard bytes before and after each static __shared__ variable of a function (source.py's box).
@@ -223,6 +225,7 @@ unsigned long long cuemu_warp_op(int op, unsigned mask, unsigned long long value
 [[noreturn]] void cuemu_device_assert(const char* expr, const char* file, unsigned line,
                                       const char* func);
 [[noreturn]] void cuemu_trap(const char* what, const char* file, int line);
+[[noreturn]] void cuemu_launch_bounds_exceeded(const char* bounds, long long max_threads);
 long long cuemu_clock64(void);
 // Atomics report their read-modify-write here (they are not instrumented themselves), and say when
 // it is done: a fault in between is the atomic's, reported at the kernel's line `site`.
