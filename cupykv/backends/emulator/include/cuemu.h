@@ -107,6 +107,8 @@ struct dim3 {
 #define threadIdx (static_cast<const uint3&>(::cuemu_ctx.thread_idx))
 #define blockIdx (static_cast<const uint3&>(::cuemu_ctx.block_idx))
 #define blockDim (static_cast<const uint3&>(::cuemu_ctx.block_dim))
+#define gridDim (static_cast<const uint3&>(::cuemu_ctx.grid_dim))
+constexpr int warpSize = 32;
 
 // A kernel's __launch_bounds__ arguments, which source.py moves to the top of its body: compiled in
 // the kernel's scope, as NVRTC compiles them (an ill-formed bound fails the build here too), and
@@ -116,8 +118,6 @@ struct dim3 {
 static inline void cuemu_check_launch_bounds(const char* bounds, long long max_threads, long long = 0, long long = 0) {
   if ((long long)blockDim.x * blockDim.y * blockDim.z > max_threads) ::cuemu_launch_bounds_exceeded(bounds, max_threads);
 }
-#define gridDim (static_cast<const uint3&>(::cuemu_ctx.grid_dim))
-constexpr int warpSize = 32;
 
 namespace cuemu {
 inline char* dynamic_shared() { return ::cuemu_ctx.dyn_smem; }
