@@ -1151,6 +1151,25 @@ def test_rewrite_keeps_line_numbers():
     assert out.startswith("// extern __shared__ float no[];")
 
 
+@pytest.mark.parametrize("alignment, error", [
+    ("__align__(15)", r"requested alignment .?15.? is not a positive power of 2"),   # NVRTC refuses it too
+    ("alignas(128)", r"extern __shared__ alignment above 16 is not emulated"),
+])
+def test_an_extern_shared_alignment_is_compiled_and_held_to_what_the_emulator_gives(alignment, error):
+    """The alignment of an ``extern __shared__`` array is compiled, as under NVRTC, and one the emulator
+    does not give (its dynamic shared memory starts 16-byte aligned) fails the build, naming the line,
+    where it would have been dropped without a word."""
+    source = ("__global__ void k(float* out) {\n"
+              f"    extern __shared__ {alignment} float tile[];\n"
+              "    tile[threadIdx.x] = 1.0f; __syncthreads(); out[threadIdx.x] = tile[threadIdx.x];\n}\n")
+    with pytest.raises(E.CompileError, match=rf"aligned_tile\.cu:2:(.|\n)*{error}"):
+        E.Module(source, ["k"], filename="aligned_tile.cu")
+    fine = source.replace(alignment, "__align__(16)")
+    out = E.zeros(4, np.float32)
+    E.Module(fine, ["k"], filename="aligned_tile.cu").get_function("k")(1, 4, (out,), shared_mem=16)
+    assert E.asnumpy(out).tolist() == [1.0] * 4
+
+
 def test_static_shared_rewrite_keeps_line_numbers():
     """A function's static __shared__ variables are boxed between guard bytes and reached
     through the reference cuemu::static_shared returns, file-scope ones keep their name; both

@@ -84,13 +84,22 @@ def rewrite_dynamic_shared(text):
     blanked = blank(text)
     pieces, last = [], 0
     for m in _EXTERN_SHARED.finditer(blanked):
-        decl = _ALIGN.sub(" ", text[m.start("decl"):m.end("decl")])
+        decl_text = text[m.start("decl"):m.end("decl")]
+        decl = _ALIGN.sub(" ", decl_text)
         type_ = " ".join(decl.split())
         name = m.group("name")
         if not type_:
             continue
         if _in_function(blanked, m.start()):
-            repl = (f"{type_}* const {name} = "
+            # The alignment asked for, compiled on an empty local struct as NVRTC compiles it (a value
+            # that is not a power of two fails the build) and held to what the emulator gives: the
+            # launch's dynamic shared memory starts 16-byte aligned (it ends at a guard page).
+            alignments = " ".join(a for a in _ALIGN.findall(decl_text) if "align" in a)
+            check = (f"struct {alignments} cuemu_alignment_of_{name} {{}}; "
+                     f"static_assert(alignof(cuemu_alignment_of_{name}) <= 16, \"the emulator's dynamic shared "
+                     f"memory starts 16-byte aligned: extern __shared__ alignment above 16 is not emulated\"); "
+                     if alignments else "")
+            repl = (f"{check}{type_}* const {name} = "
                     f"reinterpret_cast<{type_}*>(::cuemu::dynamic_shared());")
         else:
             repl = (f"{type_}* const& {name} = "
