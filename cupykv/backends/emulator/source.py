@@ -252,16 +252,24 @@ def parse_launch_bounds(text):
     for m in _CONST.finditer(blanked):
         consts.setdefault(m.group(1), m.group(2) or m.group(3))
     found = {}
+    for args, end, params in _launch_bounds_uses(blanked):
+        names = _IDENT.findall(blanked[end:params])
+        if names:
+            expr = _split_top(args)[0]
+            found[names[-1]] = (expr, _resolve(expr, consts))
+    return found
+
+
+def _launch_bounds_uses(blanked):
+    """``(arguments, end of the attribute, start of the kernel's parameter list)`` of each
+    ``__launch_bounds__(arguments)`` in ``blanked`` (:func:`blank`'s text) that a parameter list follows."""
     for m in _LB.finditer(blanked):
         if _in_directive(blanked, m.start()):
             continue  # inside a macro definition: cannot tell which kernel
         end = _balanced(blanked, m.end() - 1)
-        expr = _split_top(blanked[m.end():end - 1])[0]
-        paren = blanked.find("(", end)
-        names = _IDENT.findall(blanked[end:paren]) if paren > 0 else []
-        if names:
-            found[names[-1]] = (expr, _resolve(expr, consts))
-    return found
+        params = blanked.find("(", end)
+        if params > 0:
+            yield blanked[m.end():end - 1], end, params
 
 
 def rewrite_launch_bounds(text):
@@ -274,13 +282,9 @@ def rewrite_launch_bounds(text):
     """
     blanked = blank(text)
     inserts = []
-    for m in _LB.finditer(blanked):
-        if _in_directive(blanked, m.start()):
-            continue
-        end = _balanced(blanked, m.end() - 1)
-        args = " ".join(blanked[m.end():end - 1].split())   # one line: comments are blanks already
-        params = blanked.find("(", end)
-        if params < 0 or not args:
+    for args, _, params in _launch_bounds_uses(blanked):
+        args = " ".join(args.split())   # one line: comments are blanks already
+        if not args:
             continue
         body = _balanced(blanked, params)
         while body < len(blanked) and blanked[body].isspace():
