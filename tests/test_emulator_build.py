@@ -2,6 +2,7 @@
 module across processes, temporaries of killed builds swept, a compile time limit."""
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -236,6 +237,29 @@ def test_an_assert_in_a_copied_header_names_the_users_header_and_line(fresh_cach
     with pytest.raises(E.DeviceAssertError) as e:
         E.Module(source, ["k"], include_dirs=[include]).get_function("k")(1, 1, (np.int32(0),))
     assert f"device assertion `v > 0` failed at {include / 'checks.cuh'}:4 in " in str(e.value), str(e.value)
+
+
+def test_a_kernel_template_in_an_included_header_is_held_to_its_launch_bounds(fresh_cache, tmp_path):
+    """A kernel defined in a header (a template the source instantiates) is held to its
+    ``__launch_bounds__`` per instance, as one in the source is: the header is compiled from a copy
+    that states the bound in the kernel's body, and an error in the bound names the header's line."""
+    include = tmp_path / "include"
+    include.mkdir()
+    header = include / "fill.cuh"
+    header.write_text("#pragma once\ntemplate <int WARPS>\n"
+                      "__global__ void __launch_bounds__(WARPS * 32) fill(int* out) {\n"
+                      "    out[threadIdx.x] = WARPS;\n}\n")
+    source = '#include "fill.cuh"\ntemplate __global__ void fill<2>(int*);\n'
+    fill = E.Module(source, ["fill<2>"], include_dirs=[include]).get_function("fill<2>")
+    out = E.zeros(65, np.int32)
+    fill(1, 64, (out,))
+    assert E.asnumpy(out).tolist() == [2] * 64 + [0]
+    with pytest.raises(E.LaunchError, match=r"kernel 'fill<2>': block \(65, 1, 1\) has 65 threads, above the "
+                                            r"kernel's __launch_bounds__\(WARPS \* 32\), whose first argument is 64"):
+        fill(1, 65, (E.zeros(65, np.int32),))
+    header.write_text(header.read_text().replace("WARPS * 32", "WARPS * kLanes"))
+    with pytest.raises(E.CompileError, match=rf"{re.escape(str(header))}:3:.*kLanes"):
+        E.Module(source, ["fill<2>"], include_dirs=[include])
 
 
 def test_an_instrumented_and_a_plain_build_of_one_source_are_two_modules(fresh_cache, monkeypatch):

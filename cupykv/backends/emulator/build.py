@@ -297,7 +297,7 @@ def _host_options(options):
 
 
 # How _mirror_includes copies a header: part of every module's key, since the copies are not hashed.
-MIRROR_RECIPE = "mirrored header: #line 1 naming the original, then rewrite_shared"
+MIRROR_RECIPE = "mirrored header: #line 1 naming the original, then rewrite_kernel_source"
 
 
 def _line_directive(path):
@@ -307,8 +307,8 @@ def _line_directive(path):
 
 
 def _mirror_includes(include_dirs, work):
-    """Include dirs whose headers declare ``__shared__`` variables are copied (rewritten)
-    under ``work``; returns the -I list to use. Every copied header starts with a ``#line`` naming
+    """Include dirs whose headers declare ``__shared__`` variables or give a kernel ``__launch_bounds__``
+    are copied (rewritten: :func:`source.rewrite_kernel_source`) under ``work``; returns the -I list to use. Every copied header starts with a ``#line`` naming
     its original, so that ``__FILE__`` (an assert's, a trap's) and the line tables name the header
     the user has, not the build's temporary copy."""
     result = []
@@ -323,7 +323,7 @@ def _mirror_includes(include_dirs, work):
             dst.parent.mkdir(parents=True, exist_ok=True)
             text = f.read_text(errors="replace")
             if source.needs_rewrite(text):
-                text = source.rewrite_shared(text)
+                text = source.rewrite_kernel_source(text)
             dst.write_text(_line_directive(f) + text)
         result.append(str(mirror))
     return result
@@ -345,7 +345,7 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
     check_platform()
     current_runtime = check_runtime_current()  # the module resolves the loaded runtime's symbols
     include_dirs = [Path(d).resolve() for d in include_dirs]
-    text = (_line_directive(filename) + source.rewrite_launch_bounds(source.rewrite_shared(code))
+    text = (_line_directive(filename) + source.rewrite_kernel_source(code)
             + source.registry_source(list(name_expressions)))
     host_opts = _host_options(options)
     key = module_key(text, host_opts, include_dirs, current_runtime)

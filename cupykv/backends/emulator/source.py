@@ -174,11 +174,6 @@ def rewrite_shared(text):
     return rewrite_static_shared(rewrite_dynamic_shared(text))
 
 
-def needs_rewrite(text):
-    if "__shared__" not in text:
-        return False
-    blanked = blank(text)
-    return bool(_EXTERN_SHARED.search(blanked) or _STATIC_SHARED.search(blanked))
 
 
 # ---- __launch_bounds__ ---------------------------------------------------------------
@@ -294,6 +289,22 @@ def rewrite_launch_bounds(text):
     for at, statement in reversed(inserts):
         text = text[:at] + statement + text[at:]
     return text
+
+
+def rewrite_kernel_source(text):
+    """Every rewrite a kernel source, or a header it includes, goes through: shared memory
+    (:func:`rewrite_shared`), then launch bounds (:func:`rewrite_launch_bounds`)."""
+    return rewrite_launch_bounds(rewrite_shared(text))
+
+
+def needs_rewrite(text):
+    """Whether :func:`rewrite_kernel_source` changes ``text``'s meaning: it declares ``__shared__``
+    variables or gives a kernel ``__launch_bounds__``."""
+    if "__shared__" not in text and "__launch_bounds__" not in text:
+        return False
+    blanked = blank(text)
+    return bool(_EXTERN_SHARED.search(blanked) or _STATIC_SHARED.search(blanked)
+                or any(_launch_bounds_uses(blanked)))
 
 
 _GLOBAL = re.compile(r"\b__global__\b")
