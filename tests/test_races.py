@@ -26,7 +26,8 @@ RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count"
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
               "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array", "byte_races",
-              "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word"]
+              "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word",
+              "late_warps_read_then_write"]
 
 
 def load_races():
@@ -110,6 +111,30 @@ def test_a_write_after_reads_races_with_whichever_read_record_holds_an_unordered
     out = E.zeros(64, np.int32)
     fn(1, 64, (out, np.int32(2), np.int32(63)))   # with __syncthreads(): no report
     np.testing.assert_array_equal(out, 7)
+
+
+@pytest.mark.parametrize("seed", ["0", "1", "2", "3"])
+def test_a_write_races_with_another_warps_read_after_two_readers_of_one_warp_other_than_warp_0(
+        races, monkeypatch, seed):
+    """Warps 1 and 2 read a word and a thread of warp 1 overwrites it after only a __syncwarp. The
+    checker skips recording a reader once its two read records hold readers of two different warps;
+    here the first two readers are both of warp 1, so the next, of warp 2, must still be recorded, or
+    the write (ordered after warp 1's reads) would look ordered after every read on record. In index
+    order (seed 0) warp 2 reads before warp 1's writer passes its __syncwarp; in every order the race
+    is reported, as a write-after-read or a read-after-write, between the two lines."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", seed)
+    fn = races.get_function("late_warps_read_then_write")
+    with pytest.raises(E.RaceError) as caught:
+        fn(1, 96, (E.zeros(1, np.int32), E.zeros(96, np.int32), np.int32(0), np.int32(34)))
+    found = hazards_between(caught.value, source_site(RACES, "if (threadIdx.x >= 32) out[threadIdx.x] = *word;"),
+                            source_site(RACES, "if ((int)threadIdx.x == writer) *word = 8;"))
+    assert all(h.memory == "global" for h in found), str(caught.value)
+    for h in found:   # the read is warp 2's, the write thread 34's
+        read, write = (h.first, h.second) if h.kind == "write-after-read" else (h.second, h.first)
+        assert read.thread[0] >= 64 and write.thread[0] == 34, str(caught.value)
+    word, out = E.zeros(1, np.int32), E.zeros(96, np.int32)
+    fn(1, 96, (word, out, np.int32(1), np.int32(34)))   # with __syncthreads(): no report
+    assert E.asnumpy(word).tolist() == [8] and not E.asnumpy(out).any()
 
 
 @pytest.mark.parametrize("increment", [1, 0])

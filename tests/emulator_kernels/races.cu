@@ -267,3 +267,14 @@ __global__ void clear_while_counting(int* out, int synced, int increment) {
   __syncthreads();
   if (threadIdx.x == 0) out[0] = tally;
 }
+
+// The threads of warps 1 and 2 read a word in global memory, then thread `writer` of warp 1
+// overwrites it. With only a __syncwarp between (synced 0) the write is ordered after its own
+// warp's reads and races with warp 2's; the checker keeps two read records a word, and must keep a
+// warp-2 reader although the first two it saw are of one warp that is not warp 0. synced 1: a
+// __syncthreads, correct. word: [1] int, out: [blockDim.x] int.
+__global__ void late_warps_read_then_write(int* word, int* out, int synced, int writer) {
+  if (threadIdx.x >= 32) out[threadIdx.x] = *word;
+  if (synced) __syncthreads(); else __syncwarp();
+  if ((int)threadIdx.x == writer) *word = 8;
+}
