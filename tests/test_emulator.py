@@ -1151,16 +1151,19 @@ def test_rewrite_keeps_line_numbers():
     assert out.startswith("// extern __shared__ float no[];")
 
 
+@pytest.mark.parametrize("declaration", [
+    "__global__ void k(float* out) {{\n    extern __shared__ {alignment} float tile[];\n",
+    "__global__ void k(float* out);\nextern __shared__ {alignment} float tile[];\n__global__ void k(float* out) {{\n",
+], ids=["in the kernel", "at file scope"])
 @pytest.mark.parametrize("alignment, error", [
     ("__align__(15)", r"requested alignment .?15.? is not a positive power of 2"),   # NVRTC refuses it too
     ("alignas(128)", r"extern __shared__ alignment above 16 is not emulated"),
-])
-def test_an_extern_shared_alignment_is_compiled_and_held_to_what_the_emulator_gives(alignment, error):
+], ids=["__align__(15)", "alignas(128)"])
+def test_an_extern_shared_alignment_is_compiled_and_held_to_what_the_emulator_gives(declaration, alignment, error):
     """The alignment of an ``extern __shared__`` array is compiled, as under NVRTC, and one the emulator
     does not give (its dynamic shared memory starts 16-byte aligned) fails the build, naming the line,
     where it would have been dropped without a word."""
-    source = ("__global__ void k(float* out) {\n"
-              f"    extern __shared__ {alignment} float tile[];\n"
+    source = (declaration.format(alignment=alignment) +
               "    tile[threadIdx.x] = 1.0f; __syncthreads(); out[threadIdx.x] = tile[threadIdx.x];\n}\n")
     with pytest.raises(E.CompileError, match=rf"aligned_tile\.cu:2:(.|\n)*{error}"):
         E.Module(source, ["k"], filename="aligned_tile.cu")

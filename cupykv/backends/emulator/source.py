@@ -90,19 +90,20 @@ def rewrite_dynamic_shared(text):
         name = m.group("name")
         if not type_:
             continue
+        # The alignment asked for, compiled on an undefined char of that alignment as NVRTC compiles it (a
+        # value that is not a power of two fails the build) and held to what the emulator gives: the
+        # launch's dynamic shared memory starts 16-byte aligned (it ends at a guard page). The char is
+        # an extern declaration, which may repeat where the array's declaration does.
+        alignments = " ".join(a for a in _ALIGN.findall(decl_text) if "align" in a)
+        check = (f"{alignments} extern char cuemu_alignment_of_{name}; "
+                 f"static_assert(__alignof__(cuemu_alignment_of_{name}) <= 16, \"the emulator's dynamic shared "
+                 f"memory starts 16-byte aligned: extern __shared__ alignment above 16 is not emulated\"); "
+                 if alignments else "")
         if _in_function(blanked, m.start()):
-            # The alignment asked for, compiled on an empty local struct as NVRTC compiles it (a value
-            # that is not a power of two fails the build) and held to what the emulator gives: the
-            # launch's dynamic shared memory starts 16-byte aligned (it ends at a guard page).
-            alignments = " ".join(a for a in _ALIGN.findall(decl_text) if "align" in a)
-            check = (f"struct {alignments} cuemu_alignment_of_{name} {{}}; "
-                     f"static_assert(alignof(cuemu_alignment_of_{name}) <= 16, \"the emulator's dynamic shared "
-                     f"memory starts 16-byte aligned: extern __shared__ alignment above 16 is not emulated\"); "
-                     if alignments else "")
             repl = (f"{check}{type_}* const {name} = "
                     f"reinterpret_cast<{type_}*>(::cuemu::dynamic_shared());")
         else:
-            repl = (f"{type_}* const& {name} = "
+            repl = (f"{check}{type_}* const& {name} = "
                     f"reinterpret_cast<{type_}* const&>(::cuemu_ctx.dyn_smem);")
         repl += "\n" * text.count("\n", m.start(), m.end())
         pieces += [text[last:m.start()], repl]
