@@ -308,9 +308,9 @@ def _line_directive(path):
 
 def _mirror_includes(include_dirs, work):
     """Include dirs whose headers declare ``__shared__`` variables or give a kernel ``__launch_bounds__``
-    are copied (rewritten: :func:`source.rewrite_kernel_source`) under ``work``; returns the -I list to use. Every copied header starts with a ``#line`` naming
-    its original, so that ``__FILE__`` (an assert's, a trap's) and the line tables name the header
-    the user has, not the build's temporary copy."""
+    are copied, rewritten (:func:`source.rewrite_kernel_source`), under ``work``; returns the -I list to
+    use. Every copied header starts with a ``#line`` naming its original, so that ``__FILE__`` (an
+    assert's, a trap's) and the line tables name the header the user has, not the build's temporary copy."""
     result = []
     for n, d in enumerate(include_dirs):
         files = list(_header_files(d))

@@ -175,8 +175,6 @@ def rewrite_shared(text):
     return rewrite_static_shared(rewrite_dynamic_shared(text))
 
 
-
-
 # ---- __launch_bounds__ ---------------------------------------------------------------
 _LB = re.compile(r"\b__launch_bounds__\s*\(")
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([^\n]+?)[ \t]*$", re.M)
