@@ -72,20 +72,25 @@ void mma_m16n8k16(const FragmentLane* lanes) {
   bool b_finite = true;
   for (int k = 0; k < 16; ++k)
     for (int j = 0; j < 8; ++j) b_finite = b_finite && isfinite(b[k][j]);
+  // d = c + the products in k order, an exact product and one rounding per add, for each output. The
+  // loop over an output row's 8 columns is innermost: each column's additions keep their order, and the
+  // 8 chains run side by side (vectorised) instead of one after another.
   float d[16][8];
   for (int i = 0; i < 16; ++i) {
     bool zero_row = b_finite;
     for (int k = 0; k < 16 && zero_row; ++k) zero_row = a[i][k] == 0.0f;
+    float* acc = d[i];
+    for (int j = 0; j < 8; ++j) acc[j] = c[i][j];
+    if (!zero_row) {
+      for (int k = 0; k < 16; ++k)
+        for (int j = 0; j < 8; ++j) acc[j] += a[i][k] * b[k][j];
+      continue;
+    }
     for (int j = 0; j < 8; ++j) {
-      float acc = c[i][j];
-      if (!zero_row) {
-        for (int k = 0; k < 16; ++k) acc += a[i][k] * b[k][j];  // exact product, one rounding per add
-      } else if (acc == 0.0f) {   // a nonzero c plus zeros stays c
-        bool all_negative = signbit(acc);
-        for (int k = 0; k < 16 && all_negative; ++k) all_negative = signbit(a[i][k]) != signbit(b[k][j]);
-        acc = all_negative ? -0.0f : 0.0f;
-      }
-      d[i][j] = acc;
+      if (acc[j] != 0.0f) continue;   // a nonzero c plus zeros stays c
+      bool all_negative = signbit(acc[j]);
+      for (int k = 0; k < 16 && all_negative; ++k) all_negative = signbit(a[i][k]) != signbit(b[k][j]);
+      acc[j] = all_negative ? -0.0f : 0.0f;
     }
   }
   for (int lane = 0; lane < 32; ++lane) {
