@@ -144,7 +144,7 @@ def rewrite_static_shared(text):
     blanked = blank(text)
     pieces, last = [], 0
     for m in _STATIC_SHARED.finditer(blanked):
-        before = blanked[max(0, m.start() - 16):m.start()]
+        before = blanked[max(blanked.rfind(c, 0, m.start()) for c in ";{}") + 1:m.start()]   # this statement's
         if (re.search(r"\bextern\s*$", before) or not m.group("decl").strip()
                 or _in_directive(blanked, m.start())):
             continue
