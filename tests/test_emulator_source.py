@@ -29,6 +29,7 @@ def test_blank_ends_an_unclosed_comment_or_literal_at_the_end_of_the_text_or_lin
     assert source.blank("k /* open") == "k        "
     assert source.blank('s = "open\nnext "x"') == 's = "    \nnext " "'
     assert source.blank('t = "open') == 't = "    '
+    assert source.blank('u = "a\\') == 'u = "  '   # an escape that the text ends in
 
 
 BOXED = "thread_local struct {{ unsigned char cuemu_guard_lo[16]; {decl} value{dims}; unsigned char " \
@@ -52,6 +53,11 @@ def test_a_functions_shared_variable_is_boxed_wherever_the_function_is():
         "__global__ void g() { extern", "            __shared__ float e[8]; SMEM }"]
 
 
+def test_a_directive_on_the_first_line_stays_as_written():
+    src = "#define SMEM __shared__ float d[4];\n__global__ void g() { SMEM }\n"
+    assert source.rewrite_static_shared(src) == src
+
+
 def test_launch_bounds_resolve_over_literals_and_the_sources_constants():
     src = ("constexpr int kThreads{128};\n#define CYCLE_A CYCLE_B\n#define CYCLE_B CYCLE_A\n"
            "__global__ void __launch_bounds__(256u) a() {}\n"
@@ -69,3 +75,8 @@ def test_launch_bounds_resolve_over_literals_and_the_sources_constants():
 
 def test_restrict_parameters_are_read_with_a_space_before_the_list():
     assert source.parse_restrict_params("__global__ void k (int* __restrict__ p, int q) {}") == {"k": (True, False)}
+
+
+def test_a_name_expression_gives_the_kernels_base_name():
+    assert source.base_name("&ns::k<float, 4>") == "k"
+    assert source.base_name(" cupykv_attention_mma<__half, __half, 64, 1> ") == "cupykv_attention_mma"
