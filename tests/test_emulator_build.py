@@ -223,6 +223,27 @@ def test_a_changed_header_or_define_builds_another_module(fresh_cache, tmp_path)
     assert len(list(fresh_cache.glob("mod-*.so"))) == 4
 
 
+@pytest.mark.parametrize("options, value", [
+    (("--define-macro=OFFSET=30",), 31), (("--define-macro", "OFFSET=40"), 41), (("-DOFFSET=50", "-UOFFSET"), 1),
+    (("--include-path=other",), 7), (("--include-path", "other"), 7), (("-Iother",), 7),
+])
+def test_nvrtcs_spellings_of_defines_and_include_paths_reach_the_host_compiler(fresh_cache, tmp_path, monkeypatch,
+                                                                                options, value):
+    """Every NVRTC spelling of -D, -U and -I that CuPy may pass works on the emulator as under NVRTC. An
+    include path relative to the process's directory is found (the build itself runs in a temporary one),
+    and the headers of an -I option's folder are in the module's key, as those of ``include_dirs`` are."""
+    monkeypatch.chdir(tmp_path)
+    for folder, header in (("include", "#define VALUE 1\n"), ("other", "#define VALUE 7\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "value.cuh").write_text(header)
+    searches_other = any("other" in o for o in options)
+    include_dirs = [] if searches_other else ["include"]
+    assert _value(E.Module(HEADER_USER, ["k"], include_dirs=include_dirs, options=options)) == value
+    if searches_other:
+        (tmp_path / "other" / "value.cuh").write_text("#define VALUE 8\n")
+        assert _value(E.Module(HEADER_USER, ["k"], include_dirs=include_dirs, options=options)) == 8
+
+
 def test_an_assert_in_a_copied_header_names_the_users_header_and_line(fresh_cache, tmp_path):
     """An include dir holding a header that declares ``__shared__`` variables is compiled from rewritten
     copies of its headers. An assert in one of them, rewritten or not, names the header the user has and

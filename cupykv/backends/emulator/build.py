@@ -281,19 +281,28 @@ def _runtime_parts():
 
 # ---- modules -------------------------------------------------------------------------
 def _host_options(options):
-    """The -D/-U/-I options of an NVRTC option list; the others are ignored."""
-    out, it = [], iter(options)
+    """``(-D/-U options, include folders)`` of an NVRTC option list, in its order; the others are ignored.
+
+    The folders of its -I options (every NVRTC spelling) are returned apart, so that they are searched,
+    hashed and copied as ``include_dirs`` are: relative to this process's directory, as NVRTC takes them,
+    where the host compiler runs in the build's temporary one."""
+    defines, folders, it = [], [], iter(options)
+    long_flags = {"--define-macro": "-D", "--undefine-macro": "-U", "--include-path": "-I"}
     for opt in it:
-        if opt in ("-D", "-U", "-I", "--define-macro", "--undefine-macro", "--include-path"):
-            out += [opt[:2] if opt.startswith("-") and len(opt) == 2 else
-                    {"--define-macro": "-D", "--undefine-macro": "-U",
-                     "--include-path": "-I"}[opt], next(it, "")]
+        if opt in ("-D", "-U", "-I", *long_flags):
+            flag, value = long_flags.get(opt, opt), next(it, "")
         elif opt.startswith(("-D", "-U", "-I")):
-            out.append(opt)
-        elif opt.startswith(("--define-macro=", "--include-path=")):
-            flag = "-D" if opt.startswith("--define") else "-I"
-            out.append(flag + opt.split("=", 1)[1])
-    return out
+            flag, value = opt[:2], opt[2:]
+        elif opt.startswith(tuple(f"{name}=" for name in long_flags)):
+            name, value = opt.split("=", 1)
+            flag = long_flags[name]
+        else:
+            continue
+        if flag == "-I":
+            folders.append(value)
+        else:
+            defines.append(flag + value)
+    return defines, folders
 
 
 # How _mirror_includes copies a header: part of every module's key, since the copies are not hashed.
@@ -344,10 +353,10 @@ def load_module(code, name_expressions, include_dirs=(), options=(), filename="k
     where ``entries`` maps each name expression to its ``_Entry``."""
     check_platform()
     current_runtime = check_runtime_current()  # the module resolves the loaded runtime's symbols
-    include_dirs = [Path(d).resolve() for d in include_dirs]
+    host_opts, option_dirs = _host_options(options)
+    include_dirs = [Path(d).resolve() for d in (*include_dirs, *option_dirs)]
     text = (_line_directive(filename) + source.rewrite_kernel_source(code)
             + source.registry_source(list(name_expressions)))
-    host_opts = _host_options(options)
     key = module_key(text, host_opts, include_dirs, current_runtime)
     with _lock:
         if key in _modules:
