@@ -53,6 +53,12 @@ def test_a_functions_shared_variable_is_boxed_wherever_the_function_is():
         "__global__ void g() { extern", "            __shared__ float e[8]; SMEM }"]
 
 
+def test_a_variable_aligned_past_the_guard_is_not_boxed_however_its_alignment_is_spaced():
+    out = source.rewrite_static_shared("__global__ void k() { __shared__ __align__( 128 ) float t[4]; }")
+    assert out == ("__global__ void k() { thread_local __align__( 128 ) float cuemu_unboxed_t[4]{}; "
+                   "auto& t = *::cuemu::opaque(&cuemu_unboxed_t); }")
+
+
 def test_a_directive_on_the_first_line_stays_as_written():
     src = "#define SMEM __shared__ float d[4];\n__global__ void g() { SMEM }\n"
     assert source.rewrite_static_shared(src) == src
@@ -71,6 +77,11 @@ def test_launch_bounds_resolve_over_literals_and_the_sources_constants():
         "__global__ void __launch_bounds__ (kThreads) b() { CUEMU_LAUNCH_BOUNDS(kThreads);}",
         "__global__ void __launch_bounds__(CYCLE_A) c() { CUEMU_LAUNCH_BOUNDS(CYCLE_A);}",
         "__global__ void __launch_bounds__(0x40, 2) d(int* x);  "]
+
+
+def test_a_bound_named_through_a_namespace_resolves():
+    src = "namespace a { constexpr int kThreads = 64; }\n__global__ void __launch_bounds__(a::kThreads) k() {}\n"
+    assert source.parse_launch_bounds(src) == {"k": ("a::kThreads", 64)}
 
 
 def test_restrict_parameters_are_read_with_a_space_before_the_list():
