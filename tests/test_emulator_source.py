@@ -3,8 +3,8 @@ what its rewrites and parsers must see as code, and what they must leave alone."
 from cupykv.backends.emulator import source
 
 # Comments of both kinds (an empty one, one opening with "/*/", one over two lines, two with code right
-# after them), a string with an escaped
-# quote, a char literal holding a double quote, a digit separator and an empty string.
+# after them), a string with an escaped quote, a char literal holding a double quote, a digit separator
+# and an empty string.
 CODE = ('a /* x */b /**/c // c\n'
         'd /*/ e */ f "g\\"h" \'"\' 1\'000 \'x\' "" /*\n'
         'multi\n'

@@ -322,18 +322,16 @@ def _mirror_includes(include_dirs, work):
     assert's, a trap's) and the line tables name the header the user has, not the build's temporary copy."""
     result = []
     for n, d in enumerate(include_dirs):
-        files = list(_header_files(d))
-        if not any(source.needs_rewrite(f.read_text(errors="replace")) for f in files):
+        headers = [(f, f.read_text(errors="replace")) for f in _header_files(d)]
+        rewrites = [source.needs_rewrite(text) for _, text in headers]   # each header read and judged once
+        if not any(rewrites):
             result.append(str(d))
             continue
         mirror = work / f"include{n}"
-        for f in files:
+        for (f, text), rewrite in zip(headers, rewrites):
             dst = mirror / f.relative_to(d)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            text = f.read_text(errors="replace")
-            if source.needs_rewrite(text):
-                text = source.rewrite_kernel_source(text)
-            dst.write_text(_line_directive(f) + text)
+            dst.write_text(_line_directive(f) + (source.rewrite_kernel_source(text) if rewrite else text))
         result.append(str(mirror))
     return result
 
