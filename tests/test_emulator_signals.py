@@ -259,11 +259,11 @@ def test_launch_off_the_main_thread_leaves_sigint_to_python(kernels):
 # sets, on the main thread or another one, with (out,) or (out, order) as its arguments, and prints
 # the error and the CPU time the launching thread spent in the launch; then spends 0.3 s of CPU
 # time (a timer left behind would signal again and end the process), checks that the emulator still
-# runs kernels, and sends itself the time limit's signal, whose default action (the runtime's
-# handler gone) ends the process. A child process: were the limit broken, the launch would never
-# end, and the parent's timeout fails the test instead of hanging the suite.
+# runs kernels (under the default limit), and sends itself the time limit's signal, whose default
+# action (the runtime's handler gone) ends the process. A child process: were the limit broken, the
+# launch would never end, and the parent's timeout fails the test instead of hanging the suite.
 TIME_LIMIT_CHILD = textwrap.dedent("""
-    import signal, sys, threading, time
+    import os, signal, sys, threading, time
     import numpy as np
     from cupykv.backends import emulator as E
     path, kernel, on_thread = sys.argv[1], sys.argv[2], sys.argv[3] == "thread"
@@ -290,6 +290,9 @@ TIME_LIMIT_CHILD = textwrap.dedent("""
     busy_until = time.thread_time() + 0.3
     while time.thread_time() < busy_until:
         pass
+    # under the default limit: a tick of the CPU clock inside even this short launch would end it
+    # under one far below a nanosecond (2000 launches of fill met 6 such ticks on an idle core)
+    del os.environ["CUPYKV_EMULATOR_LAUNCH_TIMEOUT"]
     mod.get_function("fill")(1, 64, (out,))
     assert out.tolist() == [7] * 64
     print("still runs", flush=True)
