@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -242,6 +243,97 @@ def test_nvrtcs_spellings_of_defines_and_include_paths_reach_the_host_compiler(f
     if searches_other:
         (tmp_path / "other" / "value.cuh").write_text("#define VALUE 8\n")
         assert _value(E.Module(HEADER_USER, ["k"], include_dirs=include_dirs, options=options)) == 8
+
+
+# ---- the other NVRTC options ------------------------------------------------------------------
+CONSTANT_USER = HEADER_USER.replace('#include "value.cuh"', "#define VALUE 1")   # no header to find
+
+
+@pytest.mark.parametrize("options, named, complaint", [
+    (("-use_fast_math",), 0, "it replaces expf, sinf, division and square root by approximations the emulator "
+                             "does not reproduce"),
+    (("--use_fast_math",), 0, "it replaces expf, sinf, division and square root by approximations"),
+    (("-ftz=false",), 0, "fibers always flush fp32 subnormals to zero, as the -ftz=true code CuPy compiles does"),
+    (("--ftz=false",), 0, "fibers always flush fp32 subnormals to zero"),
+    (("-prec-div=false",), 0, "the emulator divides in IEEE round-to-nearest, as -prec-div=true does"),
+    (("--prec-sqrt=false",), 0, "the emulator takes square roots in IEEE round-to-nearest"),
+    (("-include", "extra.h"), 0, "the emulator compiles only the source and the headers it includes"),
+    (("--pre-include=extra.h",), 0, "the emulator compiles only the source and the headers it includes"),
+    (("-ftz=yes",), 0, "expected -ftz=true or -ftz=false, got 'yes'"),
+    (("-fmad",), 0, "expected -fmad=true or -fmad=false, got no value"),
+    (("-std=c++23",), 0, "expected one of c++03, c++11, c++14, c++17, c++20, got 'c++23'"),
+    (("--std=gnu++17",), 0, "expected one of c++03, c++11, c++14, c++17, c++20, got 'gnu++17'"),
+    (("-DOFFSET=1", "-D"), 1, "expected a value after it"),
+    (("--include-path",), 0, "expected a value after it"),
+])
+def test_an_nvrtc_option_the_emulator_cannot_honour_is_refused_before_anything_builds(fresh_cache, options, named,
+                                                                                     complaint):
+    """An option that would make the GPU compute what the emulator does not (fast math, subnormals kept,
+    approximate division or square root, a pre-included header), or one NVRTC would refuse for its value,
+    fails by name before the host compiler runs: a pass on the emulator would say nothing of the GPU."""
+    with pytest.raises(E.CompileError) as refused:
+        E.Module(CONSTANT_USER, ["k"], options=options)
+    assert str(refused.value).startswith(f"emulator: NVRTC option {options[named]!r}: {complaint}"), refused.value
+    assert not list(fresh_cache.glob("mod-*.so"))
+
+
+def test_nvrtc_options_without_effect_on_what_a_kernel_computes_change_nothing(fresh_cache):
+    """The target, ptxas's and the optimizer's settings, debug and line information, the diagnostics, the
+    values of -ftz, -prec-div and -prec-sqrt the emulator models, -fmad either way, and a dialect up to
+    C++17 are taken without a warning, and build the very module no option does."""
+    without = [
+        "-arch=sm_90", "--gpu-architecture=compute_80", "-lineinfo", "--generate-line-info", "-G",
+        "-Xptxas=-v", "--ptxas-options=-O3", "-maxrregcount=64", "--dopt=on", "-rdc=false",
+        "-ftz=true", "--prec-div=true", "-prec-sqrt=true", "-fmad=false", "--fmad=true",
+        "--device-as-default-execution-space", "-default-device", "-w", "--diag-suppress=177",
+        "-std=c++17", "--std=c++14", "-std", "c++11", "--extra-device-vectorization", "-dlto",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        taken = E.Module(CONSTANT_USER, ["k"], options=without)
+    assert _value(taken) == 1
+    assert taken.path == E.Module(CONSTANT_USER, ["k"]).path   # the same key
+
+
+def test_an_nvrtc_option_the_emulator_does_not_know_is_ignored_with_a_warning_at_the_callers_line(fresh_cache):
+    with pytest.warns(E.EmulatorOptionWarning) as caught:
+        module = E.Module(CONSTANT_USER, ["k"], options=("-lineinfo", "--some-future-option=3"))
+    assert [str(w.message) for w in caught] == [
+        "emulator: NVRTC option '--some-future-option=3' is not one the emulator knows; it was ignored"]
+    assert caught[0].filename == __file__   # stacklevel: the Module(...) call, not the emulator's code
+    assert _value(module) == 1
+
+
+CXX20_USER = "consteval int twice(int v) { return 2 * v; }\n" \
+             "__global__ void k(int* x) { x[threadIdx.x] = twice(21); }\n"
+
+
+def test_std_cxx20_reaches_the_host_compiler(fresh_cache):
+    """A dialect above C++17 is the host compiler's too: code that needs it builds with it, and fails to
+    build without it (the emulator's headers need C++17, which also compiles code written for 11 and 14)."""
+    assert _value(E.Module(CXX20_USER, ["k"], options=("-std=c++20",))) == 42
+    assert _value(E.Module(CXX20_USER, ["k"], options=("--std", "c++20"))) == 42
+    with pytest.raises(E.CompileError, match="consteval"):
+        E.Module(CXX20_USER, ["k"], options=("-std=c++14",))
+
+
+UNRESTRICTED = "__global__ void scale(float* out, const float* in) { out[threadIdx.x] = 3.0f * in[threadIdx.x]; }\n"
+
+
+def test_the_restrict_option_makes_every_pointer_parameter_restrict(fresh_cache):
+    """``-restrict`` promises NVRTC that no two pointer parameters alias, as ``__restrict__`` on each would:
+    overlapping arguments, one written, are refused before anything runs, as for a declared one."""
+    buffer = E.asarray(np.arange(1, 10, dtype=np.float32))
+    plain = E.Module(UNRESTRICTED, ["scale"]).get_function("scale")
+    restricted = E.Module(UNRESTRICTED, ["scale"], options=("-restrict",)).get_function("scale")
+    assert (plain.param_restrict, restricted.param_restrict) == ((False, False), (True, True))
+    with pytest.raises(E.LaunchError, match=r"kernel 'scale': arguments 0 \(.*\) and 1 \(.*\) overlap in 28 bytes, "
+                                            r"but argument 0 is __restrict__ \(the module's -restrict option\) and "
+                                            r"argument 0 is written"):
+        restricted(1, 8, (buffer[1:], buffer[:8]))
+    assert E.asnumpy(buffer).tolist() == list(range(1, 10))   # nothing ran
+    plain(1, 1, (buffer[1:], buffer[:8]))                      # no promise made: one thread runs
+    assert E.asnumpy(buffer).tolist() == [1, 3, *range(3, 10)]
 
 
 def test_an_assert_in_a_copied_header_names_the_users_header_and_line(fresh_cache, tmp_path):

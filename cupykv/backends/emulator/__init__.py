@@ -18,8 +18,8 @@ sectors per warp request); ``with protected(array, start):`` makes bytes of an a
 """
 
 from .errors import (AsyncCopyError, BarrierError, CompileError, DeviceAssertError, EmulatorError,
-                     EmulatorFault, FragmentError, LaunchError, LaunchTimeoutError, PlatformError,
-                     RaceError, UninitializedReadError)
+                     EmulatorFault, EmulatorOptionWarning, FragmentError, LaunchError, LaunchTimeoutError,
+                     PlatformError, RaceError, UninitializedReadError)
 from .accounting import traffic
 from .launch import Function, Module, synchronize
 from .memory import asarray, asnumpy, empty, is_device_array, protected, zeros
@@ -28,5 +28,5 @@ __all__ = [
     "Module", "Function", "empty", "zeros", "asarray", "asnumpy", "is_device_array",
     "synchronize", "traffic", "protected", "EmulatorError", "CompileError", "LaunchError",
     "EmulatorFault", "BarrierError", "DeviceAssertError", "RaceError", "UninitializedReadError", "PlatformError",
-    "AsyncCopyError", "FragmentError", "LaunchTimeoutError",
+    "AsyncCopyError", "FragmentError", "LaunchTimeoutError", "EmulatorOptionWarning",
 ]

@@ -27,7 +27,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from . import diskcache, host, source
+from . import compile_options, diskcache, host, source
 from .errors import CompileError
 
 HERE = Path(__file__).resolve().parent
@@ -280,31 +280,6 @@ def _runtime_parts():
 
 
 # ---- modules -------------------------------------------------------------------------
-def _host_options(options):
-    """``(-D/-U options, include folders)`` of an NVRTC option list, in its order; the others are ignored.
-
-    The folders of its -I options (every NVRTC spelling) are returned apart, so that they are searched,
-    hashed and copied as ``include_dirs`` are: relative to this process's directory, as NVRTC takes them,
-    where the host compiler runs in the build's temporary one."""
-    defines, folders, it = [], [], iter(options)
-    long_flags = {"--define-macro": "-D", "--undefine-macro": "-U", "--include-path": "-I"}
-    for opt in it:
-        if opt in ("-D", "-U", "-I", *long_flags):
-            flag, value = long_flags.get(opt, opt), next(it, "")
-        elif opt.startswith(("-D", "-U", "-I")):
-            flag, value = opt[:2], opt[2:]
-        elif opt.startswith(tuple(f"{name}=" for name in long_flags)):
-            name, value = opt.split("=", 1)
-            flag = long_flags[name]
-        else:
-            continue
-        if flag == "-I":
-            folders.append(value)
-        else:
-            defines.append(flag + value)
-    return defines, folders
-
-
 # How _mirror_includes copies a header: part of every module's key, since the copies are not hashed.
 MIRROR_RECIPE = "mirrored header: #line 1 naming the original, then rewrite_kernel_source"
 
@@ -346,13 +321,15 @@ def module_key(text, host_opts, include_dirs, runtime_digest):
     return _digest(key_parts)
 
 
-def load_module(code, name_expressions, include_dirs=(), options=(), filename="kernel.cu"):
+def load_module(code, name_expressions, include_dirs=(), options=compile_options.HostOptions(),
+                filename="kernel.cu"):
     """Builds (or finds in a cache) and loads a module; returns ``(lib, entries)``
-    where ``entries`` maps each name expression to its ``_Entry``."""
+    where ``entries`` maps each name expression to its ``_Entry``. ``options``: what
+    :func:`compile_options.parse` took from the module's NVRTC options."""
     check_platform()
     current_runtime = check_runtime_current()  # the module resolves the loaded runtime's symbols
-    host_opts, option_dirs = _host_options(options)
-    include_dirs = [Path(d).resolve() for d in (*include_dirs, *option_dirs)]
+    host_opts = list(options.flags)
+    include_dirs = [Path(d).resolve() for d in (*include_dirs, *options.include_folders)]
     text = (_line_directive(filename) + source.rewrite_kernel_source(code)
             + source.registry_source(list(name_expressions)))
     key = module_key(text, host_opts, include_dirs, current_runtime)

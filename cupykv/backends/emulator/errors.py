@@ -86,3 +86,8 @@ class UninitializedReadError(EmulatorError):
     def __init__(self, message, reads=()):
         super().__init__(message)
         self.reads = list(reads)
+
+
+class EmulatorOptionWarning(UserWarning):
+    """``Module(..., options=...)`` was given an NVRTC option the emulator does not know; it was
+    ignored (:mod:`cupykv.backends.emulator.compile_options`)."""

@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from . import accounting, build, host, memory, racecheck, schedule, sites, source
+from . import accounting, build, compile_options, host, memory, racecheck, schedule, sites, source
 from .errors import (AsyncCopyError, BarrierError, DeviceAssertError, EmulatorError, EmulatorFault,
                      FragmentError, LaunchError, LaunchTimeoutError)
 
@@ -60,12 +60,14 @@ class Module:
             ``extern "C" __global__`` kernels are also found without one.
         include_dirs: directories for ``#include``; their headers are hashed into the
             cache key.
-        options: NVRTC-style options; ``-D``, ``-U`` and ``-I`` are honoured, the rest
-            ignored.
+        options: NVRTC options: ``-D``, ``-U``, ``-I``, ``-std`` and ``-restrict`` are honoured,
+            those that change what a kernel computes in a way the emulator does not model
+            (``-use_fast_math``, ``-ftz=false``, ...) refused, the rest ignored
+            (:mod:`.compile_options`).
         filename: the name used in ``__FILE__`` and error messages.
 
     Raises:
-        CompileError: g++ failed (its output is in the message).
+        CompileError: g++ failed (its output is in the message), or an option is refused.
     """
 
     def __init__(self, code, name_expressions=(), *, include_dirs=(), options=(),
@@ -73,10 +75,11 @@ class Module:
         names = list(dict.fromkeys([*name_expressions, *source.extern_c_kernels(code)]))
         self.code = code
         self.name_expressions = names
+        taken = compile_options.parse(options)
         self.launch_bounds = source.parse_launch_bounds(code)
         self.restrict_params = source.parse_restrict_params(code)
-        self._lib, self._entries = build.load_module(code, names, include_dirs, options,
-                                                     filename)
+        self.all_restrict = taken.all_restrict   # -restrict: every pointer parameter is __restrict__
+        self._lib, self._entries = build.load_module(code, names, include_dirs, taken, filename)
         self.path = self._lib._name  # the built .so: its line tables name race sites
         self.instrumented = build.instrumented()  # False: the race checker cannot run
         self._tls_probe = ctypes.cast(self._lib.cuemu_module_tls_probe, ctypes.c_void_p).value
@@ -150,8 +153,12 @@ class Function:
         self.param_writable = tuple(k == "p" and not _points_to_const(t)
                                     for k, t in zip(self.param_kinds, self.param_types))
         # Parameters declared __restrict__ (source.parse_restrict_params; all False when the
-        # source's parameter list was not found or does not match the instance's).
-        self.param_restrict = tuple(restrict) if len(restrict) == n else (False,) * n
+        # source's parameter list was not found or does not match the instance's), or every pointer
+        # parameter when the module was compiled with -restrict.
+        if module.all_restrict:
+            self.param_restrict = tuple(k == "p" for k in self.param_kinds)
+        else:
+            self.param_restrict = tuple(restrict) if len(restrict) == n else (False,) * n
         self.launch_bound = launch_bound  # (expression, int or None) or None
         self.max_threads = launch_bound[1] if launch_bound else None
         self.max_dynamic_smem = MAX_DYNAMIC_SMEM   # raised by opt_in_shared_memory
@@ -378,10 +385,12 @@ class Function:
                 if not restricted or not (self.param_writable[i] or self.param_writable[j]):
                     continue
                 if lo < hi2 and lo2 < hi:
+                    how = "__restrict__ (the module's -restrict option)" if self.module.all_restrict \
+                        else "declared __restrict__"
                     raise LaunchError(
                         f"kernel {self.name!r}: arguments {i} ({_describe(a)}) and {j} ({_describe(b)}) "
                         f"overlap in {min(hi, hi2) - max(lo, lo2)} bytes, but argument {restricted[0]} "
-                        f"is declared __restrict__ and argument {i if self.param_writable[i] else j} is "
+                        f"is {how} and argument {i if self.param_writable[i] else j} is "
                         f"written: on a GPU either may see stale data (pass arrays that do not overlap)")
 
     def _bind_arrays(self, array_args):
