@@ -911,6 +911,10 @@ def test_h_dynamic_shared_memory_past_48k_after_the_kernels_opt_in():
         fn(1, 64, (y,), shared_mem=59904)   # opted in, but the block asks for less than it writes
     with pytest.raises(E.LaunchError, match="232449 bytes of dynamic shared memory; CUDA allows at most 232448"):
         fn.opt_in_shared_memory(232449)
+    fn.opt_in_shared_memory(232448)   # sm_90's whole 227 KiB
+    y[:] = 0
+    fn(1, 64, (y,), shared_mem=232448)
+    assert np.array_equal(np.asarray(y), np.arange(1, 65, dtype=np.float32))
 
 
 def test_i_python_int_for_int_parameter(good, bugs):
@@ -1091,6 +1095,28 @@ def test_read_only_host_array_written(good, bugs):
 def test_bad_geometry(good, grid, block, match):
     with pytest.raises(E.LaunchError, match=re.escape(match)):
         good.get_function("block_sum")(grid, block, (E.zeros(4), E.zeros(1), np.int32(4)))
+
+
+@pytest.mark.parametrize("grid, block", [
+    ((2**31 - 1, 1, 1), (1, 1, 1)), ((1, 65535, 1), (1, 1, 1)), ((1, 1, 65535), (1, 1, 1)),
+    ((1, 1, 1), (1024, 1, 1)), ((1, 1, 1), (1, 1024, 1)), ((1, 1, 1), (1, 1, 64)),
+])
+def test_a_launch_at_each_of_cudas_limits_runs_and_one_past_it_is_refused(grid, block):
+    """CUDA's grid limits (2**31 - 1, 65535, 65535) and block limits (1024, 1024, 64) are each allowed: a
+    kernel that traps in every thread ends the launch in its first block, so even the largest grid runs
+    (blocks in the schedule's order) and stops at once. One more on that axis is refused before anything runs."""
+    stop = E.Module("__global__ void stop() { __trap(); }\n", ["stop"], filename="stop.cu").get_function("stop")
+    with pytest.raises(E.DeviceAssertError) as trapped:
+        stop(grid, block, ())
+    bx, by, bz = (int(v) for v in re.search(r"block \((\d+),(\d+),(\d+)\)", str(trapped.value)).groups())
+    assert bx < grid[0] and by < grid[1] and bz < grid[2], str(trapped.value)
+    for axis in range(3):
+        for what, dims, limit in (("grid", grid, (2**31 - 1, 65535, 65535)), ("block", block, (1024, 1024, 64))):
+            if dims[axis] == limit[axis]:
+                past = tuple(d + (a == axis) for a, d in enumerate(dims))
+                with pytest.raises(E.LaunchError, match=rf"{what} dimension {'xyz'[axis]} is {limit[axis] + 1}, "
+                                                        rf"above CUDA's limit {limit[axis]}$"):
+                    stop(past if what == "grid" else grid, past if what == "block" else block, ())
 
 
 # ---- build -----------------------------------------------------------------------------
