@@ -307,6 +307,22 @@ def test_host_arrays_are_shadowed(good):
     np.testing.assert_array_equal(z.reshape(2, 32), np.arange(64).reshape(2, 32)[:, ::-1])
 
 
+
+def test_adjacent_host_arrays_get_a_shadow_each_so_a_write_past_the_first_faults():
+    """Host arrays that only touch (two halves of one numpy buffer) are shadowed apart, each ending at its
+    own guard page: one element past the first half faults, naming it, where one shared shadow would
+    have taken the write into the second half and copied it back."""
+    src = "__global__ void put(float* a, const float* b, int i) { a[i] = b[0] + 1.f; }\n"
+    put = E.Module(src, ["put"], filename="put.cu").get_function("put")
+    host = np.arange(16, dtype=np.float32)
+    put(1, 1, (host[:8], host[8:], np.int32(7)))
+    assert host.tolist() == [*range(7), 9, *range(8, 16)]
+    with pytest.raises(E.EmulatorFault, match=r"out-of-bounds write of argument 0 at element 8 \(byte offset 32, "
+                                              r"the first byte past the end; float32 array of shape \(8,\).*\) at "
+                                              r"put.cu:1"):
+        put(1, 1, (host[:8], host[8:], np.int32(8)))
+    assert host.tolist() == [*range(7), 9, *range(8, 16)]
+
 def test_device_arrays():
     a = E.zeros((3, 5), ml_dtypes.bfloat16)
     assert E.is_device_array(a) and E.is_device_array(a[1:, 2:])
@@ -343,6 +359,23 @@ def test_a_numpy_scalar_of_another_size_is_refused(good):
     with pytest.raises(E.LaunchError, match=r"argument 1 is a numpy int32 scalar \(4 bytes\).*'long long int' \(8 bytes"):
         good.get_function("scalars")(1, 1, (out, np.int32(3), 2.5, True, np.float32(0.25)))
 
+
+
+def test_a_python_int_reaches_an_8_byte_parameter_bit_for_bit():
+    """CuPy packs a Python int as the 8 bytes of a long long (two's complement, so an unsigned parameter
+    sees a negative one modulo 2**64): every bit arrives, the lowest and the sign's included; an int
+    outside 64 bits is refused by name."""
+    src = ("__global__ void store(long long* s, unsigned long long* u, long long a, unsigned long long b) "
+           "{ s[0] = a; u[0] = b; }\n")
+    store = E.Module(src, ["store"], filename="store.cu").get_function("store")
+    s, u = E.zeros(1, np.int64), E.zeros(1, np.uint64)
+    for a, b in ((5, 5), (-1, 2**64 - 1), (2**63 - 1, 2**63), (-2**63, 1), (-7, -7)):
+        store(1, 1, (s, u, a, b))
+        assert (int(s[0]), int(u[0])) == (a, b % 2**64)
+    with pytest.raises(E.LaunchError, match=r"argument 2 \(18446744073709551616\) does not fit in 64 bits$"):
+        store(1, 1, (s, u, 2**64, 0))
+    with pytest.raises(E.LaunchError, match=r"argument 3 \(-9223372036854775809\) does not fit in 64 bits$"):
+        store(1, 1, (s, u, 0, -2**63 - 1))
 
 @pytest.mark.parametrize("index, value, got", [
     (4, 0.25, r"a Python float, packed as an 8-byte double.*'float' \(4 bytes.*pass numpy\.float32"),
@@ -922,8 +955,10 @@ def test_i_python_int_for_int_parameter(good, bugs):
     with pytest.raises(E.LaunchError, match=r"argument 1 is a Python int.*8-byte long long.*"
                                             r"parameter 1 is 'int' \(4 bytes.*numpy\.int32"):
         fn(1, 32, (E.zeros(32), 32))
-    with pytest.raises(E.LaunchError, match=r"takes 2 arguments \(float\*, int\) but 3 were"):
+    with pytest.raises(E.LaunchError, match=r"takes 2 arguments \(float\*, int\) but 3 were passed$"):
         fn(1, 32, (E.zeros(32), np.int32(3), np.int32(4)))
+    with pytest.raises(E.LaunchError, match=r"takes 2 arguments \(float\*, int\) but 1 was passed$"):
+        fn(1, 32, (E.zeros(32),))
     with pytest.raises(E.LaunchError, match="Python float"):
         fn(1, 32, (E.zeros(32), 3.0))
     with pytest.raises(E.LaunchError, match="float32 array"):
