@@ -255,6 +255,55 @@ def test_launch_off_the_main_thread_leaves_sigint_to_python(kernels):
         signal.signal(signal.SIGINT, previous)
 
 
+
+# Launches wait_for_flag (whose reads call the access hook, which polls for a stop) on another thread
+# under a 2 s time limit while the main thread waits for it, and prints what each thread met.
+WORKER_CHILD = textwrap.dedent("""
+    import os, signal, sys, threading
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import numpy as np
+    from cupykv.backends import emulator as E
+    os.environ["CUPYKV_EMULATOR_LAUNCH_TIMEOUT"] = "2"
+    mod = E.Module(open(sys.argv[1]).read(), {names!r}, filename=sys.argv[1])
+    out, met, done = E.zeros(64, np.int32), [], threading.Event()
+
+    def launch():
+        try:
+            mod.get_function("wait_for_flag")(1, 64, (out,))
+        except BaseException as error:
+            met.append(type(error).__name__)
+        done.set()
+    print("launching", flush=True)
+    threading.Thread(target=launch).start()
+    try:
+        while not done.wait(0.05):   # Python runs its handlers between turns, inside the try
+            pass
+    except KeyboardInterrupt:
+        done.wait()   # (not Thread.join: after an interrupted join, Python 3.11's next one returned at once)
+        print("main: KeyboardInterrupt; worker:", *met, flush=True)
+        sys.exit(0)
+    print("main: nothing; worker:", *met, flush=True)
+""").format(names=NAMES)
+
+
+def test_ctrl_c_during_a_launch_on_another_thread_is_pythons_on_the_main_thread(kernels):
+    """The runtime takes Ctrl-C only for a launch on the main thread. Another thread's launch leaves it to
+    Python's handler, which raises KeyboardInterrupt in the main thread as for any other work, while the
+    launch goes on to its end (here the time limit stops the waiting kernel). Were the runtime to take it,
+    the launch's next poll would end it with a KeyboardInterrupt in the worker, and the main thread would
+    never hear of the Ctrl-C."""
+    child = _start(WORKER_CHILD, SIGNALS, env=dict(os.environ, CUPYKV_EMULATOR_RACECHECK="1"))
+    try:
+        lines = _lines(child)
+        assert lines.get(timeout=60) == "launching"
+        time.sleep(0.5)                        # the kernel waits by now
+        child.send_signal(signal.SIGINT)
+        reply = lines.get(timeout=60)
+        err = _wait_for_stderr(child)
+    finally:
+        child.kill()
+    assert (reply, child.returncode) == ("main: KeyboardInterrupt; worker: LaunchTimeoutError", 0), (reply, err)
+
 # Launches one kernel of signals.cu with 2 warps under the time limit CUPYKV_EMULATOR_LAUNCH_TIMEOUT
 # sets, on the main thread or another one, with (out,) or (out, order) as its arguments, and prints
 # the error and the CPU time the launching thread spent in the launch; then spends 0.3 s of CPU

@@ -624,6 +624,21 @@ def test_protected_checks_its_range():
     assert a[3, 0] == 2.0
 
 
+
+@pytest.mark.parametrize("shape, index", [((4, 1024), " (2, 5)"), ((4096,), ""), ((2, 2, 1024), " (1, 0, 5)")])
+def test_a_read_of_protected_bytes_names_the_element_and_its_index(shape, index):
+    """The report gives the flat element and, for an array of two dimensions or more, its index."""
+    src = "__global__ void peek(const float* x, float* y, int i) { y[0] = x[i]; }\n"
+    peek = E.Module(src, ["peek"], filename="peek.cu").get_function("peek")
+    a, y = E.zeros(shape, np.float32), E.zeros(1, np.float32)
+    with E.protected(a, 8192):
+        peek(1, 1, (a, y, np.int32(2047)))   # the last float before the protected pages
+        reported = re.escape(f"read of protected bytes of argument 0 at element 2053{index} (byte offset 8212; "
+                             f"bytes [8192, 16384) are protected by emulator.protected(); float32 array of "
+                             f"shape {shape}")
+        with pytest.raises(E.EmulatorFault, match=reported + ".* at peek.cu:1"):
+            peek(1, 1, (a, y, np.int32(2053)))
+
 # ---- append and the length ops ----------------------------------------------------------
 @st.composite
 def append_cases(draw):
