@@ -7,6 +7,7 @@ files also compile with NVRTC when libnvrtc is installed: same source, two targe
 """
 
 import functools
+import gc
 import re
 from pathlib import Path
 
@@ -351,6 +352,25 @@ def test_device_array_extents():
     assert E.memory.find(alloc.map_addr + alloc.map_len - 1) is alloc   # its trailing guard page
     assert E.memory.find(alloc.map_addr + alloc.map_len) is not alloc   # the first byte past the mapping
 
+
+
+def test_a_buffers_mapping_is_returned_when_its_last_view_goes():
+    """A guarded buffer owns one mapping (its guard pages included), kept while any view of it lives and
+    unmapped when the last one goes: a decode loop that allocates per step must not grow the process."""
+    def mapped(lo, hi):
+        with open("/proc/self/maps") as maps:
+            spans = [tuple(int(v, 16) for v in line.split()[0].split("-")) for line in maps]
+        return any(start < hi and lo < end for start, end in spans)
+    a = E.zeros(5000, np.float32)
+    alloc = E.memory.guarded_allocation(a)
+    lo, hi = alloc.map_addr, alloc.map_addr + alloc.map_len
+    view = a[10:]
+    del a, alloc
+    gc.collect()
+    assert mapped(lo, hi) and E.memory.find(lo) is not None   # the view keeps it
+    del view
+    gc.collect()
+    assert not mapped(lo, hi) and E.memory.find(lo) is None
 
 def test_a_numpy_scalar_of_another_size_is_refused(good):
     out = E.zeros(4, np.float64)
