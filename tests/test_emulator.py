@@ -372,6 +372,20 @@ def test_a_buffers_mapping_is_returned_when_its_last_view_goes():
     gc.collect()
     assert not mapped(lo, hi) and E.memory.find(lo) is None
 
+
+def test_an_alias_through_dlpack_is_the_same_device_array():
+    """An array that reaches guarded memory by its address alone (``np.from_dlpack``, as torch hands a
+    buffer back, has a DLPack capsule for a base, not the allocation) is found by address: a device
+    array of the same allocation, passed to kernels as it is, not copied into a shadow."""
+    a = E.zeros(16, np.float32)
+    alias = np.from_dlpack(a)
+    assert not isinstance(alias.base, np.ndarray)
+    assert E.is_device_array(alias) and E.memory.guarded_allocation(alias) is E.memory.guarded_allocation(a)
+    src = "__global__ void bump(float* x, const float* y) { x[threadIdx.x] = y[threadIdx.x] + 1.f; }\n"
+    bump = E.Module(src, ["bump"], filename="bump.cu").get_function("bump")
+    bump(1, 8, (alias[:8], alias[8:]))   # written through the alias, read through it too
+    assert np.asarray(a).tolist() == [1.0] * 8 + [0.0] * 8
+
 def test_a_numpy_scalar_of_another_size_is_refused(good):
     out = E.zeros(4, np.float64)
     with pytest.raises(E.LaunchError, match=r"argument 4 is a numpy float16 scalar \(2 bytes\).*'float' \(4 bytes"):
