@@ -1203,7 +1203,9 @@ def test_disk_cache_hit(tmp_path, monkeypatch):
     E.Module(src, ["k"])
     assert build.stats["compiles"] == compiles + 1
     assert len(list((tmp_path / "emulator").glob("mod-*.so"))) == 1
+    memory_hits = build.stats["memory_hits"]
     E.Module(src, ["k"])  # in-process cache
+    assert build.stats["memory_hits"] == memory_hits + 1 and build.stats["compiles"] == compiles + 1
     build.clear_memory_cache()
     hits = build.stats["disk_hits"]
     mod = E.Module(src, ["k"])      # the second build is a disk hit: g++ is not called again
