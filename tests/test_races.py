@@ -153,6 +153,26 @@ def test_a_plain_store_racing_with_atomics_is_reported_in_either_order(races, mo
     np.testing.assert_array_equal(out, 63 * increment)
 
 
+
+def test_a_race_on_a_written_argument_overlapping_a_read_one_names_the_written_one_and_both_threads():
+    """Two blocks of a 2 x 2 grid of 4 x 3 x 2 threads write one element of ``y`` (no order between
+    blocks), which overlaps the read-only ``x`` that starts 4 elements below it. The two arguments
+    merge into one region, writable since one of them is: the race is reported, on the written argument
+    (element 0, not element 4 of ``x``), with each block and thread unravelled from its linear index."""
+    src = ("__global__ void racy(const float* x, float* y) {\n"
+           "  if (threadIdx.x == 1 && threadIdx.y == 2 && threadIdx.z == 1 && blockIdx.y == 1)\n"
+           "    y[0] = x[0] + blockIdx.x + 1.f;\n"
+           "}\n")
+    racy = E.Module(src, ["racy"], filename="racy.cu").get_function("racy")
+    buffer = E.zeros(12, np.float32)
+    with pytest.raises(E.RaceError) as caught:
+        racy((2, 2, 1), (4, 3, 2), (buffer[:8], buffer[4:]))
+    message = str(caught.value)
+    assert "write-after-write on argument 1 (float32 array of shape (8,)) element 0, byte offset 0 " in message, \
+        message
+    sides = re.findall(r"write  at racy\.cu:3 by block (\(\d,\d,\d\)) thread (\(\d,\d,\d\))", message)
+    assert sorted(sides) == [("(0,1,0)", "(1,2,1)"), ("(1,1,0)", "(1,2,1)")], message
+
 def test_a_half_warp_syncwarp_orders_its_lanes_only(races):
     fn = races.get_function("half_warp_exchange")
     with pytest.raises(E.RaceError) as caught:
