@@ -774,6 +774,8 @@ def test_reads_of_unwritten_shared_memory_fail(good, bugs, kernel, grid, threads
     message = str(caught.value)
     assert f"no thread of its block wrote ({reads} read{'s' * (reads != 1)} at 1 call site)" in message, message
     assert re.search(memory + rf", at {bug_site(needle)} by block", message), message
+    assert message.endswith("\n  A GPU returns whatever an earlier block or launch left in those bytes: write them "
+                            "first (with a __syncthreads() before other threads read them)."), message
     assert sum(read.count for read in caught.value.reads) == reads
     assert_still_works(good)
 

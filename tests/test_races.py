@@ -173,6 +173,32 @@ def test_a_race_on_a_written_argument_overlapping_a_read_one_names_the_written_o
     sides = re.findall(r"write  at racy\.cu:3 by block (\(\d,\d,\d\)) thread (\(\d,\d,\d\))", message)
     assert sorted(sides) == [("(0,1,0)", "(1,2,1)"), ("(1,1,0)", "(1,2,1)")], message
 
+
+LONG_KERNEL = "__global__ void many(float* y, int c) {\n" + "".join(
+    f"  if (c > {k}) y[{k}] = 1.f + threadIdx.x;\n" for k in range(10)) + "}\n"
+
+
+@pytest.mark.parametrize("racy_lines", [1, 8, 9])
+def test_each_racy_line_of_a_long_kernel_is_named_by_the_users_file_and_at_most_8_are_written_out(racy_lines):
+    """Two threads write the element of each of the first ``racy_lines`` statements: one pair of call
+    sites a statement, each named ``many.cu:LINE``. Lines were named after the build's own kernel.cpp
+    when the user's file came first in a DWARF 5 line table (this kernel, at 10 statements). The
+    message writes out 8 pairs and counts the rest."""
+    many = E.Module(LONG_KERNEL, ["many"], filename="many.cu").get_function("many")
+    with pytest.raises(E.RaceError) as caught:
+        many(1, 2, (E.zeros(10, np.float32), np.int32(racy_lines)))
+    lines = str(caught.value).splitlines()
+    pairs = "1 pair" if racy_lines == 1 else f"{racy_lines} pairs"
+    hazards = "1 hazard" if racy_lines == 1 else f"{racy_lines} hazards"
+    assert lines[0].startswith(f"kernel 'many': data race in global memory ({hazards} between {pairs} of call sites)")
+    shown = min(racy_lines, 8)
+    for k in range(shown):
+        assert lines[1 + 3 * k] == (f"  write-after-write on argument 0 (float32 array of shape (10,)) element {k}, "
+                                    f"byte offset {4 * k} (1 hazard like it):"), lines
+        assert [line.split(" by block")[0] for line in lines[2 + 3 * k:4 + 3 * k]] == [
+            f"    write  at many.cu:{k + 2}"] * 2, lines
+    assert lines[1 + 3 * shown].startswith("  ... and 1 more pairs" if racy_lines == 9 else "  Nothing orders"), lines
+
 def test_a_half_warp_syncwarp_orders_its_lanes_only(races):
     fn = races.get_function("half_warp_exchange")
     with pytest.raises(E.RaceError) as caught:

@@ -6,7 +6,7 @@ loaded once with RTLD_GLOBAL; each module is the kernel source (rewritten) plus 
 against nothing and resolving the runtime's symbols at load time. Modules are compiled with
 GCC's ThreadSanitizer instrumentation (every load and store of memory calls a hook, which the
 runtime defines, see access.cpp) and linked in a second g++ run without its runtime library,
-memcpy/memmove/memset wrapped, with line tables (-g1) so that race reports can name source
+memcpy/memmove/memset wrapped, with line tables (-g1 -gdwarf-4) so that race reports can name source
 lines. Libraries are cached under
 ``$CUPYKV_CACHE_DIR/emulator`` (default ``~/.cache/cupykv/emulator``), keyed by the
 sha256 of everything that can change the binary; diskcache.py lets concurrent processes
@@ -70,9 +70,14 @@ KEEP_VECTORS_WHOLE = ("-fno-tree-sra",)
 # (a copy reading past its source) needs GCC 11.
 COPY_SIZE_ERRORS = ("-Werror=stringop-overflow",)
 COPY_OVERREAD_ERRORS = ("-Werror=stringop-overread",)
+# Line tables in DWARF 4 (-g1 -gdwarf-4), which sites.py reads with addr2line. Under g++ 11's default,
+# DWARF 5, a module whose first line entry names the user's file (the `#line 1 "many.cu"` at the top
+# of the build's kernel.cpp) lists it as file 1, and binutils' addr2line (2.40) names file 1
+# kernel.cpp: every site of such a module read "kernel.cpp:LINE", the build's temporary file.
+LINE_TABLE_FLAGS = ("-g1", "-gdwarf-4")
 BASE_MODULE_FLAGS = tuple(f for f in COMMON_FLAGS if f != "-shared") + (
     "-fstack-clash-protection", "-fno-crossjumping", "-fno-optimize-sibling-calls", "-Wno-attributes",
-    "-include", "cuemu.h", "-g1") + BOUNDS_FLAGS + KEEP_VECTORS_WHOLE + COPY_SIZE_ERRORS
+    "-include", "cuemu.h") + LINE_TABLE_FLAGS + BOUNDS_FLAGS + KEEP_VECTORS_WHOLE + COPY_SIZE_ERRORS
 # timer_create (the launch's CPU-time limit) lives in librt before glibc 2.34, in libc after
 RUNTIME_LIBS = ("-lrt",)
 MODULE_LINK_FLAGS = ("-shared", "-Wl,--wrap=__assert_fail")

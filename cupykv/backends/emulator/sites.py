@@ -1,8 +1,8 @@
 """Source locations for race reports: call sites and static ``__shared__`` variables.
 
-Modules are built with line tables (``-g1``). A call site arrives as the return address of
-an instrumentation hook minus the module's base; binutils' ``addr2line`` turns the byte before
-it into ``file:line``, innermost inlined frame first. A static shared memory offset is looked up
+Modules are built with DWARF 4 line tables (``build.LINE_TABLE_FLAGS``). A call site arrives as
+the return address of an instrumentation hook minus the module's base; binutils' ``addr2line``
+turns the byte before it into ``file:line``, innermost inlined frame first. A static shared memory offset is looked up
 among the module's thread-local symbols (``readelf``), since every static ``__shared__``
 variable is ``thread_local``. Both run only when a race is reported, cached per module file.
 Without binutils the report shows ``module+0xOFFSET`` instead. The module's ``.text`` range,
