@@ -8,6 +8,7 @@ time with one ``__syncthreads()`` removed. The unmodified kernels are checked by
 suite, which runs with the race checker on.
 """
 
+import os
 import re
 from pathlib import Path
 
@@ -198,6 +199,14 @@ def test_each_racy_line_of_a_long_kernel_is_named_by_the_users_file_and_at_most_
         assert [line.split(" by block")[0] for line in lines[2 + 3 * k:4 + 3 * k]] == [
             f"    write  at many.cu:{k + 2}"] * 2, lines
     assert lines[1 + 3 * shown].startswith("  ... and 1 more pairs" if racy_lines == 9 else "  Nothing orders"), lines
+
+
+def test_a_site_no_line_of_the_users_code_holds_is_named_by_its_offset_in_the_module():
+    """A return address the line tables give no user line for (offset 1, before any function: addr2line
+    answers ``??:0``) is written ``module.so+0xOFFSET``."""
+    from cupykv.backends.emulator import sites
+    many = E.Module(LONG_KERNEL, ["many"], filename="many.cu")
+    assert sites.describe_sites(many.path, {1}) == {1: f"{os.path.basename(many.path)}+0x1"}
 
 def test_a_half_warp_syncwarp_orders_its_lanes_only(races):
     fn = races.get_function("half_warp_exchange")
