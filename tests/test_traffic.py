@@ -606,6 +606,26 @@ def test_a_protected_tail_makes_a_whole_axis_read_fault():
     assert np.isfinite(results[0]).all()
 
 
+
+@pytest.mark.parametrize("start", [0, 5, 8, 13])
+def test_the_bytes_touched_of_a_view_are_its_own_at_any_offset_in_its_buffer(start):
+    """A view starting ``start`` floats into its buffer (a sector phase of 0 or 20 bytes, from the bit
+    ``8 * phase`` of the counter's mask on): ``touched`` gives exactly the bytes of the even elements the
+    kernel read, and ``sectors_loaded`` the 32-byte sectors of the buffer they lie in."""
+    src = ("__global__ void evens(const float* x, float* y, int n) {\n"
+           "  for (int i = 2 * threadIdx.x; i < n; i += 2 * blockDim.x) y[i / 2] = x[i];\n}\n")
+    evens = E.Module(src, ["evens"], filename="evens.cu").get_function("evens")
+    base = E.asarray(np.arange(64, dtype=np.float32))
+    view, y = base[start:start + 40], E.zeros(20, np.float32)
+    with E.traffic() as t:
+        evens(1, 32, (view, y, np.int32(40)))
+    read = t.launches[0].of(view)
+    want = np.repeat(np.arange(40) % 2 == 0, 4)
+    assert np.array_equal(read.touched("load"), want) and not read.touched("store").any()
+    in_buffer = 4 * start + np.flatnonzero(want)
+    assert read.sectors_loaded == len(np.unique(in_buffer // 32))
+    assert np.asarray(y).tolist() == np.asarray(view)[::2].tolist()
+
 def test_protected_checks_its_range():
     a = E.zeros((4, 1024), np.float32)   # 16 KiB: 4 pages, page-aligned
     with pytest.raises(ValueError, match="not on a page boundary.* 4096 and 8192"):
