@@ -116,8 +116,9 @@ def parse(options):
             bare = name.lstrip("-")
             if bare == "restrict" and not has_value:
                 all_restrict = True
-            elif bare in MODELLED_ONLY_AT or bare == "fmad":   # -fmad: either value
-                if _boolean(option, bare, value if has_value else None) != MODELLED_ONLY_AT.get(bare, value):
+            elif bare in MODELLED_ONLY_AT or bare == "fmad":   # booleans; -fmad either way
+                value = _boolean(option, bare, value if has_value else None)
+                if bare in MODELLED_ONLY_AT and value != MODELLED_ONLY_AT[bare]:
                     raise _refuse(option, REFUSED[bare])
             elif bare in REFUSED:
                 raise _refuse(option, REFUSED[bare])
