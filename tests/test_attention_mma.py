@@ -553,6 +553,53 @@ def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backen
     assert np.isnan(got[:, 2:]).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, io_dtype, head_dim", [("float16", "", 64), ("bfloat16", "", 128),
+                                                     ("float8_e4m3", "float32", 64)],
+                         ids=["float16-64", "bfloat16-128", "fp8-64"])
+@pytest.mark.parametrize("tiling", ["one-tile", "row-groups"])
+def test_a_non_finite_row_just_before_a_window_changes_no_bit_of_the_queries_that_skip_it(backend, dtype, io_dtype,
+                                                                                          head_dim, tiling):
+    """In sequence b, key ``p = length + s - window`` holds NaN in half of V's dims: queries below ``s``
+    attend it, and query ``s``'s window opens on key ``p + 1``. Queries from ``s`` on must come out
+    bit for bit as they do when those elements are zeros, which is what the kernel turns them into;
+    a mask that zeroes a bit more than the element (the next element of its word) shows only in
+    those bits. A block's keys start at its first query's window, so ``p`` is key ``s - 1`` of its
+    step: key 0 in sequence 0 (s = 1), key 1 in sequence 1 (s = 2). In the V fragments of a block
+    of two row groups a word holds a dim of two keys, 2 j and 2 j + 1, so in sequence 0 ``p + 1``
+    shares each of ``p``'s words."""
+    window, lengths, first_skipping = 40, [120, 41], [1, 2]
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=200, batch=2, dtype=dtype,
+                            io_dtype=io_dtype)
+    q_len, group = 5, 3
+    if tiling == "row-groups":   # every row in one block of the most rows
+        group = 4
+        q_len = attention_kernel(dtype, head_dim, io_dtype or None, query_rows=64).rows_per_block // group
+    cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
+    rng = np.random.default_rng(7)
+    testing.fill(cache, oracle, [n + q_len for n in lengths], rng)
+    for c in (cache, oracle):
+        c.set_lengths(lengths)
+    q = testing.random_rows(rng, spec, (2, q_len, group, head_dim))
+    dims = slice(0, head_dim // 2)
+    v = np.array(testing.to_numpy(cache.v, spec))
+    outputs = {}
+    for poison in (0.0, np.nan):
+        for b, (n, s) in enumerate(zip(lengths, first_skipping)):
+            for array in (v, oracle.v):
+                array[0, b, n + s - window, :, dims] = poison
+        cache.v[...] = cache.to_device(v.astype(cache.v.dtype))
+        out = cupykv.attention(cache.to_device(q), cache, 0, window=window, num_splits=1)
+        outputs[poison] = testing.to_numpy(out, spec, io=True)
+    with np.errstate(invalid="ignore"):
+        want = reference.attention(q, oracle, 0, window=window)
+    for b, s in enumerate(first_skipping):
+        got, zeros = outputs[np.nan][b], outputs[0.0][b]
+        assert np.isnan(got[:s]).all()
+        assert got[s:].tobytes() == zeros[s:].tobytes(), f"sequence {b}: {np.argwhere(got[s:] != zeros[s:])[:4]}"
+        assert_attention_close(got[s:], want[b, s:], spec.io_dtype, testing.value_scale(oracle, 0))
+
+
 def steps_the_mask_cuts(positions, window, begin, end, step=STEP):
     """How many of the ``step``-key steps of keys [begin, end) hold a key that some row (at ``positions``)
     does not attend, or that lies at or past ``end``: the steps that must be masked."""

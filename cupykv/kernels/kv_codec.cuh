@@ -128,8 +128,9 @@ template <> struct non_finite_bits<__nv_fp8_e4m3> { static constexpr unsigned va
 
 // A word of T (__half, __nv_bfloat16 or fp8 codes) with each NaN or infinite element zeroed.
 template <typename T> __device__ __forceinline__ unsigned zero_non_finite_word(unsigned word) {
+    static_assert(sizeof(T) <= 2, "zero_non_finite_word: elements of 16 or 8 bits");
     constexpr unsigned kBits = non_finite_bits<T>::value, kElementBits = 8 * sizeof(T);
-    constexpr unsigned kMask = kElementBits == 32 ? 0xffffffffu : (1u << kElementBits) - 1;
+    constexpr unsigned kMask = (1u << kElementBits) - 1;
     unsigned kept = word;
     for (unsigned shift = 0; shift < 32; shift += kElementBits)
         if ((word >> shift & kBits) == kBits) kept &= ~(kMask << shift);
