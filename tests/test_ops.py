@@ -447,6 +447,25 @@ def test_argmax_ranks_nan_above_every_number_as_numpy_does(backend, dtype, vocab
         == firsts + [winners[3]]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["argmax", "rmsnorm"])
+@pytest.mark.parametrize("width", [4096, 4095], ids=["vectors", "elements"])
+def test_argmax_and_rmsnorm_run_the_largest_block_their_kernels_take(backend, op, width, monkeypatch):
+    """argmax.cu and rmsnorm.cu take blocks of up to 1024 threads (the host launches at most 512 and
+    256 today), and keep one shared slot per warp, 32 of them: at 1024 threads the last warp (threads
+    992-1023) holds argmax's winner in row 0 (element ``width - 1``: thread 1023's last vector, or
+    thread 1022's last element) and a share of every row's sum of squares in rmsnorm."""
+    monkeypatch.setattr(ops, "ARGMAX_MAX_THREADS", 1024)
+    monkeypatch.setattr(ops, "RMSNORM_MAX_THREADS", 1024)
+    if op == "rmsnorm":
+        run_rmsnorm(backend, "float32", 2, width, 1e-5, seed=width)
+        return
+    logits, _ = logits_with_unique_max(np.random.default_rng(width), 2, width, "float32")
+    logits[0, width - 1] = 20.0
+    got = to_host(backend, ops.argmax(device(backend, logits)))
+    assert got.tolist() == reference.argmax(logits).tolist() == [width - 1, int(np.argmax(logits[1]))]
+
+
 # -- a captured greedy decode loop -------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_op_replays_in_a_captured_step_reading_token_ids_on_the_device(backend):
