@@ -503,6 +503,14 @@ def test_a_padded_head_reads_and_writes_only_its_own_dims(backend, dtype, io_dty
                                f"(q_len {q_len}, group {group}, {options})")
 
 
+def verification_tile(tiling, dtype, head_dim, io_dtype):
+    """``(q_len, group)`` of a verification tile: 15 rows in one tile ("one-tile"), or every row of the
+    block of the most rows, at group 4 ("row-groups": two row groups sharing the stage)."""
+    if tiling == "one-tile":
+        return 5, 3
+    return attention_kernel(dtype, head_dim, io_dtype or None, query_rows=64).rows_per_block // 4, 4
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, io_dtype, head_dim", [(d, "", hd) for d, hd in EDGE_CASES] + [("float8_e4m3", "float16", 64)],
                          ids=[f"{d}-{hd}" for d, hd in EDGE_CASES] + ["fp8-64"])
@@ -527,10 +535,7 @@ def test_a_non_finite_pending_row_reaches_only_the_queries_that_attend_it(backen
                             io_dtype=io_dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(5)
-    q_len, group = 5, 3
-    if tiling == "row-groups":   # every row in one block of the most rows
-        group = 4
-        q_len = attention_kernel(dtype, head_dim, io_dtype or None, query_rows=64).rows_per_block // group
+    q_len, group = verification_tile(tiling, dtype, head_dim, io_dtype)
     testing.fill(cache, oracle, [n + q_len for n in lengths], rng)
     for c in (cache, oracle):
         c.set_lengths(lengths)
@@ -571,10 +576,7 @@ def test_a_non_finite_row_just_before_a_window_changes_no_bit_of_the_queries_tha
     window, lengths, first_skipping = 40, [120, 41], [1, 2]
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=200, batch=2, dtype=dtype,
                             io_dtype=io_dtype)
-    q_len, group = 5, 3
-    if tiling == "row-groups":   # every row in one block of the most rows
-        group = 4
-        q_len = attention_kernel(dtype, head_dim, io_dtype or None, query_rows=64).rows_per_block // group
+    q_len, group = verification_tile(tiling, dtype, head_dim, io_dtype)
     cache, oracle = cupykv.KVCache(spec, backend=backend), reference.KVCache(spec)
     rng = np.random.default_rng(7)
     testing.fill(cache, oracle, [n + q_len for n in lengths], rng)
@@ -583,18 +585,18 @@ def test_a_non_finite_row_just_before_a_window_changes_no_bit_of_the_queries_tha
     q = testing.random_rows(rng, spec, (2, q_len, group, head_dim))
     dims = slice(0, head_dim // 2)
     v = np.array(testing.to_numpy(cache.v, spec))
-    outputs = {}
+    outputs = []   # with zeros, then with NaN (the reference sees the NaN)
     for poison in (0.0, np.nan):
         for b, (n, s) in enumerate(zip(lengths, first_skipping)):
             for array in (v, oracle.v):
                 array[0, b, n + s - window, :, dims] = poison
         cache.v[...] = cache.to_device(v.astype(cache.v.dtype))
         out = cupykv.attention(cache.to_device(q), cache, 0, window=window, num_splits=1)
-        outputs[poison] = testing.to_numpy(out, spec, io=True)
+        outputs.append(testing.to_numpy(out, spec, io=True))
     with np.errstate(invalid="ignore"):
         want = reference.attention(q, oracle, 0, window=window)
     for b, s in enumerate(first_skipping):
-        got, zeros = outputs[np.nan][b], outputs[0.0][b]
+        zeros, got = outputs[0][b], outputs[1][b]
         assert np.isnan(got[:s]).all()
         assert got[s:].tobytes() == zeros[s:].tobytes(), f"sequence {b}: {np.argwhere(got[s:] != zeros[s:])[:4]}"
         assert_attention_close(got[s:], want[b, s:], spec.io_dtype, testing.value_scale(oracle, 0))

@@ -18,6 +18,7 @@ import pytest
 import cupykv
 from cupykv import ops
 from cupykv.backends import emulator as E
+from cupykv.backends.emulator import sites
 from cupykv.backends.emulator_backend import EmulatorBackend
 from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
 from source_lines import source_site
@@ -204,9 +205,9 @@ def test_each_racy_line_of_a_long_kernel_is_named_by_the_users_file_and_at_most_
 def test_a_site_no_line_of_the_users_code_holds_is_named_by_its_offset_in_the_module():
     """A return address the line tables give no user line for (offset 1, before any function: addr2line
     answers ``??:0``) is written ``module.so+0xOFFSET``."""
-    from cupykv.backends.emulator import sites
     many = E.Module(LONG_KERNEL, ["many"], filename="many.cu")
     assert sites.describe_sites(many.path, {1}) == {1: f"{os.path.basename(many.path)}+0x1"}
+
 
 def test_a_half_warp_syncwarp_orders_its_lanes_only(races):
     fn = races.get_function("half_warp_exchange")

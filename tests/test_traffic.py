@@ -606,7 +606,6 @@ def test_a_protected_tail_makes_a_whole_axis_read_fault():
     assert np.isfinite(results[0]).all()
 
 
-
 @pytest.mark.parametrize("start", [0, 5, 8, 13])
 def test_the_bytes_touched_of_a_view_are_its_own_at_any_offset_in_its_buffer(start):
     """A view starting ``start`` floats into its buffer (a sector phase of 0 or 20 bytes, from the bit
@@ -625,6 +624,7 @@ def test_the_bytes_touched_of_a_view_are_its_own_at_any_offset_in_its_buffer(sta
     in_buffer = 4 * start + np.flatnonzero(want)
     assert read.sectors_loaded == len(np.unique(in_buffer // 32))
     assert np.asarray(y).tolist() == np.asarray(view)[::2].tolist()
+
 
 def test_protected_checks_its_range():
     a = E.zeros((4, 1024), np.float32)   # 16 KiB: 4 pages, page-aligned
