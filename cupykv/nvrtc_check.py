@@ -8,10 +8,11 @@ library, loaded here with ctypes from the ``nvidia-cuda-nvrtc`` wheel, CuPy's
 environment, or a CUDA toolkit. For the attention and ``linear`` instances it
 prints the occupancy their registers, threads and shared memory imply
 (:mod:`cupykv.occupancy`). The check fails on any compile error, on any
-register spill, and on an instance resident at fewer blocks per SM than its
-``__launch_bounds__`` minimum (the occupancy its design assumes), so code that
-only compiles for the emulator, or only performs as designed on paper, never
-lands.
+register spill, on a ``__launch_bounds__`` above the 1024 threads a block may
+have (which NVRTC accepts), and on an instance resident at fewer blocks per SM
+than its ``__launch_bounds__`` minimum (the occupancy its design assumes), so
+code that only compiles for the emulator, or only performs as designed on
+paper, never lands.
 """
 from __future__ import annotations
 
@@ -375,8 +376,9 @@ def main(nvrtc_path: str | None = None) -> int:
 
 
 def report(reports, nvrtc: Nvrtc | None = None) -> int:
-    """Print the NVRTC used, the tables and the verdict; 1 when any instance spills or is resident at
-    fewer blocks per SM than its ``__launch_bounds__`` minimum."""
+    """Print the NVRTC used, the tables and the verdict; 1 when any instance spills, declares more
+    threads per block than a block may have, or is resident at fewer blocks per SM than its
+    ``__launch_bounds__`` minimum."""
     if nvrtc is not None:
         print(f"{nvrtc.describe()}; options {' '.join(OPTIONS)}")
     print(format_table(reports))
@@ -392,6 +394,16 @@ def report(reports, nvrtc: Nvrtc | None = None) -> int:
         print(f"cupykv check: FAILED, register spills in {len(spilled)} instance(s): "
               + ", ".join(f"{r.instance} ({r.arch})" for r in spilled), file=sys.stderr)
         failed = 1
+    # NVRTC and ptxas accept any __launch_bounds__ (1025 and 2048 included) and emit it as .maxntid: only
+    # a launch on the GPU would fail
+    too_wide = [r for r in reports
+                if r.max_threads is not None and r.max_threads > occupancy.LIMITS[r.arch].max_block_threads]
+    if too_wide:
+        print(f"cupykv check: FAILED, __launch_bounds__ above the threads a block may have in {len(too_wide)} "
+              "instance(s): " + ", ".join(f"{r.instance} ({r.arch}): {r.max_threads} threads, at most "
+                                         f"{occupancy.LIMITS[r.arch].max_block_threads}" for r in too_wide),
+              file=sys.stderr)
+        failed = 1
     low = [row for row in rows if row.below_minimum]
     if low:
         print(f"cupykv check: FAILED, occupancy below the design minimum in {len(low)} instance(s): "
@@ -403,5 +415,5 @@ def report(reports, nvrtc: Nvrtc | None = None) -> int:
     if failed:
         return 1
     print(f"cupykv check: OK, {len(reports)} instances compiled for {', '.join(ARCHS)}, no spills, "
-          f"occupancy at or above every declared minimum")
+          f"every block within the threads a block may have, occupancy at or above every declared minimum")
     return 0

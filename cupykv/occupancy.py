@@ -40,6 +40,7 @@ class SmLimits:
     registers: int = 65536         # 32-bit registers per SM
     register_unit: int = 256       # registers are allocated per warp, in units of this many
     max_threads: int = 2048
+    max_block_threads: int = 1024  # threads one block may have
     max_blocks: int = 32
     shared_reserved: int = 1024    # bytes of shared memory the system reserves per block
     shared_unit: int = 128         # shared memory allocation granularity per block
@@ -79,10 +80,10 @@ def blocks_per_sm(limits: SmLimits, registers: int, threads: int, shared_bytes: 
     ``shared_bytes`` of shared memory per block (static plus dynamic). ``blocks`` is 0 when
     one block does not fit at all.
 
-    Raises ValueError for threads outside 1..1024 or negative amounts.
+    Raises ValueError for threads outside 1..``limits.max_block_threads`` or negative amounts.
     """
-    if not 1 <= threads <= 1024:
-        raise ValueError(f"threads per block must be in 1..1024, got {threads}")
+    if not 1 <= threads <= limits.max_block_threads:
+        raise ValueError(f"threads per block must be in 1..{limits.max_block_threads}, got {threads}")
     if registers < 0 or shared_bytes < 0:
         raise ValueError(f"registers and shared memory must be >= 0, got {registers} and {shared_bytes}")
     warps = math.ceil(threads / limits.warp_size)

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -492,6 +493,25 @@ def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
     code, _, stderr = _report_exit(reports)
     assert code == 1
     assert "cupykv_attention<__nv_bfloat16, __nv_bfloat16, 0> (sm_80): 3 blocks/SM, limited by shared" in stderr
+
+
+@pytest.mark.parametrize("threads", [1025, 2048])
+def test_launch_bounds_past_the_threads_a_block_may_have_fail_though_nvrtc_accepts_them(tmp_path, threads):
+    """argmax.cu with its ``__launch_bounds__(1024)`` raised: NVRTC compiles it and writes the number into
+    the PTX, and only a launch on the GPU would fail, so the check refuses it by instance and arch."""
+    for header in Path(KERNEL_DIR).glob("*.cuh"):
+        (tmp_path / header.name).write_text(header.read_text())
+    source = KERNELS["argmax"].source()
+    assert source.count("__launch_bounds__(1024)") == 1
+    (tmp_path / "argmax.cu").write_text(source.replace("__launch_bounds__(1024)", f"__launch_bounds__({threads})"))
+    argmax = KernelFile("argmax.cu", ("cupykv_argmax<float>",))
+    (report,) = nvrtc_check.check_all(archs=("sm_90",), kernels=[argmax], kernel_dir=str(tmp_path))
+    assert report.max_threads == threads and not report.spills
+    code, _, stderr = _report_exit([report])
+    assert code == 1
+    assert (f"FAILED, __launch_bounds__ above the threads a block may have in 1 instance(s): cupykv_argmax<float> "
+            f"(sm_90): {threads} threads, at most 1024") in stderr
+    assert _report_exit([replace(report, max_threads=1024)])[0] == 0
 
 
 def test_the_two_and_four_row_tile_bytes_in_flight_in_the_docs_follow_the_check(reports):
