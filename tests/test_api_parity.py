@@ -97,6 +97,36 @@ def test_write_with_repeated_device_positions_keeps_the_last_row(backend, layout
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("threads", [1, 3, 1024])
+def test_append_and_write_store_the_same_rows_at_any_block_size(backend, threads, monkeypatch):
+    """append.cu and write.cu take any block size (the host launches 128): one thread stores a whole
+    row, sets the overflow flag and the position written, and scans every later row for a twin; 3
+    threads stride over rows of 3 * 10 elements and over later rows unevenly; 1024 leave most threads
+    idle. Rows with rope and HND strides, twins at one position, rows past capacity."""
+    monkeypatch.setattr(cupykv.cache, "_APPEND_THREADS", threads)
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=3, head_dim=10, max_seq=7, batch=3, dtype="bfloat16",
+                            layout="HND")
+    rng = np.random.default_rng(threads)
+    rope = cupykv.Rope(theta=500.0)
+    cache, oracle = pair(spec, backend, [0, 2, 5])
+    positions = np.array([[4, 1, 4, 9, 4], [0, 0, 5, -1, 5], [6, 2, 3, 6, 7]], np.int32)
+    k, v = rows(spec, 5, rng)
+    written = cache.write(0, cache.to_device(positions), cache.to_device(k), cache.to_device(v), rope=rope,
+                          return_positions=True)
+    for i in range(5):                        # the reference, one row at a time: the last twin wins
+        oracle.write(0, positions[:, i], k[:, i : i + 1], v[:, i : i + 1], rope=rope)
+    testing.assert_matches_reference(cache, oracle, rope_used=True)
+    assert host(cache, written).tolist() == [[-1, 1, -1, -1, 4], [-1, 0, -1, -1, 5], [-1, 2, 3, 6, -1]]
+
+    cache, oracle = pair(spec, backend, [0, 5, 6])
+    k, v = rows(spec, 3, rng)
+    appended = cache.append(0, cache.to_device(k), cache.to_device(v), rope=rope, return_positions=True)
+    oracle.append(0, k, v, rope=rope)
+    testing.assert_matches_reference(cache, oracle, rope_used=True)
+    assert host(cache, appended).tolist() == [[0, 1, 2], [5, 6, -1], [6, -1, -1]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_host_positions_at_the_ends_of_their_ranges(backend):
     """Host positions may be any kernel int, -2**31..2**31-1 (out of 0..max_seq-1 they overflow), and may
     repeat outside 0..max_seq-1 only: a repeat at 0 or at max_seq - 1 would overwrite a row of the same
