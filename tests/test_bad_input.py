@@ -64,6 +64,8 @@ BAD_CALLS = [
      TypeError, r"^rope: expected None or a cupykv.Rope"),
     ("advance negative", lambda c, d: c.advance(-1), ValueError, rf"^n: expected an int in {I32}, got -1"),
     ("advance float", lambda c, d: c.advance(1.5), TypeError, r"^n: expected an int"),
+    ("advance host float array", lambda c, d: c.advance(np.array([1.0, 1.0])), TypeError,
+     rf"^n: expected an int in {I32} or 2 such ints \[batch\], got dtype float64$"),   # whole values, still refused
     ("advance wrong length", lambda c, d: c.advance([1, 2, 3]), ValueError, r"^n: .*got shape \(3,\)"),
     ("advance negative per sequence", lambda c, d: c.advance([1, -1]), ValueError, rf"^n: expected ints in {I32}, got n\[1\] = -1"),
     ("advance device int64", lambda c, d: c.advance(d(np.array([1, 1], dtype=np.int64))), ValueError, r"^n: expected a device int32 array"),
@@ -71,6 +73,8 @@ BAD_CALLS = [
     ("truncate negative", lambda c, d: c.truncate(-1), ValueError, r"^new_lengths: .*= -1"),
     ("truncate wrong shape", lambda c, d: c.truncate([1]), ValueError, r"^new_lengths: .*got shape \(1,\)"),
     ("truncate strings", lambda c, d: c.truncate("0"), TypeError, r"^new_lengths: "),
+    ("truncate host float array", lambda c, d: c.truncate(np.array([0.0, 0.0])), TypeError,
+     r"^new_lengths: expected an int or 2 ints \[batch\], got dtype float64$"),
     ("truncate device float", lambda c, d: c.truncate(d(np.zeros(2, np.float32))), ValueError, r"^new_lengths: expected a device int32"),
     ("reset slot out of range", lambda c, d: c.reset(5), ValueError, r"^slots: .*got 5"),
     ("reset slot batch", lambda c, d: c.reset(2), ValueError, r"^slots: expected an int in 0\.\.1, got 2$"),

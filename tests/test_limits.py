@@ -162,7 +162,7 @@ def test_emulator_zeros_commit_no_memory_until_used():
 
 def test_q_len_and_n_new_may_be_max_new_and_no_more():
     """q_len and n_new are 1..MAX_NEW (so that max_seq + q_len fits the kernels' int): both ends are
-    accepted and one past is refused, naming the range. Zero-stride views stand in for arrays of
+    accepted and one past either end is refused, naming the range. Zero-stride views stand in for arrays of
     2**30 rows (the shape checks read no element)."""
     from cupykv._args.cache_args import check_q, check_rows
     from cupykv.spec import MAX_NEW
@@ -180,6 +180,10 @@ def test_q_len_and_n_new_may_be_max_new_and_no_more():
                                          rf"\[batch, q_len, n_heads, head_dim\] with n_heads a multiple of "
                                          rf"n_kv_heads=1, got \(1, {MAX_NEW + 1}, 1, 8\)$"):
         check_q(rows(MAX_NEW + 1), spec)
+    with pytest.raises(ValueError, match=r"^k: expected shape \(1, n_new in 1\.\.\d+, 1, 8\) .*got \(1, 0, 1, 8\)$"):
+        check_rows("k", rows(0), spec)
+    with pytest.raises(ValueError, match=r"^q: expected shape \(1, q_len in 1\.\.\d+, n_heads, 8\) .*got \(1, 0, 1, 8\)$"):
+        check_q(rows(0), spec)
     # the query rows batch * q_len * n_heads are a kernel int: 2**31 - 1 of them is the most
     assert check_q(rows(1, 2**31 - 1), spec) == (1, 2**31 - 1)
     with pytest.raises(ValueError, match=r"^q: expected batch \* q_len \* n_heads <= 2147483647 query rows, "
