@@ -426,6 +426,14 @@ def test_the_one_tile_fp8_occupancy_table_in_the_docs_is_what_the_check_computes
             assert int(blocks) * per_block == int(kb) * 1024, (head_dim, arch)
 
 
+def kernel_dir_with(tmp_path, filename, source):
+    """A kernel folder in ``tmp_path``: every header of cupykv's kernels, and ``source`` as ``filename``."""
+    for header in Path(KERNEL_DIR).glob("*.cuh"):
+        (tmp_path / header.name).write_text(header.read_text())
+    (tmp_path / filename).write_text(source)
+    return str(tmp_path)
+
+
 def _report_exit(reports):
     import contextlib
     import io
@@ -477,17 +485,15 @@ def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
     """The real generic attention source with 16 KB more static shared memory per block (a deeper
     cp.async pipeline, say): registers still allow 5 blocks on sm_80, shared memory (with the
     24784 dynamic bytes of head_dim 256) only 3, under the 4 its __launch_bounds__ declares."""
-    for header in Path(KERNEL_DIR).glob("*.cuh"):
-        (tmp_path / header.name).write_text(header.read_text())
     source = KERNELS["attention"].source()
     anchor = "    extern __shared__ float smem[];\n"
     assert source.count(anchor) == 1
     planted = source.replace(anchor, anchor + "    __shared__ float planted_stage[4096];   // 16 KB\n"
                                               "    planted_stage[tid * 32] = 0.0f;\n    __syncthreads();\n"
                                               "    if (planted_stage[(tid * 32 + 32) % 4096] != 0.0f) __trap();\n")
-    (tmp_path / "attention.cu").write_text(planted)
     bf16 = KernelFile("attention.cu", ("cupykv_attention<__nv_bfloat16, __nv_bfloat16, 0>",))
-    reports = nvrtc_check.check_all(archs=("sm_80",), kernels=[bf16], kernel_dir=str(tmp_path))
+    reports = nvrtc_check.check_all(archs=("sm_80",), kernels=[bf16],
+                                    kernel_dir=kernel_dir_with(tmp_path, "attention.cu", planted))
     (row,) = occupancy.rows(reports)
     assert row.report.shared_bytes >= 16384 and row.occupancy.limiter == "shared" and row.occupancy.blocks == 3
     code, _, stderr = _report_exit(reports)
@@ -499,13 +505,12 @@ def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
 def test_launch_bounds_past_the_threads_a_block_may_have_fail_though_nvrtc_accepts_them(tmp_path, threads):
     """argmax.cu with its ``__launch_bounds__(1024)`` raised: NVRTC compiles it and writes the number into
     the PTX, and only a launch on the GPU would fail, so the check refuses it by instance and arch."""
-    for header in Path(KERNEL_DIR).glob("*.cuh"):
-        (tmp_path / header.name).write_text(header.read_text())
     source = KERNELS["argmax"].source()
     assert source.count("__launch_bounds__(1024)") == 1
-    (tmp_path / "argmax.cu").write_text(source.replace("__launch_bounds__(1024)", f"__launch_bounds__({threads})"))
+    planted = source.replace("__launch_bounds__(1024)", f"__launch_bounds__({threads})")
     argmax = KernelFile("argmax.cu", ("cupykv_argmax<float>",))
-    (report,) = nvrtc_check.check_all(archs=("sm_90",), kernels=[argmax], kernel_dir=str(tmp_path))
+    (report,) = nvrtc_check.check_all(archs=("sm_90",), kernels=[argmax],
+                                      kernel_dir=kernel_dir_with(tmp_path, "argmax.cu", planted))
     assert report.max_threads == threads and not report.spills
     code, _, stderr = _report_exit([report])
     assert code == 1
