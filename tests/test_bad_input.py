@@ -8,7 +8,7 @@ turned into inf or 0.
 """
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import cupykv
 from cupykv import ops, reference, testing
@@ -396,13 +396,30 @@ _FAR = 1 << 62
 _SPANS = st.tuples(st.integers(0, 96), st.integers(1, 48))
 
 
+@st.composite
+def _owners_and_query(draw):
+    """Owners' spans, and a query ``(start, size)`` whose ends are often a span's edge (touching, not sharing)."""
+    owners = draw(st.lists(st.lists(_SPANS, min_size=1, max_size=3), min_size=1, max_size=6))
+    edges = sorted({edge for spans in owners for start, size in spans for edge in (start, start + size)})
+    start = draw(st.sampled_from(edges) | st.integers(0, 150))
+    end = draw(st.sampled_from([edge for edge in edges if edge >= start] or [start]) | st.integers(start, start + 48))
+    return owners, (start, end - start)
+
+
 @settings(deadline=None)
-@given(owners=st.lists(st.lists(_SPANS, min_size=1, max_size=3), min_size=1, max_size=6),
-       query=st.tuples(st.integers(0, 150), st.integers(0, 48)))
-def test_the_buffer_registry_finds_exactly_the_ranges_a_scan_finds(owners, query):
+@given(owners_and_query=_owners_and_query())
+# a span inside a longer one that ends where the query starts: the longer one keeps the search going
+# down to it, and it shares no byte
+@example(owners_and_query=([[(0, 48)], [(10, 10)]], (20, 10)))
+# a span that starts where the query ends, and one that ends where it starts
+@example(owners_and_query=([[(30, 5), (10, 20)]], (30, 0)))
+@example(owners_and_query=([[(0, 20), (40, 8)]], (20, 20)))
+def test_the_buffer_registry_finds_exactly_the_ranges_a_scan_finds(owners_and_query):
     """``check_apart_from_caches`` asks a sorted index (``cupykv._args.overlap._index``), not every owner in
-    turn. Ranges here nest, repeat and touch (a cache may share its lengths, or part of another's): the index
-    must return every range sharing a byte with the query, with the bytes shared, and nothing else."""
+    turn. Ranges here nest, repeat and touch (a cache may share its lengths, or part of another's), and the
+    query's ends often fall on a range's edge: the index must return every range sharing a byte with the
+    query, with the bytes shared, and nothing else (a range it only touches shares none)."""
+    owners, query = owners_and_query
     import weakref
     from cupykv._args import overlap
     fakes = [_Owner((f"buffer {j}", _FAR + start, _FAR + start + size) for j, (start, size) in enumerate(spans))
@@ -455,9 +472,11 @@ def test_a_cupy_arrays_byte_range_is_the_numpy_one_of_the_same_memory(make_view)
     from cupykv._args import byte_range
     view = make_view(np.zeros(48, np.float32))
     assert byte_range(_CupyLike(view)) == byte_range(view)
+    first, last = byte_range(view)
     if view.size:
-        first, last = byte_range(view)
         assert last - first >= view.itemsize and (first, last) != (0, 0)
+    else:   # no byte to touch: the empty range at its pointer, which overlaps nothing
+        assert (first, last) == (view.__array_interface__["data"][0],) * 2
 
 
 def test_an_unregistered_owner_is_checked_directly():
@@ -467,8 +486,8 @@ def test_an_unregistered_owner_is_checked_directly():
     first, _ = byte_range(out)
     check_apart_from_caches("out", out, _Owner([("k", first + 8, first + 16)]), others=False)   # touching only
     with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap the cache's k, got one "
-                                         r"that shares 4 bytes with it$"):
-        check_apart_from_caches("out", out, _Owner([("v", first - 8, first - 1), ("k", first + 4, first + 12)]),
+                                         r"that shares 1 bytes with it$"):   # out's last byte
+        check_apart_from_caches("out", out, _Owner([("v", first - 8, first), ("k", first + 7, first + 12)]),
                                 others=False)
 
 
