@@ -411,8 +411,9 @@ def _owners_and_query(draw):
 # a span inside a longer one that ends where the query starts: the longer one keeps the search going
 # down to it, and it shares no byte
 @example(owners_and_query=([[(0, 48)], [(10, 10)]], (20, 10)))
-# a span that starts where the query ends, and one that ends where it starts
+# a query of no bytes where one span ends and the next starts
 @example(owners_and_query=([[(30, 5), (10, 20)]], (30, 0)))
+# a query between a span that ends where it starts and one that starts where it ends
 @example(owners_and_query=([[(0, 20), (40, 8)]], (20, 20)))
 def test_the_buffer_registry_finds_exactly_the_ranges_a_scan_finds(owners_and_query):
     """``check_apart_from_caches`` asks a sorted index (``cupykv._args.overlap._index``), not every owner in
