@@ -290,6 +290,17 @@ def test_embedding_flag_is_sticky(backend):
     assert to_host(backend, flag).tolist() == [1]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_embedding_without_an_error_flag_still_gives_zero_rows_for_bad_ids(backend):
+    """Without ``error_flag`` the call allocates a scratch flag for the kernel to set: a bad id shows only
+    as a row of zeros, and the good rows are copied as with a flag."""
+    table = np.arange(12, dtype=np.float32).reshape(3, 4) + 1   # no zero anywhere
+    ids = np.array([1, -1, 3, 0, 2**31 - 1, 2], np.int32)
+    got = to_host(backend, ops.embedding(device(backend, ids), device(backend, table)))
+    np.testing.assert_array_equal(got, reference.embedding(ids, table))
+    assert np.all(got[[1, 2, 4]] == 0) and np.all(got[[0, 3, 5]] != 0)
+
+
 # -- rmsnorm -----------------------------------------------------------------------
 def run_rmsnorm(backend, dtype, rows, hidden, eps, seed, in_place=False):
     rng = np.random.default_rng(seed)
