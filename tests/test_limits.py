@@ -104,6 +104,26 @@ def test_every_block_of_the_one_axis_attention_grid_finds_its_sequence_head_tile
                                    float(np.abs(oracle.v).max()))
 
 
+def test_append_and_write_check_their_grid_before_launching(monkeypatch, recorded_launches):
+    """No realistic cache reaches grid x's 2**31 - 1 blocks (one per row: batch * n_new), so the limit is
+    lowered to 7 here: 2 sequences x 4 new rows must be refused, naming k and the rows, before any launch,
+    with the cache unchanged; 2 x 3 rows launch."""
+    from cupykv._args import limits
+    monkeypatch.setattr(limits, "MAX_GRID", (7, 65535, 65535))
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4, max_seq=8, batch=2)
+    cache = cupykv.KVCache(spec, backend="emulator")
+    rows, fewer = (cache.to_device(np.ones((2, n_new, 1, 4), np.float32)) for n_new in (4, 3))
+    positions = np.tile(np.arange(4, dtype=np.int32), (2, 1))
+    message = (r"^k: expected a shape whose launch has 1\.\.7 blocks on grid x \(CUDA's limit\), got "
+               r"batch \* n_new = 2 \* 4 rows: grid \(8, 1, 1\)$")
+    for call in (lambda: cache.append(0, rows, rows), lambda: cache.write(0, positions, rows, rows)):
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert recorded_launches == [] and np.all(cache.lengths == 0)
+    cache.append(0, fewer, fewer)
+    assert [grid for _, grid, _, _ in recorded_launches] == [(6,)]
+
+
 @pytest.mark.gpu
 def test_attention_over_70000_sequence_heads_matches_the_reference_on_a_gpu():
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=2, head_dim=8, max_seq=4, batch=35000)
