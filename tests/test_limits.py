@@ -104,12 +104,13 @@ def test_every_block_of_the_one_axis_attention_grid_finds_its_sequence_head_tile
                                    float(np.abs(oracle.v).max()))
 
 
-def test_append_and_write_check_their_grid_before_launching(monkeypatch, recorded_launches):
-    """No realistic cache reaches grid x's 2**31 - 1 blocks (one per row: batch * n_new), so the limit is
-    lowered to 7 here: 2 sequences x 4 new rows must be refused, naming k and the rows, before any launch,
-    with the cache unchanged; 2 x 3 rows launch."""
+def test_append_write_and_the_mask_check_their_grid_before_launching(monkeypatch, recorded_launches):
+    """No realistic cache reaches grid x's 2**31 - 1 blocks (append and write: one per row, batch * n_new),
+    nor the mask's 65535 on grid y (it stops at 1024 row blocks), so the limits are lowered to 7 and 1 here:
+    2 sequences x 4 new rows, and a mask over 2 query rows, must be refused, naming the argument, before
+    any launch, with the cache unchanged; 2 x 3 rows launch."""
     from cupykv._args import limits
-    monkeypatch.setattr(limits, "MAX_GRID", (7, 65535, 65535))
+    monkeypatch.setattr(limits, "MAX_GRID", (7, 1, 65535))
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4, max_seq=8, batch=2)
     cache = cupykv.KVCache(spec, backend="emulator")
     rows, fewer = (cache.to_device(np.ones((2, n_new, 1, 4), np.float32)) for n_new in (4, 3))
@@ -120,6 +121,10 @@ def test_append_and_write_check_their_grid_before_launching(monkeypatch, recorde
         with pytest.raises(ValueError, match=message):
             call()
         assert recorded_launches == [] and np.all(cache.lengths == 0)
+    with pytest.raises(ValueError, match=r"^q_len: expected a shape whose launch has 1\.\.1 blocks on grid y \(CUDA's "
+                                         r"limit\), got max_seq = 8 positions a row: grid \(1, 2, 1\)$"):
+        cache.additive_mask(1)
+    assert recorded_launches == []
     cache.append(0, fewer, fewer)
     assert [grid for _, grid, _, _ in recorded_launches] == [(6,)]
 
