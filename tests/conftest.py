@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from cupykv.backends import cuda_available
+from cupykv.backends.base import Backend
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests/backends.py and friends
 
@@ -85,6 +86,18 @@ def pytest_runtest_setup(item):
         available, reason = cuda_available()
         if not available:
             pytest.skip(f"no usable CUDA GPU: {reason}")
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """Every launch's (op, grid, block, shared_mem), recorded instead of run."""
+    launches = []
+
+    def record(self, op, instance, grid, block, args, shared_mem=0):
+        launches.append((op, tuple(grid), tuple(block), shared_mem))
+
+    monkeypatch.setattr(Backend, "launch", record)
+    return launches
 
 
 @pytest.fixture(scope="session")

@@ -441,11 +441,10 @@ def test_the_buffer_registry_finds_exactly_the_ranges_a_scan_finds(owners_and_qu
     assert found == scan
 
 
-def test_every_cache_method_checks_the_device_before_anything_else(monkeypatch):
+def test_every_cache_method_checks_the_device_before_anything_else(monkeypatch, recorded_launches):
     """On a GPU, a cache used under a CUDA device other than its own is refused before anything launches or
     uploads (``Backend.check_device``). The emulator has one device, so its check is made to fail here:
     every method that launches, uploads, or hands the cache's arrays to a launch must ask it first."""
-    from cupykv.backends.base import Backend
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=4, max_seq=8, batch=2)
     cache = cupykv.KVCache(spec, backend="emulator")
     rows = cache.to_device(np.ones((2, 1, 1, 4), np.float32))
@@ -454,9 +453,7 @@ def test_every_cache_method_checks_the_device_before_anything_else(monkeypatch):
     def elsewhere(self, name, array):
         raise TypeError(f"{name}: on another device")
 
-    launches = []
     monkeypatch.setattr(type(cache._backend), "check_device", elsewhere)
-    monkeypatch.setattr(Backend, "launch", lambda self, op, *args, **kwargs: launches.append(op))
     calls = {"append": lambda: cache.append(0, rows, rows), "write": lambda: cache.write(0, [[0], [0]], rows, rows),
              "advance": lambda: cache.advance(1), "truncate": lambda: cache.truncate(0),
              "set_lengths": lambda: cache.set_lengths(0), "reset": lambda: cache.reset(),
@@ -465,7 +462,7 @@ def test_every_cache_method_checks_the_device_before_anything_else(monkeypatch):
     for what, call in calls.items():
         with pytest.raises(TypeError, match=r"^cache: on another device$"):
             call()
-        assert launches == [], what
+        assert recorded_launches == [], what
 
 
 def test_overlap_is_decided_to_the_byte():

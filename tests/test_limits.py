@@ -16,23 +16,10 @@ import pytest
 import cupykv
 from cupykv import reference, testing
 from cupykv.backends import get_backend
-from cupykv.backends.base import Backend
 from cupykv.backends.emulator import memory
 from backends import BACKENDS
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
-
-
-@pytest.fixture
-def recorded_launches(monkeypatch):
-    """Every launch's (op, grid, block, shared_mem), recorded instead of run."""
-    launches = []
-
-    def record(self, op, instance, grid, block, args, shared_mem=0):
-        launches.append((op, tuple(grid), tuple(block), shared_mem))
-
-    monkeypatch.setattr(Backend, "launch", record)
-    return launches
 
 
 def assert_within_cuda_limits(launches):
