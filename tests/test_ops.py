@@ -663,6 +663,39 @@ def test_embedding_launches_a_block_of_128_threads_per_row():
     assert _launch_geometry(lambda i, t: ops.embedding(i, t), ids, table) == ((3,), (128,))
 
 
+LINEAR_GRIDS = [
+    # CUDA cores (kernels/linear.cu's header): 4 warps of 2 outputs; below 16384 outputs two warps
+    # split in_features for each pair (4 outputs a block), from 16384 on one warp has it (8 a block)
+    ("float32", 1, 64, (1,), (128,)),
+    ("float32", 5, 64, (2,), (128,)),
+    ("float32", 16383, 4, (4096,), (128,)),
+    ("float32", 16384, 4, (2048,), (128,)),
+    ("float32", 16385, 4, (2049,), (128,)),
+    ("bfloat16", 7, 100, (2,), (128,)),      # in_features not a multiple of 8: CUDA cores
+    # tensor cores (kernels/linear_mma.cu): 8 warps of 8 outputs, the split_k warps of a group
+    # sharing its 8: 64 / split_k outputs a block (split_k from the 32-feature steps, see
+    # test_linear_mma.py: 2 steps no split, 8 steps 2 ways, 16 steps 4, 32 and 128 steps 8)
+    ("bfloat16", 65, 64, (2,), (256,)),
+    ("float16", 33, 256, (2,), (256,)),
+    ("bfloat16", 17, 512, (2,), (256,)),
+    ("bfloat16", 9, 1024, (2,), (256,)),
+    ("bfloat16", 1024, 4096, (128,), (256,)),   # an 8B LLaMA's k and v projections
+]
+
+
+@pytest.mark.parametrize("dtype, out_features, in_features, grid, block", LINEAR_GRIDS,
+                         ids=[f"{dtype}-out{o}-in{i}" for dtype, o, i, _, _ in LINEAR_GRIDS])
+def test_linear_launches_only_the_blocks_its_outputs_need(recorded_launches, dtype, out_features, in_features,
+                                                          grid, block):
+    # a block past the last output runs no multiply and writes nothing, so only the geometry shows
+    # one (a doubled grid costs launch and scheduling time, never a wrong value)
+    backend = get_backend("emulator")
+    weight = backend.zeros((out_features, in_features), NP_DTYPES[dtype])
+    for rows in (1, 17):   # the grid depends on the weight's shape alone
+        ops.linear(backend.zeros((rows, in_features), NP_DTYPES[dtype]), weight)
+    assert [(g, b) for _, g, b, _ in recorded_launches] == [(grid, block)] * 2
+
+
 def test_the_reference_ops_refuse_a_dtype_they_do_not_store():
     x32, x16 = np.ones((2, 4), np.float32), np.ones((2, 4), np.float16)
     with pytest.raises(TypeError, match=r"^x: expected dtype float32, float16 or bfloat16, got float64$"):
