@@ -88,7 +88,8 @@ def test_acceptance_rate_and_tokens_per_cycle():
     assert tokens == model.generate([[1, 2, 3], [4]], 9)
     model.generate([[1, 2, 3], [4]], 9, draft=same, num_speculative=3)
     stats = model.stats
-    assert (stats.replays, stats.cycles, stats.proposed, stats.accepted) == (2, 4, 12, 12)
+    # two passes of one cycle each; in each, both sequences proposed 3 tokens and all were accepted
+    assert (stats.replays, stats.steps, stats.cycles, stats.proposed, stats.accepted) == (2, 2, 4, 12, 12)
     assert stats.acceptance_rate == 1.0 and stats.tokens_per_cycle == 4.0
     unrelated = draft(2, 0, None)
     model.generate([[1, 2, 3], [4]], 9, draft=unrelated, num_speculative=3)
@@ -106,7 +107,7 @@ def test_a_stopped_sequence_counts_in_no_cycle_of_the_stats():
     tokens = model.generate([[1, 2, 3], [4]], 9, draft=same, num_speculative=3, stop_ids=[stop])
     assert tokens == [[stop], plain[1]]
     stats = model.stats
-    assert (stats.replays, stats.cycles, stats.proposed, stats.accepted) == (2, 2, 6, 6)
+    assert (stats.replays, stats.steps, stats.cycles, stats.proposed, stats.accepted) == (2, 2, 2, 6, 6)
     assert stats.acceptance_rate == 1.0 and stats.tokens_per_cycle == 4.0
 
 
@@ -311,6 +312,35 @@ def test_speculative_accept_stops_on_the_last_entry_of_an_unpadded_stop_list():
     tokens, accepted, target_lengths = (backend.to_host(a).tolist() for a in outputs[:3])
     assert accepted == [1, 1] and tokens == [[1, 2, -1], [1, 3, -1]] and target_lengths == [9, 9]
     assert backend.to_host(active).tolist() == [0, 1]
+
+
+def test_speculative_accept_arguments_are_named():
+    """Each bad argument is refused by name before the launch, and no output or state changes."""
+    backend = target(1).backend
+    ints = lambda shape: backend.asarray(np.full(shape, 7, np.int32))   # noqa: E731
+    outputs = [ints(shape) for shape in ((2, 3), (2,), (2,), (2,), (2,), (2, 2))]
+    state, ids, lengths, stops = [ints((2,)), ints((2,))], [ints((2, 3)), ints((2, 3))], ints((2,)), ints((1,))
+
+    def refused(error, message, *args, max_length=8):
+        with pytest.raises(error, match=message):
+            decoding.speculative_accept(*args, max_length=max_length)
+        assert all(np.all(backend.to_host(a) == 7) for a in outputs + state)
+
+    one_column = [ints((2, 1)), *outputs[1:]]   # k = 0: nothing to verify
+    refused(ValueError, r"^tokens: expected shape \(batch, k \+ 1\) with k >= 1, got \(2, 1\)$",
+            *one_column, *state, ints((2, 1)), ints((2, 1)), lengths, stops)
+    refused(ValueError, r"^draft_pair: expected shape \(2, 2\), got \(2, 3\)$",
+            *outputs[:5], ints((2, 3)), *state, *ids, lengths, stops)
+    refused(ValueError, r"^target_ids: expected shape \(2, 3\), got \(2, 4\)$",
+            *outputs, *state, ids[0], ints((2, 4)), lengths, stops)
+    refused(ValueError, r"^accepted: expected an array that does not overlap budget",
+            *outputs[:1], state[1], *outputs[2:], *state, *ids, lengths, stops)
+    refused(ValueError, r"^chain: expected an array that does not overlap lengths",
+            *outputs[:4], lengths, *outputs[5:], *state, *ids, lengths, stops)
+    refused(TypeError, r"^stop_ids: expected dtype int32, got float32$",
+            *outputs, *state, *ids, lengths, backend.zeros((1,), np.float32))
+    refused(ValueError, r"^max_length: expected an int in 0\.\.2147483647, got -1$",
+            *outputs, *state, *ids, lengths, stops, max_length=-1)
 
 
 def test_speculative_gather_reads_only_inside_src():
