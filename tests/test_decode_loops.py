@@ -291,6 +291,12 @@ def test_decode_commit_arguments_are_named():
         decoding.decode_commit(a, b, c, d, e, f, g, h, a, max_length=4)
     with pytest.raises(ValueError, match=r"^max_length: expected an int in 0\.\.2147483647, got -1$"):
         decoding.decode_commit(a, b, c, d, e, f, g, h, n, max_length=-1)
+    frozen, frozen_word = model.backend.zeros((2,), np.int32), model.backend.zeros((1,), np.int32)
+    frozen.flags.writeable = frozen_word.flags.writeable = False   # the emulator's arrays keep numpy's flag
+    with pytest.raises(ValueError, match=r"^budget: expected a writeable array, got a read-only one"):
+        decoding.decode_commit(a, b, c, d, frozen, f, g, h, n, max_length=4)
+    with pytest.raises(ValueError, match=r"^n_active: expected a writeable array, got a read-only one"):
+        decoding.decode_commit(a, b, c, d, e, f, g, h, frozen_word, max_length=4)
 
 
 # -- replays of multi-step graphs interleaved with truncate, reset and new budgets -----------------

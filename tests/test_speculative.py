@@ -341,6 +341,14 @@ def test_speculative_accept_arguments_are_named():
             *outputs, *state, *ids, lengths, backend.zeros((1,), np.float32))
     refused(ValueError, r"^max_length: expected an int in 0\.\.2147483647, got -1$",
             *outputs, *state, *ids, lengths, stops, max_length=-1)
+    # tokens is written: a read-only array, or one holding a cache's lengths, is refused like any output
+    read_only = ints((2, 3))
+    read_only.flags.writeable = False
+    refused(ValueError, r"^tokens: expected a writeable array, got a read-only one",
+            read_only, *outputs[1:], *state, *ids, lengths, stops)
+    cache_lengths = target(6).cache.lengths.reshape(2, 3)
+    refused(ValueError, r"^tokens: expected an array that does not overlap a KVCache's lengths, got one that shares "
+                        r"24 bytes with it$", cache_lengths, *outputs[1:], *state, *ids, lengths, stops)
 
 
 def test_speculative_gather_reads_only_inside_src():
