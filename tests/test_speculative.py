@@ -111,25 +111,32 @@ def test_a_stopped_sequence_counts_in_no_cycle_of_the_stats():
     assert stats.acceptance_rate == 1.0 and stats.tokens_per_cycle == 4.0
 
 
-def test_capacity_stops_a_speculative_sequence_where_the_drafts_rows_still_fit():
-    # The draft holds 18 rows, the target 24: with k = 3 the draft binds (max_length = min(24 - 3 - 1,
-    # 18 - 3) = 15). With budgets past what generate accepts, sequence 0 (10 prompt tokens) stops at a
-    # committed length of 15 on the device; sequence 1 keeps cycling, and each later cycle rewrites
-    # sequence 0's pending rows up to row 15 + 3 - 1 = 17 of the draft: its last row, no overflow.
+@pytest.mark.parametrize("target_rows, draft_rows, max_length", [(24, 18, 15), (18, 24, 14)],
+                         ids=["the draft binds", "the target binds"])
+def test_capacity_stops_a_speculative_sequence_where_both_caches_rows_still_fit(target_rows, draft_rows,
+                                                                                max_length):
+    # With k = 3, max_length = min(target rows - 3 - 1, draft rows - 3): 15 when the draft holds 18
+    # rows and the target 24, 14 the other way round. With budgets past what generate accepts,
+    # sequence 0 (10 prompt tokens) stops at that committed length on the device; sequence 1 keeps
+    # cycling, and each later cycle rewrites sequence 0's pending rows up to the last row of the cache
+    # that binds (target: 14 + 3 + 1 - 1 = 17, its verify pass writes k + 1 rows; draft: 15 + 3 - 1 = 17),
+    # and never past it.
     config = LlamaConfig(**TARGET)
-    model = Llama(config, config.random_weights(0), max_seq=24, batch=2, backend="emulator")
-    helper = Llama(config, config.random_weights(0), max_seq=18, batch=2, backend="emulator")
+    model = Llama(config, config.random_weights(0), max_seq=target_rows, batch=2, backend="emulator")
+    helper = Llama(config, config.random_weights(0), max_seq=draft_rows, batch=2, backend="emulator")
     prompts = [list(range(1, 11)), [4]]
-    plain = [model.generate([prompt], 24 - len(prompt))[0] for prompt in prompts]
+    plain = [model.generate([prompt], target_rows - len(prompt))[0] for prompt in prompts]
     padded = [list(p) for p in prompts]
     model._prefill(padded)
     helper._prefill(padded)
     loop = decoding.SpeculativeLoop(model, helper, 3)
-    assert loop.max_length == 15
+    assert loop.max_length == max_length
     tokens, _, _ = decoding.decode(model, loop, padded, 2, 30, [], use_graph=True, return_logits=False)
-    assert [len(t) for t in tokens] == [15 - 10 + 1, 15 - 1 + 1]      # committed = prompt + tokens - 1 = 15
+    # committed = prompt + tokens - 1 = max_length
+    assert [len(t) for t in tokens] == [max_length - 10 + 1, max_length - 1 + 1]
     assert tokens == [plain[0][: len(tokens[0])], plain[1][: len(tokens[1])]]
-    assert model.cache.lengths_host().tolist() == [15, 15] and helper.cache.lengths_host().tolist() == [14, 14]
+    assert model.cache.lengths_host().tolist() == [max_length] * 2
+    assert helper.cache.lengths_host().tolist() == [max_length - 1] * 2
     model.cache.check()
     helper.cache.check()
 
