@@ -111,6 +111,19 @@ def test_logits_and_streaming_match_one_step_per_replay():
     assert progress == [(i, 7) for i in range(1, 8)]
 
 
+def test_each_logits_row_is_that_of_the_token_emitted_there_id_0_included():
+    # greedy: row i of a prompt's logits has the prompt's token i as its argmax. Sequence 1 emits id 0
+    # as its third token: the loop marks a stopped sequence's steps with -1, and 0 is a token, whose
+    # logits row must be kept like any other (dropping it shifts every later row by one).
+    model = tiny(2)
+    prompts = [[28, 35, 2], [21, 14, 26, 22, 10]]
+    for tokens_per_replay in (1, 4):
+        tokens, logits = model.generate(prompts, 7, return_logits=True, tokens_per_replay=tokens_per_replay)
+        assert tokens[1][2] == 0 and logits.shape == (7, 2, TINY["vocab_size"])
+        for b in range(2):
+            assert logits[:, b].argmax(axis=-1).tolist() == tokens[b], (tokens_per_replay, b)
+
+
 def test_max_new_tokens_and_capacity_stop_on_the_device():
     model = tiny(2)
     prompts = [[1] * 10, [2] * 4]
