@@ -138,6 +138,15 @@ def test_max_new_tokens_and_capacity_stop_on_the_device():
     assert tokens[0] == plain[0] and len(tokens[1]) == 12
     assert model.cache.lengths_host().tolist() == [MAX_SEQ - 1, 4 + 11]
     model.cache.check()
+    # a prompt of MAX_SEQ - 1 tokens has room for no pending row past its first token: it never
+    # decodes, while the other sequence does
+    padded = [[1] * (MAX_SEQ - 1), [2] * 4]
+    model._prefill(padded)
+    tokens, _, stats = decoding.decode(model, decoding.GreedyLoop(model, 4), padded, 2, 12, [], use_graph=False,
+                                       return_logits=False)
+    assert [len(t) for t in tokens] == [1, 12] and stats.replays == 3
+    assert model.cache.lengths_host().tolist() == [MAX_SEQ - 1, 4 + 11]
+    model.cache.check()
     # the longest prompt generate accepts with 2 new tokens still decodes its second one on the device
     tokens = model.generate([[3] * (MAX_SEQ - 2)], 2)
     assert len(tokens[0]) == 2 and model.cache.lengths_host().tolist()[0] == MAX_SEQ - 1
