@@ -6,6 +6,7 @@ the accept kernel sees every prefix length 0..k. The accept kernel is also
 checked against a NumPy statement of its rule, written here.
 """
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -375,6 +376,25 @@ def test_speculative_gather_reads_only_inside_src():
         decoding.speculative_gather(out, src, offset=2, row_stride=2)
     with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap src"):
         decoding.speculative_gather(src[:2], src, offset=3, row_stride=1)
+
+
+def test_speculative_gather_arguments_are_named():
+    backend = target(1).backend
+    src = backend.asarray(np.arange(6, dtype=np.int32))
+    for shape in ((0,), (2, 0), (1, 2, 2)):
+        with pytest.raises(ValueError, match=r"^out: expected shape \(rows,\) or \(rows, cols\) with sizes >= 1, "
+                                             rf"got {re.escape(str(shape))}$"):
+            decoding.speculative_gather(backend.zeros(shape, np.int32), src, row_stride=1)
+    with pytest.raises(TypeError, match=r"^out: expected dtype int32, got float32$"):
+        decoding.speculative_gather(backend.zeros((3,), np.float32), src, row_stride=1)
+    read_only = backend.zeros((3,), np.int32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match=r"^out: expected a writeable array, got a read-only one"):
+        decoding.speculative_gather(read_only, src, row_stride=1)
+    with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap a KVCache's lengths"):
+        decoding.speculative_gather(target(3).cache.lengths, src, row_stride=1)
+    with pytest.raises(TypeError, match=r"^src: expected dtype int32, got float32$"):
+        decoding.speculative_gather(backend.zeros((3,), np.int32), backend.zeros((6,), np.float32), row_stride=1)
 
 
 def test_fixed_split_positions_make_no_more_splits_than_a_decode_plan(monkeypatch):
