@@ -17,6 +17,7 @@ from cupykv import testing
 from cupykv.models import Llama, LlamaConfig
 from cupykv.models import decoding
 from backends import BACKENDS
+from test_ops import read_only
 
 TINY = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
             vocab_size=40)
@@ -313,8 +314,7 @@ def test_decode_commit_arguments_are_named():
         decoding.decode_commit(a, b, c, d, e, f, g, h, a, max_length=4)
     with pytest.raises(ValueError, match=r"^max_length: expected an int in 0\.\.2147483647, got -1$"):
         decoding.decode_commit(a, b, c, d, e, f, g, h, n, max_length=-1)
-    frozen, frozen_word = model.backend.zeros((2,), np.int32), model.backend.zeros((1,), np.int32)
-    frozen.flags.writeable = frozen_word.flags.writeable = False   # the emulator's arrays keep numpy's flag
+    frozen, frozen_word = read_only(model.backend.zeros((2,), np.int32)), read_only(model.backend.zeros((1,), np.int32))
     with pytest.raises(ValueError, match=r"^budget: expected a writeable array, got a read-only one"):
         decoding.decode_commit(a, b, c, d, frozen, f, g, h, n, max_length=4)
     with pytest.raises(ValueError, match=r"^n_active: expected a writeable array, got a read-only one"):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from cupykv.models import Llama, LlamaConfig
 from cupykv.models import decoding
 from backends import BACKENDS
+from test_ops import read_only
 
 TARGET = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
               vocab_size=40)
@@ -350,10 +351,8 @@ def test_speculative_accept_arguments_are_named():
     refused(ValueError, r"^max_length: expected an int in 0\.\.2147483647, got -1$",
             *outputs, *state, *ids, lengths, stops, max_length=-1)
     # tokens is written: a read-only array, or one holding a cache's lengths, is refused like any output
-    read_only = ints((2, 3))
-    read_only.flags.writeable = False
     refused(ValueError, r"^tokens: expected a writeable array, got a read-only one",
-            read_only, *outputs[1:], *state, *ids, lengths, stops)
+            read_only(ints((2, 3))), *outputs[1:], *state, *ids, lengths, stops)
     cache_lengths = target(6).cache.lengths.reshape(2, 3)
     refused(ValueError, r"^tokens: expected an array that does not overlap a KVCache's lengths, got one that shares "
                         r"24 bytes with it$", cache_lengths, *outputs[1:], *state, *ids, lengths, stops)
@@ -387,10 +386,8 @@ def test_speculative_gather_arguments_are_named():
             decoding.speculative_gather(backend.zeros(shape, np.int32), src, row_stride=1)
     with pytest.raises(TypeError, match=r"^out: expected dtype int32, got float32$"):
         decoding.speculative_gather(backend.zeros((3,), np.float32), src, row_stride=1)
-    read_only = backend.zeros((3,), np.int32)
-    read_only.flags.writeable = False
     with pytest.raises(ValueError, match=r"^out: expected a writeable array, got a read-only one"):
-        decoding.speculative_gather(read_only, src, row_stride=1)
+        decoding.speculative_gather(read_only(backend.zeros((3,), np.int32)), src, row_stride=1)
     with pytest.raises(ValueError, match=r"^out: expected an array that does not overlap a KVCache's lengths"):
         decoding.speculative_gather(target(3).cache.lengths, src, row_stride=1)
     with pytest.raises(TypeError, match=r"^src: expected dtype int32, got float32$"):
