@@ -69,24 +69,30 @@ def test_eager_graph_and_reference_agree_on_an_fp8_cache(backend, dtype, config,
     assert np.array_equal(np.asarray(eager_tokens).T[clear], want.argmax(-1)[clear])
 
 
-def test_calibrated_scales_are_the_per_head_maxima_of_rotated_keys_and_values(config, weights):
-    # batch 2 with 3 prompts: the calibration runs in two passes, padding rows left out
-    model = Llama(config, weights, dtype="float32", kv_dtype=FP8, max_seq=16, batch=2, backend="emulator")
-    k_scale, v_scale = model.calibrate_kv_scales(CALIBRATION)
-    assert k_scale.shape == v_scale.shape == (2, 2) and k_scale.dtype == np.float32
-    assert all(np.array_equal(got, want) for got, want in zip(model.cache.scales_host(), (k_scale, v_scale)))
-    # the same keys (rotated) and values from the reference model on an unquantized float32 cache
+def reference_scales(config, weights, prompts):
+    """calibrate_scales over the rotated keys and the values of every prompt token, from the reference model
+    on an unquantized float32 cache: (k_scale, v_scale), each ``[n_layers, n_kv_heads]``."""
     reference = LlamaReference(config, weights, dtype="float32", max_seq=16)
-    keys, values = [[] for _ in range(2)], [[] for _ in range(2)]
-    for prompt in CALIBRATION:
+    n_layers = config.num_hidden_layers
+    keys, values = [[] for _ in range(n_layers)], [[] for _ in range(n_layers)]
+    for prompt in prompts:
         cache = reference._cache()
         reference._step(cache, prompt)
-        for layer in range(2):
+        for layer in range(n_layers):
             k, v = cache.rows(layer, 0)                          # [len, n_kv, hd] each
             keys[layer].append(k)
             values[layer].append(v)
-    want_k = calibrate_scales(np.stack([np.concatenate(rows) for rows in keys]))
-    want_v = calibrate_scales(np.stack([np.concatenate(rows) for rows in values]))
+    return tuple(calibrate_scales(np.stack([np.concatenate(rows) for rows in samples])) for samples in (keys, values))
+
+
+@pytest.mark.parametrize("prompts", [CALIBRATION, [[5], [150], [17]]], ids=["mixed lengths", "one token each"])
+def test_calibrated_scales_are_the_per_head_maxima_of_rotated_keys_and_values(config, weights, prompts):
+    # batch 2 with 3 prompts: the calibration runs in two passes, padding rows left out
+    model = Llama(config, weights, dtype="float32", kv_dtype=FP8, max_seq=16, batch=2, backend="emulator")
+    k_scale, v_scale = model.calibrate_kv_scales(prompts)
+    assert k_scale.shape == v_scale.shape == (2, 2) and k_scale.dtype == np.float32
+    assert all(np.array_equal(got, want) for got, want in zip(model.cache.scales_host(), (k_scale, v_scale)))
+    want_k, want_v = reference_scales(config, weights, prompts)
     np.testing.assert_allclose(k_scale, want_k, rtol=1e-5)      # float32 kernels vs float64 reference
     np.testing.assert_allclose(v_scale, want_v, rtol=1e-5)
     assert model.cache.lengths_host().tolist() == [0, 0]          # the model's own cache is untouched
