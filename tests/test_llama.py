@@ -160,6 +160,22 @@ def test_bad_prompts_are_rejected_before_anything_runs(config, prompts, new, mes
     assert model.cache.lengths_host().tolist() == [0, 0]
 
 
+def test_the_smallest_caches_bound_max_new_tokens_by_max_seq_minus_one(config):
+    # a prompt has a token at least, so max_new_tokens <= max_seq - 1 (and 1..1 for a cache of one row,
+    # where the prompt check then refuses every prompt)
+    two_rows = Llama.random(config, max_seq=2, batch=1, backend="emulator")
+    with pytest.raises(ValueError, match=r"^max_new_tokens: expected an int in 1\.\.1, got 2$"):
+        two_rows.generate([[1]], 2)
+    assert two_rows.generate([[1]], 1) == Llama.random(config, max_seq=8, batch=1, backend="emulator").generate([[1]], 1)
+    one_row = Llama.random(config, max_seq=1, batch=1, backend="emulator")
+    with pytest.raises(ValueError, match=r"^max_new_tokens: expected an int in 1\.\.1, got 2$"):
+        one_row.generate([[1]], 2)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: expected len\(prompt\) \+ max_new_tokens <= max_seq=1, "
+                                         r"got 1 \+ 1$"):
+        one_row.generate([[1]], 1)
+    assert one_row.cache.lengths_host().tolist() == [0]
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(max_seq=2**31), ValueError, r"^max_seq: expected an int in 1\.\.1073741824, got 2147483648$"),
     (dict(batch=np.uint64(2**64 - 1)), ValueError,

@@ -394,18 +394,21 @@ def test_speculative_gather_arguments_are_named():
         decoding.speculative_gather(backend.zeros((3,), np.int32), backend.zeros((6,), np.float32), row_stride=1)
 
 
-def test_fixed_split_positions_make_no_more_splits_than_a_decode_plan(monkeypatch):
+@pytest.mark.parametrize("sms, splits, split_keys", [("1", 1, None), ("2", 2, 5 * 128), ("4", 4, 3 * 128)])
+def test_fixed_split_positions_make_no_more_splits_than_a_decode_plan(monkeypatch, sms, splits, split_keys):
     # A stated device of 4 SMs splits a decode step of a 1025-row cache 4 ways (257 keys a split). The
     # fixed split size is that rounded up to the key chunk: 384, 3 splits. Rounding 1025 / 4 down first
-    # would give 256, and a fifth split: more blocks than the plan found room for.
+    # would give 256, and a fifth split: more blocks than the plan found room for. At 2 SMs: 513 keys a
+    # split, rounded up to 640. At 1 SM the plan does not split, and neither do the fixed positions (None).
     from cupykv.attention_plan import CHUNK, AttentionPlan
-    monkeypatch.setenv("CUPYKV_EMULATOR_SMS", "4")
+    monkeypatch.setenv("CUPYKV_EMULATOR_SMS", sms)
     model = Llama.random(LlamaConfig(**TARGET), seed=0, max_seq=1025, batch=1, backend="emulator")
-    splits = AttentionPlan(model.cache, 1, TARGET["num_attention_heads"]).num_splits
-    assert splits == 4 and 1025 // splits % CHUNK == 0 and 1025 % splits   # the case where rounding matters
-    split_keys = model._decode_split_keys()
-    assert split_keys % CHUNK == 0 and -(-1025 // split_keys) <= splits
-    assert split_keys - CHUNK < 1025 / splits <= split_keys               # the smallest such multiple
+    assert CHUNK == 128
+    assert AttentionPlan(model.cache, 1, TARGET["num_attention_heads"]).num_splits == splits
+    assert model._decode_split_keys() == split_keys
+    if split_keys is not None:
+        assert 1025 % splits and -(-1025 // split_keys) <= splits   # 1025 does not divide: rounding matters
+        assert split_keys - CHUNK < 1025 / splits <= split_keys    # the smallest such multiple of CHUNK
 
 
 def test_passes_of_up_to_exact_q_len_queries_split_at_fixed_positions(monkeypatch):
