@@ -407,7 +407,8 @@ def test_fixed_split_positions_make_no_more_splits_than_a_decode_plan(monkeypatc
     assert AttentionPlan(model.cache, 1, TARGET["num_attention_heads"]).num_splits == splits
     assert model._decode_split_keys() == split_keys
     if split_keys is not None:
-        assert 1025 % splits and -(-1025 // split_keys) <= splits   # 1025 does not divide: rounding matters
+        assert 1025 % splits and 1025 // splits % CHUNK == 0        # the case where rounding matters
+        assert split_keys % CHUNK == 0 and -(-1025 // split_keys) <= splits
         assert split_keys - CHUNK < 1025 / splits <= split_keys    # the smallest such multiple of CHUNK
 
 
