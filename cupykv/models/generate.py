@@ -32,9 +32,10 @@ def find_model_file(name: str) -> str:
     spec = importlib.util.find_spec(package)    # locates the package; its __init__ (which imports `llm`) never runs
     if spec is None or not spec.submodule_search_locations:
         raise InputError(f"--model {name}: the package {package} is not installed; run `{install}`")
-    files = sorted(path for folder in spec.submodule_search_locations for path in glob.glob(os.path.join(folder, "*.gguf")))
+    folders = list(spec.submodule_search_locations)
+    files = sorted(path for folder in folders for path in glob.glob(os.path.join(folder, "*.gguf")))
     if not files:
-        raise InputError(f"--model {name}: no .gguf file in {list(spec.submodule_search_locations)}")
+        raise InputError(f"--model {name}: no .gguf file in {folders}")
     return files[0]
 
 
@@ -60,7 +61,7 @@ class _Stream:
 
 def run_generate(prompt: str, *, gguf=None, model=None, max_new_tokens: int = 32, chat: bool = False,
                  use_graph: bool = True, backend=None, dtype: str = "bfloat16", kv_dtype: str | None = None,
-                 out=sys.stdout, err=sys.stderr) -> int:
+                 out=None, err=None) -> int:
     """Generate greedily from ``prompt``; returns the process exit code.
 
     ``kv_dtype="float8_e4m3"`` runs the model on an fp8 cache whose scales are
@@ -70,12 +71,17 @@ def run_generate(prompt: str, *, gguf=None, model=None, max_new_tokens: int = 32
     Raises :class:`~cupykv.errors.InputError` (a ``ValueError``) for inputs that cannot be used: not
     exactly one of ``gguf`` and ``model``, a missing, unreadable or unsupported file (GGUFError is one),
     ``max_new_tokens`` below 1, a prompt that encodes to no token.
+
+    ``out`` and ``err`` (text streams) default to ``sys.stdout`` and ``sys.stderr`` as they are when
+    it is called, so that ``contextlib.redirect_stdout`` and notebooks capture the text.
     """
     from cupykv._args import is_int
     from cupykv.models.gguf import read_gguf
     from cupykv.models.llama import Llama
     from cupykv.models.tokenizer import Tokenizer
 
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     if (gguf is None) == (model is None):
         raise InputError("generate: expected exactly one of --gguf PATH and --model NAME")
     if not is_int(max_new_tokens) or max_new_tokens < 1:
