@@ -26,9 +26,9 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'
                  "{% endif %}")
 
 #: Which stored type each GGUF tensor gets: every supported type appears.
-TYPE_OF = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32", "attn_norm": "F32", "ffn_norm": "F32",
-           "attn_q": "F32", "attn_k": "F32", "attn_v": "F16", "attn_output": "BF16", "ffn_gate": "Q4_0",
-           "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
+TYPE_OF = {"token_embd.weight": "Q8_0", "output.weight": "F16", "output_norm.weight": "F32",
+           "attn_norm": "F32", "ffn_norm": "F32", "attn_q": "F32", "attn_k": "F32", "attn_v": "F16",
+           "attn_output": "BF16", "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
 
 
 def byte_symbols() -> list[str]:
@@ -74,7 +74,8 @@ def _stored_type(gguf_name: str) -> str:
 def write_tiny_llama(path, *, seed=0, arch="llama", drop=(), type_of=None, config=TINY) -> dict:
     """Write a tiny LLaMA GGUF to ``path``; returns its Hugging Face-named float32 weights (before quantization).
 
-    ``drop`` names GGUF tensors to leave out; ``type_of`` overrides stored types by GGUF name.
+    ``drop`` names GGUF tensors to leave out; ``type_of`` overrides stored types by GGUF name. A config
+    with untied embeddings gets an ``output.weight`` (the lm head); a tied one has none, as llama.cpp writes it.
     """
     import gguf
 
@@ -101,6 +102,8 @@ def write_tiny_llama(path, *, seed=0, arch="llama", drop=(), type_of=None, confi
     writer.add_eot_token_id(END_TURN_ID)
     writer.add_chat_template(CHAT_TEMPLATE)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not config.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
     parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",

@@ -134,10 +134,14 @@ def test_a_truncated_file_is_refused_with_its_name(tiny, tmp_path):
         read_gguf(cut)
 
 
-def test_a_missing_tensor_is_named(tmp_path):
+@pytest.mark.parametrize("drop, named", [
+    ("blk.1.ffn_up.weight", r"'blk\.1\.ffn_up\.weight' \(model\.layers\.1\.mlp\.up_proj\.weight\)"),
+    ("output_norm.weight", r"'output_norm\.weight' \(model\.norm\.weight\)"),     # not a layer's
+])
+def test_a_missing_tensor_is_named(tmp_path, drop, named):
     path = tmp_path / "missing.gguf"
-    write_tiny_llama(path, drop=("blk.1.ffn_up.weight",))
-    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_up\.weight' \(model\.layers\.1\.mlp\.up_proj\.weight\)"):
+    write_tiny_llama(path, drop=(drop,))
+    with pytest.raises(GGUFError, match=rf"missing\.gguf: expected a tensor {named}, missing$"):
         read_gguf(path)
 
 
@@ -228,3 +232,71 @@ def test_feed_refuses_ids_outside_the_vocabulary(tiny):
     model = Llama.from_gguf(tiny[0], dtype="float32", max_seq=16, batch=1, backend="emulator")
     with pytest.raises(ValueError, match=r"token_ids: expected 1 token ids in 0\.\.287"):
         model.feed([288])
+
+
+def test_an_untied_output_head_is_read_and_unties_the_config(tmp_path):
+    untied = dataclasses.replace(TINY, tie_word_embeddings=False)
+    path = tmp_path / "untied.gguf"
+    hf = write_tiny_llama(path, config=untied)
+    checkpoint = read_gguf(path)
+    assert checkpoint.config == dataclasses.replace(untied, rms_norm_eps=checkpoint.config.rms_norm_eps)
+    assert checkpoint.tensor_types["output.weight"] == TYPE_OF["output.weight"]
+    np.testing.assert_array_equal(checkpoint.weights["lm_head.weight"],
+                                  hf["lm_head.weight"].astype(np.float16).astype(np.float32))
+
+
+#: The smallest metadata config_from_metadata accepts: every other key has a default.
+REQUIRED = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
+            "llama.block_count": 2, "llama.feed_forward_length": 96, "llama.vocab_size": 50,
+            "llama.attention.layer_norm_rms_epsilon": 1e-6}
+
+
+def test_absent_optional_keys_take_llamas_defaults():
+    config = config_from_metadata(REQUIRED)
+    assert (config.head_dim, config.num_key_value_heads, config.rope_theta) == (16, 4, 10000.0)
+    assert config.tie_word_embeddings is False                     # read_gguf decides it from output.weight
+    without_vocab = {k: v for k, v in REQUIRED.items() if k != "llama.vocab_size"}
+    assert config_from_metadata({**without_vocab, "tokenizer.ggml.tokens": ["a"] * 33}).vocab_size == 33
+    assert config_from_metadata({**REQUIRED, "llama.rope.scaling.type": ""}).head_dim == 16      # "" is none
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"llama.rope.dimension_count": 8}, r"llama\.rope\.dimension_count: expected the head dim 16 \(full rotary\), "
+                                        r"got 8$"),
+    ({"llama.attention.key_length": 32, "llama.rope.dimension_count": 16},
+     r"llama\.rope\.dimension_count: expected the head dim 32 \(full rotary\), got 16$"),
+    ({"llama.rope.scaling.type": "linear"}, r"llama\.rope\.scaling\.type: expected 'none' \(plain rotary\), "
+                                            r"got 'linear'$"),
+    ({"llama.block_count": None}, r"expected the key 'llama\.block_count' in the GGUF metadata, missing$"),
+    ({"llama.attention.layer_norm_rms_epsilon": None},
+     r"expected the key 'llama\.attention\.layer_norm_rms_epsilon' in the GGUF metadata, missing$"),
+    ({"llama.vocab_size": None}, r"expected the key 'tokenizer\.ggml\.tokens' in the GGUF metadata, missing$"),
+    ({"general.architecture": None}, r"expected the key 'general\.architecture' in the GGUF metadata, missing$"),
+])
+def test_unsupported_or_missing_keys_are_refused_by_name(change, message):
+    metadata = {key: value for key, value in {**REQUIRED, **change}.items() if value is not None}
+    with pytest.raises(GGUFError, match=r"^model\.gguf: " + message):
+        config_from_metadata(metadata, "model.gguf")
+
+
+def test_every_missing_tensor_is_counted_and_the_first_named(tmp_path):
+    path = tmp_path / "missing.gguf"
+    write_tiny_llama(path, drop=("output_norm.weight", "blk.0.attn_k.weight", "blk.1.ffn_down.weight"))
+    # the first in config.weight_shapes() order: the embedding and the final norm come before the layers
+    with pytest.raises(GGUFError, match=r"missing\.gguf: expected a tensor 'output_norm\.weight' "
+                                        r"\(model\.norm\.weight\), missing \(and 2 more\)$"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("name", ["blk.x.attn_q.weight", "blk.0.attn_qkv.weight", "blk.0", "output.bias",
+                                  "blk.-1.attn_q.weight"])
+def test_names_llama_does_not_use_map_to_nothing(name):
+    assert _hf_name(name, 2) is None
+
+
+def test_metadata_alone_is_read_without_the_tensors(tiny):
+    from cupykv.models.gguf import read_metadata
+    path, _ = tiny
+    metadata = read_metadata(path)
+    assert metadata["general.architecture"] == "llama" and metadata["llama.block_count"] == TINY.num_hidden_layers
+    assert metadata == read_gguf(path).metadata
