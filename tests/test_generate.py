@@ -7,6 +7,7 @@ never half of a UTF-8 character.
 import dataclasses
 import io
 
+import numpy as np
 import pytest
 
 from cupykv.__main__ import main
@@ -28,10 +29,15 @@ def tiny(tmp_path_factory):
     return str(path), checkpoint, Tokenizer.from_gguf(checkpoint.metadata)
 
 
-def _expected_tokens(checkpoint, tokenizer, ids, new_tokens, *, dtype="bfloat16", use_graph=True):
-    """What run_generate must produce: the model's own greedy tokens, in a cache rounded up to 16 rows."""
+def _expected_tokens(checkpoint, tokenizer, ids, new_tokens, *, dtype="bfloat16", use_graph=True, kv_dtype=None):
+    """What run_generate must produce: the model's own greedy tokens, in a cache rounded up to 16 rows.
+
+    An fp8 cache (``kv_dtype``) first has its scales calibrated on the prompt itself.
+    """
     max_seq = -(-(len(ids) + new_tokens) // 16) * 16
-    model = Llama.from_gguf(checkpoint, dtype=dtype, max_seq=max_seq, batch=1, backend="emulator")
+    model = Llama.from_gguf(checkpoint, dtype=dtype, kv_dtype=kv_dtype, max_seq=max_seq, batch=1, backend="emulator")
+    if kv_dtype is not None:
+        model.calibrate_kv_scales([ids])
     return model.generate([ids], new_tokens, use_graph=use_graph, stop_ids=tokenizer.stop_ids)[0]
 
 
@@ -54,6 +60,33 @@ def test_the_streamed_text_is_the_text_of_the_models_greedy_tokens(tiny, chat, n
     assert out == tokenizer.decode(tokens, skip_special_tokens=True) + "\n"
     assert err.startswith(f"{len(ids)} prompt tokens, {new_tokens} new tokens in ")
     assert "on emulator, bfloat16, graph (emulator timings: CPU emulation, NOT GPU figures)" in err
+
+
+def test_an_fp8_cache_is_calibrated_on_the_prompt_before_generating(tiny, monkeypatch):
+    # the tiny model repeats its last prompt token whatever the scales, so the tokens alone cannot tell whether
+    # calibration ran: the scales the cache holds when generate starts are compared as well
+    path, checkpoint, tokenizer = tiny
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    calibrated = Llama.from_gguf(checkpoint, dtype="bfloat16", kv_dtype="float8_e4m3", max_seq=16, batch=1,
+                                 backend="emulator")
+    default = calibrated.cache.scales_host()
+    want = calibrated.calibrate_kv_scales([ids])
+    assert not np.array_equal(want[0], default[0]) and not np.array_equal(want[1], default[1])
+    seen = []
+    real_generate = Llama.generate
+
+    def generate(self, *args, **kwargs):
+        seen.append(self.cache.scales_host())
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Llama, "generate", generate)
+    out, err = _run(path, max_new_tokens=8, kv_dtype="float8_e4m3")
+    (scales,) = seen
+    np.testing.assert_array_equal(scales[0], want[0])
+    np.testing.assert_array_equal(scales[1], want[1])
+    tokens = _expected_tokens(checkpoint, tokenizer, ids, 8, kv_dtype="float8_e4m3")
+    assert out == tokenizer.decode(tokens, skip_special_tokens=True) + "\n"
+    assert "on emulator, bfloat16 (float8_e4m3 cache), graph" in err
 
 
 def test_generation_ends_at_the_tokenizers_stop_ids_which_are_not_printed(tiny, monkeypatch):

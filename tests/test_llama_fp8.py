@@ -165,15 +165,3 @@ def test_the_benchs_teacher_forcing_reproduces_generate(config, weights):
     model.calibrate_kv_scales(CALIBRATION)
     tokens, logits = model.generate(PROMPTS, 4, use_graph=False, return_logits=True)
     assert np.array_equal(teacher_forced(model, PROMPTS, tokens), logits)
-
-
-def test_run_generate_takes_kv_dtype(tmp_path):
-    import io
-    from gguf_fixtures import write_tiny_llama
-    from cupykv.models.generate import run_generate
-    path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path)
-    out, err = io.StringIO(), io.StringIO()
-    assert run_generate("the cat", gguf=str(path), max_new_tokens=3, backend="emulator", kv_dtype=FP8,
-                        out=out, err=err) == 0
-    assert "bfloat16 (float8_e4m3 cache)" in err.getvalue()
