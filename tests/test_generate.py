@@ -48,9 +48,10 @@ def _run(path, prompt=PROMPT, **kwargs):
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
-@pytest.mark.parametrize("new_tokens", [5, 11, 12], ids=lambda n: f"{n}new")
+@pytest.mark.parametrize("new_tokens", [1, 5, 11, 12], ids=lambda n: f"{n}new")
 def test_the_streamed_text_is_the_text_of_the_models_greedy_tokens(tiny, chat, new_tokens):
-    # "the cat" is 5 ids and its chat rendering 23: prompt + new tokens lands below, on and just past 16 and 32 rows
+    # "the cat" is 5 ids and its chat rendering 23: prompt + new tokens lands below, on and just past 16 and 32 rows;
+    # one new token is the least run_generate takes
     path, checkpoint, tokenizer = tiny
     text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]) if chat else PROMPT
     ids = tokenizer.encode(text, add_special_tokens=True)
