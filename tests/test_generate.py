@@ -6,6 +6,8 @@ never half of a UTF-8 character.
 """
 import dataclasses
 import io
+import re
+import time
 
 import numpy as np
 import pytest
@@ -57,10 +59,18 @@ def test_the_streamed_text_is_the_text_of_the_models_greedy_tokens(tiny, chat, n
     ids = tokenizer.encode(text, add_special_tokens=True)
     tokens = _expected_tokens(checkpoint, tokenizer, ids, new_tokens)
     assert len(tokens) == new_tokens and not set(tokens) & set(tokenizer.stop_ids)   # no early stop hides a bug
+    started = time.perf_counter()
     out, err = _run(path, max_new_tokens=new_tokens, chat=chat)
+    elapsed = time.perf_counter() - started
     assert out == tokenizer.decode(tokens, skip_special_tokens=True) + "\n"
-    assert err.startswith(f"{len(ids)} prompt tokens, {new_tokens} new tokens in ")
-    assert "on emulator, bfloat16, graph (emulator timings: CPU emulation, NOT GPU figures)" in err
+    timing = re.fullmatch(rf"{len(ids)} prompt tokens, {new_tokens} new tokens in (\d+\.\d\d) s: (\d+\.\d\d) tokens/s "
+                          r"on emulator, bfloat16, graph \(emulator timings: CPU emulation, NOT GPU figures\); "
+                          r"loading took (\d+\.\d) s\n", err)
+    assert timing, err
+    seconds, rate, loading = (float(group) for group in timing.groups())
+    # the rate is the new tokens over the decode time, each printed to 0.01: their product is the count
+    assert abs(rate * seconds - new_tokens) <= 0.005 * (rate + seconds) + 1e-4, err
+    assert seconds + loading <= elapsed + 0.1, err      # both are parts of the call, which the test timed
 
 
 def test_an_fp8_cache_is_calibrated_on_the_prompt_before_generating(tiny, monkeypatch):
@@ -129,12 +139,26 @@ def test_the_stream_waits_for_whole_characters_and_skips_stop_tokens(tiny):
         seen.append(out.getvalue())
     assert seen == ["a", "a", "a", "a✓"]               # nothing while the check mark is incomplete
     stream([tokenizer.stop_ids[0]])
+    stream([1])                                          # <|im_start|>: a control token that is not a stop
     stream([ids[4]])
     assert out.getvalue() == "a✓"
     stream([ids[5]])
-    assert out.getvalue() == "a✓é" and stream.ids == ids  # the stop token was neither printed nor kept
+    assert out.getvalue() == "a✓é"                       # neither the stop token nor the control token printed
+    assert stream.ids == ids[:4] + [1] + ids[4:]          # the stop token is not kept; the control token is
     stream([7, 99])                                      # only the first row of a step is streamed
-    assert stream.ids == ids + [7]
+    assert stream.ids == ids[:4] + [1] + ids[4:] + [7]
+
+
+def test_a_model_that_wants_a_bos_gets_it_before_the_prompt(tiny, monkeypatch):
+    path, checkpoint, tokenizer = tiny
+    with_bos = dataclasses.replace(tokenizer, add_bos=True)          # the tiny file names bos 1 but asks for none
+    monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(lambda cls, metadata: with_bos))
+    ids = with_bos.encode(PROMPT, add_special_tokens=True)
+    assert ids == [1] + tokenizer.encode(PROMPT)
+    tokens = _expected_tokens(checkpoint, tokenizer, ids, 3)
+    out, err = _run(path, max_new_tokens=3)
+    assert out == tokenizer.decode(tokens, skip_special_tokens=True) + "\n"
+    assert err.startswith(f"{len(ids)} prompt tokens, 3 new tokens in ")
 
 
 def test_a_prompt_that_encodes_to_no_token_is_refused(tiny):
