@@ -1,5 +1,6 @@
 """GGUF loading and its tokenizer, on tiny synthetic files written with ``gguf``'s own writer."""
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -160,8 +161,10 @@ def test_an_unsupported_tensor_type_is_named(tmp_path):
 
 
 def test_a_missing_file_names_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nothing.gguf"):
-        read_gguf(tmp_path / "nothing.gguf")
+    path = tmp_path / "nothing.gguf"      # a Path is named as the plain string it stands for
+    with pytest.raises(FileNotFoundError, match=rf"^path: expected a GGUF file, got {re.escape(repr(str(path)))} "
+                                                r"\(no such file\)$"):
+        read_gguf(path)
 
 
 # -- the tokenizer ---------------------------------------------------------------------------
