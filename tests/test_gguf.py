@@ -303,3 +303,11 @@ def test_metadata_alone_is_read_without_the_tensors(tiny):
     metadata = read_metadata(path)
     assert metadata["general.architecture"] == "llama" and metadata["llama.block_count"] == TINY.num_hidden_layers
     assert metadata == read_gguf(path).metadata
+
+
+def test_a_checkpoint_shows_its_config_not_its_arrays_and_is_frozen(tiny):
+    path, _ = tiny
+    checkpoint = read_gguf(path)
+    assert repr(checkpoint) == f"GGUFCheckpoint(config={checkpoint.config!r})"     # no weights, metadata, types
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        checkpoint.config = TINY
