@@ -282,12 +282,13 @@ def test_unsupported_or_missing_keys_are_refused_by_name(change, message):
         config_from_metadata(metadata, "model.gguf")
 
 
-def test_every_missing_tensor_is_counted_and_the_first_named(tmp_path):
+@pytest.mark.parametrize("more", [1, 2])
+def test_every_missing_tensor_is_counted_and_the_first_named(tmp_path, more):
     path = tmp_path / "missing.gguf"
-    write_tiny_llama(path, drop=("output_norm.weight", "blk.0.attn_k.weight", "blk.1.ffn_down.weight"))
+    write_tiny_llama(path, drop=("output_norm.weight", "blk.0.attn_k.weight", "blk.1.ffn_down.weight")[: more + 1])
     # the first in config.weight_shapes() order: the embedding and the final norm come before the layers
     with pytest.raises(GGUFError, match=r"missing\.gguf: expected a tensor 'output_norm\.weight' "
-                                        r"\(model\.norm\.weight\), missing \(and 2 more\)$"):
+                                        rf"\(model\.norm\.weight\), missing \(and {more} more\)$"):
         read_gguf(path)
 
 
