@@ -48,6 +48,55 @@ def test_from_hf_rejects_what_it_does_not_implement(change, message):
         LlamaConfig.from_hf(dict(HF_CONFIG, **change))
 
 
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=200)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    *[({name: 0}, ValueError, rf"{name}: expected an int in 1\.\.2147483647, got 0") for name in SHAPE],
+    ({"vocab_size": 2**31}, ValueError, r"vocab_size: expected an int in 1\.\.2147483647, got 2147483648"),
+    ({"num_key_value_heads": 0}, ValueError, r"num_key_value_heads: expected an int in 1\.\.2147483647, got 0"),
+    ({"head_dim": 15}, ValueError, r"head_dim: expected an even int \(rotary pairs halves\), got 15"),
+    ({"head_dim": 1}, ValueError, r"head_dim: expected an int in 2\.\.256, got 1"),
+    ({"head_dim": 258}, ValueError, r"head_dim: expected an int in 2\.\.256, got 258"),
+    ({"hidden_size": 66}, ValueError, r"hidden_size: expected a multiple of num_attention_heads=4 \(or an explicit "
+                                      r"head_dim\), got 66"),
+    ({"tie_word_embeddings": 1}, TypeError, r"tie_word_embeddings: expected a bool, got 1"),
+])
+def test_a_config_that_the_kernels_cannot_run_is_refused_by_field(change, error, message):
+    with pytest.raises(error, match=rf"^LlamaConfig\.{message}$"):
+        LlamaConfig(**{**SHAPE, **change})
+
+
+def test_a_config_defaults_like_hugging_faces_and_is_a_frozen_value():
+    config = LlamaConfig(**SHAPE)
+    assert (config.num_key_value_heads, config.head_dim, config.tie_word_embeddings) == (4, 16, False)
+    assert (config.rms_norm_eps, config.rope_theta) == (1e-6, 10000.0)
+    noted = LlamaConfig(**SHAPE, extra={"torch_dtype": "bfloat16"})
+    assert noted == config and repr(noted) == repr(config)      # extra keys neither compare nor print
+    with pytest.raises(AttributeError):
+        config.vocab_size = 7
+    assert LlamaConfig.from_hf({k: v for k, v in HF_CONFIG.items() if k != "tie_word_embeddings"}) \
+        .tie_word_embeddings is False                            # absent from config.json: untied, as in HF
+
+
+def test_from_hf_names_every_missing_required_key():
+    with pytest.raises(ValueError, match=r"^config: expected the keys \['hidden_size', 'num_hidden_layers', "
+                                         r"'num_attention_heads', 'intermediate_size', 'vocab_size'\], missing "
+                                         r"\['num_hidden_layers', 'vocab_size'\]$"):
+        LlamaConfig.from_hf({k: v for k, v in HF_CONFIG.items() if k not in ("num_hidden_layers", "vocab_size")})
+
+
+def test_weights_that_are_not_a_mapping_or_not_floats_are_refused():
+    config = LlamaConfig(**SHAPE)
+    with pytest.raises(TypeError, match=r"^weights: expected a mapping of Hugging Face names to arrays, got list$"):
+        config.check_weights([1, 2])
+    weights = config.random_weights(0)
+    weights["model.norm.weight"] = weights["model.norm.weight"].astype(np.int32)
+    with pytest.raises(TypeError, match=r"^weights\['model\.norm\.weight'\]: expected a float array, got dtype "
+                                        r"int32$"):
+        config.check_weights(weights)
+
+
 def test_missing_or_misshapen_weights_are_named():
     config = LlamaConfig.from_hf(HF_CONFIG)
     weights = config.random_weights(0)
