@@ -29,7 +29,7 @@ RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count"
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
               "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array", "byte_races",
               "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word",
-              "late_warps_read_then_write"]
+              "late_warps_read_then_write", "wide_read_then_overwrite"]
 
 
 def load_races():
@@ -507,6 +507,17 @@ def test_a_threads_newer_read_replaces_its_own_record_not_another_threads(races)
     assert hazard.kind == "write-after-read", str(caught.value)
     assert (hazard.first.site, hazard.second.site) == (source_site(RACES, "out[0] = word[0];"),
                                                        source_site(RACES, "word[0] = seen + 1;")), str(caught.value)
+
+
+def test_a_wide_access_pair_counts_one_hazard_not_one_per_word(races):
+    # the int4 spans four 4-byte granules, each checked; the report counts the pair of accesses once
+    data, counter, out = E.zeros(4, np.int32), E.zeros(1, np.int32), E.zeros(4, np.int32)
+    with pytest.raises(E.RaceError) as caught:
+        races.get_function("wide_read_then_overwrite")(2, 1, (data, counter, out))
+    hazard = only_hazard(caught.value)
+    assert (hazard.kind, hazard.count, hazard.offset) == ("write-after-read", 1, 0), str(caught.value)
+    assert (hazard.first.site, hazard.second.site) == (source_site(RACES, "out[0] = data[0];"),
+                                                       source_site(RACES, "data[0] = make_int4(1, 2, 3, 4);"))
 
 
 @pytest.mark.parametrize("kernel, store, words", [("store_one_word", "*word = blockIdx.x == 1", 2),

@@ -278,3 +278,14 @@ __global__ void late_warps_read_then_write(int* word, int* out, int synced, int 
   if (synced) __syncthreads(); else __syncwarp();
   if ((int)threadIdx.x == writer) *word = 8;
 }
+
+// One 16-byte access against another, four granules of shadow state: the one-thread block that
+// runs first (turn 0 on `counter`) reads the int4, the other overwrites it. One access pair is
+// one hazard, however many granules it spans. data: [1] int4, counter: [1] int (zero), out: [1] int4.
+__global__ void wide_read_then_overwrite(int4* data, int* counter, int4* out) {
+  if (atomicAdd(counter, 1) == 0) {
+    out[0] = data[0];
+    return;
+  }
+  data[0] = make_int4(1, 2, 3, 4);
+}
