@@ -100,6 +100,32 @@ def test_the_chat_template_sees_the_messages_the_special_tokens_and_the_generati
     assert unnamed.apply_chat_template(messages[1:]) == "[user]hi[assistant]"     # no bos/eos id: empty strings
 
 
+def test_block_tags_leave_no_whitespace_of_their_own_as_in_hugging_faces_renderer():
+    # transformers renders chat templates with trim_blocks and lstrip_blocks: a block tag's own line (its
+    # indentation and its newline) disappears; text lines keep theirs
+    template = ("{% for m in messages %}\n    {% if m['role'] == 'user' %}\n  [{{ m['content'] }}]\n"
+                "    {% endif %}\n{% endfor %}")
+    tokenizer = Tokenizer.from_gguf(metadata(chat_template=template))
+    messages = [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"},
+                {"role": "user", "content": "yo"}]
+    assert tokenizer.apply_chat_template(messages) == "  [hi]\n  [yo]\n"
+
+
+def test_decode_keeps_control_tokens_unless_asked_to_skip_them():
+    tokenizer = Tokenizer.from_gguf(metadata())
+    ids = tokenizer.encode("<|im_start|>user hi<|im_end|>")
+    assert tokenizer.decode(ids) == "<|im_start|>user hi<|im_end|>"
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "user hi"
+
+
+def test_a_tokenizer_shows_its_special_ids_not_its_vocabulary_and_is_frozen():
+    tokenizer = Tokenizer.from_gguf(metadata(chat_template=TEMPLATE, ggml__bos_token_id=1, ggml__eos_token_id=2))
+    eot_id = TOKENS.index("<|eot_id|>")
+    assert repr(tokenizer) == f"Tokenizer(bos_id=1, eos_id=2, stop_ids=(0, 2, {eot_id}), add_bos=False)"
+    with pytest.raises(AttributeError):
+        tokenizer.bos_id = 0
+
+
 @pytest.mark.parametrize("messages", [{"role": "user", "content": "hi"}, [{"role": "user"}],
                                       [{"role": "user", "content": 3}], ["hi"]])
 def test_chat_messages_that_are_not_role_and_content_strings_are_refused(messages):
