@@ -282,6 +282,26 @@ def test_embedding_copies_rows_bit_for_bit(backend, dtype, rows, vocab, hidden, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("threads", [1, 3, 1024])
+@pytest.mark.parametrize("dtype, hidden", [("float32", 12), ("bfloat16", 24), ("bfloat16", 13)])
+def test_embedding_takes_any_block_size(backend, threads, dtype, hidden, monkeypatch):
+    """embedding.cu takes any block size (the host launches 128): one thread copies a whole row and sets
+    the flag, 3 stride unevenly over its 16-byte words (12 float32, 24 bfloat16) or its elements (13),
+    1024 leave most threads idle."""
+    monkeypatch.setattr(ops, "EMBEDDING_THREADS", threads)
+    rng = np.random.default_rng(threads + hidden)
+    table = random(rng, (5, hidden), dtype)
+    ids = np.array([4, -1, 0, 5, 2], np.int32)
+    flag, want_flag = device(backend, np.zeros(1, np.int32)), np.zeros(1, np.int32)
+    out = device(backend, np.full((5, hidden), 7, NP_DTYPES[dtype]))
+    got = ops.embedding(device(backend, ids), device(backend, table), out=out, error_flag=flag)
+    want = reference.embedding(ids, table, error_flag=want_flag)
+    np.testing.assert_array_equal(to_host(backend, got, dtype).view(f"u{table.itemsize}"),
+                                  want.view(f"u{table.itemsize}"))
+    assert to_host(backend, flag).tolist() == want_flag.tolist() == [1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_embedding_flag_is_sticky(backend):
     table = device(backend, np.arange(12, dtype=np.float32).reshape(3, 4))
     flag = device(backend, np.zeros(1, np.int32))
