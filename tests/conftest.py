@@ -144,6 +144,19 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: item.path.name not in LONG_SINGLE_TESTS)   # stable: otherwise unchanged
 
 
+@pytest.hookimpl(tryfirst=True)       # before xdist's own (trylast) pytest_configure reads the option
+def pytest_configure(config):
+    """A worker that crashes (an emulated kernel's segfault takes the whole process) fails the run at once.
+
+    The work-unit scheduler below hands no work to a worker started in a crashed one's place, so xdist's
+    default of restarting workers left the controller waiting for tests nobody would run: a crash showed as
+    the CI time limit. Unless ``--max-worker-restart`` is given, it is 0: the crashed test is named and the
+    run stops. Without xdist the option does not exist and a crash ends pytest itself.
+    """
+    if getattr(config.option, "maxworkerrestart", "absent") is None:
+        config.option.maxworkerrestart = "0"
+
+
 @pytest.hookimpl(optionalhook=True)   # hooks of pytest-xdist, absent when it is not installed
 def pytest_xdist_make_scheduler(config, log):
     """``-n N`` with the default ``--dist load``: tests one at a time, but :func:`work_unit` groups whole.

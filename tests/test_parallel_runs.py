@@ -1,5 +1,9 @@
 """The parallel run of the README's test command (``pytest -n auto``, tests/conftest.py): which tests share
-a worker, so that an expensive fixture runs once, and how many workers ``-n auto`` starts."""
+a worker, so that an expensive fixture runs once, how many workers ``-n auto`` starts, and what a crashed
+worker does to the run."""
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +49,31 @@ def test_auto_starts_no_more_workers_than_cores_or_memory_allow(pytestconfig):
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 1 <= workers <= len(os.sched_getaffinity(0))
     assert workers <= max(1, memory // conftest.WORKER_PEAK_BYTES)
+
+
+def test_a_crashed_worker_fails_the_run_at_once_naming_its_test(tmp_path):
+    """A segfault (an emulated kernel's, here a read of address 0) takes a worker down; the run must stop
+    with that test named, not wait for a replacement worker the work-unit scheduler never feeds."""
+    (tmp_path / "test_crash.py").write_text("import ctypes\n\n\ndef test_crash():\n    ctypes.string_at(0)\n\n\n"
+                                            "def test_after():\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "-p", "conftest", "-p", "no:cacheprovider",
+                          "-p", "no:randomly", "-q", "--rootdir", str(tmp_path), str(tmp_path / "test_crash.py")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "worker 'gw0' crashed while running 'test_crash.py::test_crash'" in run.stdout, run.stdout
+    assert "FAILED test_crash.py::test_crash" in run.stdout, run.stdout
+
+
+def test_a_requested_worker_restart_count_is_kept():
+    class Options:
+        maxworkerrestart = "3"
+
+    class Config:
+        option = Options()
+
+    conftest.pytest_configure(Config())
+    assert Config.option.maxworkerrestart == "3"
+    Options.maxworkerrestart = None
+    conftest.pytest_configure(Config())
+    assert Config.option.maxworkerrestart == "0"
