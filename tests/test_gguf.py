@@ -8,7 +8,7 @@ import pytest
 from cupykv.reference import _rotate
 from cupykv.models import Llama
 from cupykv.models.gguf import (GGUFError, SUPPORTED_TYPES, _hf_name, config_from_metadata, read_gguf,
-                                unpermute_rotary_rows)
+                                read_metadata, unpermute_rotary_rows)
 from cupykv.models.tokenizer import Tokenizer
 from gguf_fixtures import END_TURN_ID, TINY, TYPE_OF, USER_TOKEN_ID, gguf_order_rows, write_tiny_llama
 
@@ -299,7 +299,6 @@ def test_names_llama_does_not_use_map_to_nothing(name):
 
 
 def test_metadata_alone_is_read_without_the_tensors(tiny):
-    from cupykv.models.gguf import read_metadata
     path, _ = tiny
     metadata = read_metadata(path)
     assert metadata["general.architecture"] == "llama" and metadata["llama.block_count"] == TINY.num_hidden_layers

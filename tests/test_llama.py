@@ -48,7 +48,9 @@ def test_from_hf_rejects_what_it_does_not_implement(change, message):
         LlamaConfig.from_hf(dict(HF_CONFIG, **change))
 
 
-SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=200)
+#: The required LlamaConfig fields, HF_CONFIG's values.
+SHAPE = {name: HF_CONFIG[name] for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                            "intermediate_size", "vocab_size")}
 
 
 @pytest.mark.parametrize("change, error, message", [

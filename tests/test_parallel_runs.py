@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -66,14 +67,9 @@ def test_a_crashed_worker_fails_the_run_at_once_naming_its_test(tmp_path):
 
 
 def test_a_requested_worker_restart_count_is_kept():
-    class Options:
-        maxworkerrestart = "3"
-
-    class Config:
-        option = Options()
-
-    conftest.pytest_configure(Config())
-    assert Config.option.maxworkerrestart == "3"
-    Options.maxworkerrestart = None
-    conftest.pytest_configure(Config())
-    assert Config.option.maxworkerrestart == "0"
+    config = SimpleNamespace(option=SimpleNamespace(maxworkerrestart="3"))
+    conftest.pytest_configure(config)
+    assert config.option.maxworkerrestart == "3"
+    config.option.maxworkerrestart = None
+    conftest.pytest_configure(config)
+    assert config.option.maxworkerrestart == "0"
