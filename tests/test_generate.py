@@ -127,6 +127,23 @@ def test_the_command_line_passes_chat_dtype_and_eager_through(tiny, capsys):
     assert "on emulator, float32, eager (emulator timings" in captured.err
 
 
+@pytest.mark.parametrize("entry", ["function", "command line"])
+def test_by_default_32_new_tokens_stream_from_a_bfloat16_graph(tiny, capsys, entry):
+    # the documented defaults of both entry points: --max-new-tokens 32, --dtype bfloat16, graph decode
+    path, checkpoint, tokenizer = tiny
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    tokens = _expected_tokens(checkpoint, tokenizer, ids, 32)
+    assert len(tokens) == 32
+    if entry == "function":
+        assert run_generate(PROMPT, gguf=path, backend="emulator") == 0
+    else:
+        assert main(["generate", PROMPT, "--gguf", path, "--backend", "emulator"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == tokenizer.decode(tokens, skip_special_tokens=True) + "\n"
+    assert captured.err.startswith(f"{len(ids)} prompt tokens, 32 new tokens in ")
+    assert "on emulator, bfloat16, graph (emulator timings" in captured.err
+
+
 def test_the_stream_waits_for_whole_characters_and_skips_stop_tokens(tiny):
     _, _, tokenizer = tiny
     out = io.StringIO()
