@@ -97,6 +97,32 @@ def test_replay_n_runs_n_steps(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad, error, shown", [(-1, ValueError, "-1"), (1.5, TypeError, r"1\.5 \(float\)"),
+                                               (True, TypeError, r"True \(bool\)"), ("2", TypeError, r"'2' \(str\)")],
+                         ids=["negative", "float", "bool", "str"])
+def test_replay_refuses_a_count_that_is_not_an_int_at_least_0_and_runs_nothing(backend, bad, error, shown):
+    # True would replay once and "2" twice if the count reached range() unchecked
+    cache, oracle, step = make(backend)
+    graph = cupykv.capture(step)
+    step.on_reference(oracle)                          # the capture's warm-up step
+    with pytest.raises(error, match=rf"^n: expected an int >= 0, got {shown}$"):
+        graph.replay(bad)
+    testing.assert_matches_reference(cache, oracle)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_graph_names_the_backend_that_recorded_it(backend):
+    cache, _, step = make(backend)
+    assert cupykv.capture(step).backend == cache.backend
+
+
+@pytest.mark.parametrize("step", [3, None, "step"], ids=["int", "None", "str"])
+def test_capture_refuses_a_step_that_is_not_callable_by_its_type(step):
+    with pytest.raises(TypeError, match=rf"^step: expected a callable, got {type(step).__name__}$"):
+        cupykv.capture(step)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_overflow_during_replay_writes_nothing_past_capacity_and_check_raises(backend):
     cache, oracle, step = make(backend, max_seq=8, lengths=(5, 0))
     graph = cupykv.capture(step)
