@@ -6,6 +6,8 @@ in the kernel's int, strided device arrays read as if contiguous, outputs and
 inputs aliasing each other or the cache, and floats the kernel's float32
 turned into inf or 0.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
@@ -549,3 +551,16 @@ def test_a_rope_theta_is_taken_from_1_to_the_largest_float64():
         cupykv.Rope(-(10**58))
     with pytest.raises(ValueError, match=r"got -1" + "0" * 43 + r"\.\.\." + "0" * 12 + "$"):   # 45 + 3 + 12
         cupykv.Rope(-(10**59))
+
+
+@pytest.mark.parametrize("make, field, bad", [(lambda: cupykv.Rope(500.0), "theta", -1.0),
+                                              (lambda: SPEC, "max_seq", -4), (lambda: SPEC, "dtype", "int8")],
+                         ids=["Rope.theta", "CacheSpec.max_seq", "CacheSpec.dtype"])
+def test_a_checked_rope_or_spec_cannot_be_changed_afterwards(make, field, bad):
+    # both are checked once, when made: an assignment afterwards would carry an unchecked value to the kernels
+    settings_object = make()
+    before = getattr(settings_object, field)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(settings_object, field, bad)
+    assert getattr(settings_object, field) == before
+    assert hash(settings_object) == hash(make()) and settings_object == make()
