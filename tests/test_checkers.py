@@ -56,6 +56,11 @@ def test_ulp_distance_refuses_a_dtype_or_a_shape_that_differs():
         testing.ulp_distance(one, one.reshape(1, 3))
 
 
+def test_ulp_distance_takes_lists_as_float64():
+    assert testing.ulp_distance([1.0, -0.0], [np.nextafter(1.0, 2.0), 0.0]).tolist() == [1, 0]
+    assert testing.ulp_distance([[2.0**-1074]], [[-(2.0**-1074)]]).tolist() == [[2]]   # across zero
+
+
 # -- the stated tolerances -----------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_the_attention_tolerance_is_the_stated_formula(dtype):
@@ -104,6 +109,15 @@ def test_assert_attention_close_passes_the_edge_and_reports_the_worst_element():
     with pytest.raises(AssertionError, match=rf"max error {error} \(tolerance {edge:.3g}, float32, "
                                              rf"value scale 4, logit error 0\), .* worst at index \(1,\): got -1.99987.*, want -2.0$"):
         tolerances.assert_attention_close(got, want, "float32", 4.0)
+
+
+def test_assert_attention_close_takes_lists_and_names_its_context():
+    # array_like, as documented: the report indexes the inputs as arrays, whatever was passed
+    with pytest.raises(AssertionError, match=r"^attention outside tolerance layer 3: max error 0\.5 .* "
+                                             r"worst at index \(1,\): got 2\.0, want 2\.5$"):
+        tolerances.assert_attention_close([1.0, 2.0], [1.0, 2.5], "float32", 1.0, context="layer 3")
+    with pytest.raises(AssertionError, match=r"^attention outside tolerance: max error"):   # no context: no space
+        tolerances.assert_attention_close([[2.0]], [[2.5]], "float32", 1.0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
