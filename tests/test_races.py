@@ -18,7 +18,7 @@ import pytest
 import cupykv
 from cupykv import ops
 from cupykv.backends import emulator as E
-from cupykv.backends.emulator import sites
+from cupykv.backends.emulator import build, sites
 from cupykv.backends.emulator_backend import EmulatorBackend
 from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
 from source_lines import source_site
@@ -207,6 +207,17 @@ def test_a_site_no_line_of_the_users_code_holds_is_named_by_its_offset_in_the_mo
     answers ``??:0``) is written ``module.so+0xOFFSET``."""
     many = E.Module(LONG_KERNEL, ["many"], filename="many.cu")
     assert sites.describe_sites(many.path, {1}) == {1: f"{os.path.basename(many.path)}+0x1"}
+
+
+def test_an_addr2line_frame_is_the_users_file_and_line_unless_it_is_the_emulators_own():
+    """Frames in the emulator's headers (cuemu.h) and in generated wrappers (``<...>``) are not the kernel
+    author's code and give no site; a folder whose name only starts like the headers' folder is the user's."""
+    headers = str(build.INCLUDE_DIR)
+    assert sites._frame(f"{headers}/cuemu.h:120") is None
+    assert sites._frame(f"{headers}/../include/cuemu.h:120 (discriminator 3)") is None
+    assert sites._frame("/tmp/kernels/<launch wrapper>:7") is None
+    assert sites._frame("??:0") is None and sites._frame("many.cu:?") is None
+    assert sites._frame(f"{headers}_mine/attention.cu:52 (discriminator 1)") == "attention.cu:52"
 
 
 def test_a_half_warp_syncwarp_orders_its_lanes_only(races):

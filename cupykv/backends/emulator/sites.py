@@ -67,7 +67,7 @@ def _frame(text):
     file, _, line = text.rpartition(":")
     if not file or file.startswith("??") or not line.isdigit():
         return None
-    if os.path.normpath(file).startswith(_EMULATOR_HEADERS) or os.path.basename(file).startswith("<"):
+    if os.path.dirname(os.path.normpath(file)) == _EMULATOR_HEADERS or os.path.basename(file).startswith("<"):
         return None  # cuemu.h and the registry's launch wrappers: not the kernel author's code
     return f"{os.path.basename(file)}:{line}"
 
