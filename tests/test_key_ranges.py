@@ -107,6 +107,13 @@ def test_fixed_splits_cut_at_multiples_of_split_keys(module, split_keys):
     check(module, every_split(length=700, tile_rows=1, window=200, num_splits=8, split_keys=split_keys))
 
 
+def test_the_smallest_fixed_split_is_one_key(module):
+    # split_keys 1 (align 1): split s reads key s alone, here keys 3..5 of a window of 3 at position 5;
+    # equal pieces would have given keys 3, 4 and 5 to splits 0, 1 and 2 instead
+    ranges = check(module, every_split(length=5, tile_rows=1, window=3, num_splits=6, split_keys=1, align=1))
+    assert [end - begin for begin, end in ranges][3:] == [1, 1, 1]
+
+
 def test_a_tile_ends_at_max_seq_and_a_window_past_it_reads_nothing(module):
     check(module, every_split(length=1020, tile_rows=TILE_ROWS, max_seq=1024, num_splits=2))
     check(module, every_split(length=1030, tile_rows=4, max_seq=1024, window=3, num_splits=2))
