@@ -481,6 +481,16 @@ def test_an_instance_that_does_not_fit_an_sm_fails_without_a_declared_minimum():
     assert code == 1 and "BELOW MINIMUM" in stdout and "0 blocks/SM, limited by shared" in stderr
 
 
+@pytest.mark.parametrize("blocks, min_blocks, below", [(1, None, False), (1, 0, False), (0, None, True),
+                                                      (3, 3, False), (2, 3, True), (4, 3, False)])
+def test_below_minimum_is_fewer_blocks_than_declared_or_than_one(blocks, min_blocks, below):
+    # without a declared minimum (or with 0) one resident block is enough; with one, exactly that many
+    report = nvrtc_check.InstanceReport("sm_90", "cupykv_linear<float, 1>", 32, 0, 0, 0, 0, 128, min_blocks)
+    limits = occupancy.Occupancy(blocks, by_registers=blocks, by_threads=16, by_blocks=32, by_shared=20)
+    row = occupancy.OccupancyRow(report, occupancy.launch_shape(report.instance), limits)
+    assert row.below_minimum is below
+
+
 def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
     """The real generic attention source with 16 KB more static shared memory per block (a deeper
     cp.async pipeline, say): registers still allow 5 blocks on sm_80, shared memory (with the
