@@ -203,6 +203,26 @@ def test_operands_the_instruction_does_not_allow_fail(module, mode, match):
     assert_still_works(module)
 
 
+@pytest.mark.parametrize("call, message", [
+    ("cupykv::cp_async<12>(tile, src, 12);", "cp.async copies 4, 8 or 16 bytes"),
+    ("cupykv::cp_async<2>(tile, src, 2);", "cp.async copies 4, 8 or 16 bytes"),
+    ("cupykv::cp_async_wait<-1>();", "cp.async.wait_group takes a count of groups left pending"),
+], ids=["12-bytes", "2-bytes", "wait-minus-1"])
+def test_a_size_or_count_the_instruction_has_no_form_for_fails_to_compile(call, message):
+    # caught where the kernel is written, not when (or whether) a launch reaches the copy
+    source = ("#include \"async_copy.cuh\"\n"
+              "__global__ void misuse(const float* src) {\n"
+              "    __shared__ __align__(16) float tile[4];\n"
+              f"    {call}\n"
+              "    cupykv::cp_async_wait_all();\n"
+              "}\n")
+    with pytest.raises(E.CompileError, match=rf"(?s)misuse\.cu.*{re.escape(message)}"):
+        E.Module(source, ["misuse"], include_dirs=[KERNEL_DIR], filename="misuse.cu")
+    with pytest.raises(nvrtc_check.NvrtcError, match=re.escape(message)):   # the GPU's compiler, the same way
+        nvrtc_check.compile_file(nvrtc_check.load_nvrtc(), "misuse.cu", source, ["misuse"], "sm_80",
+                                 include_dirs=(KERNEL_DIR,))
+
+
 @pytest.mark.parametrize("mode", [1, 2, 3])
 def test_pipeline_bugs_fail(module, mode):
     """wait<2> leaves the tile being read in flight; no barrier after the wait, or before a stage
