@@ -320,6 +320,29 @@ def test_verdicts_do_not_depend_on_the_schedule(module, monkeypatch, seed):
     test_ldmatrix_of_rows_other_lanes_wrote_needs_synchronisation(module)
 
 
+@pytest.mark.parametrize("call, message", [
+    ("mma_m16n8k16<float>(d, a, b, d);", "mma_m16n8k16 multiplies __half or __nv_bfloat16"),
+    ("mma_m16n8k16<short>(d, a, b, d);", "mma_m16n8k16 multiplies __half or __nv_bfloat16"),
+    ("ldmatrix<3, false>(r, row);", "ldmatrix loads 1, 2 or 4 matrices"),
+], ids=["float", "short", "three-matrices"])
+def test_a_type_or_count_the_instruction_has_no_form_for_fails_to_compile(call, message):
+    # a 16-bit integer has the size of a half but would be multiplied as one: only the two types compile
+    source = ("#include \"mma.cuh\"\n"
+              "__global__ void misuse(float* out) {\n"
+              "    __shared__ __align__(16) unsigned short row[8];\n"
+              "    const unsigned a[4] = {0, 0, 0, 0}, b[2] = {0, 0};\n"
+              "    float d[4] = {0, 0, 0, 0};\n"
+              "    unsigned r[3];\n"
+              f"    cupykv::{call}\n"
+              "    out[threadIdx.x] = d[0] + (float)r[0];\n"
+              "}\n")
+    with pytest.raises(E.CompileError, match=rf"(?s)misuse\.cu.*{re.escape(message)}"):
+        E.Module(source, ["misuse"], include_dirs=[KERNEL_DIR], filename="misuse.cu")
+    with pytest.raises(nvrtc_check.NvrtcError, match=re.escape(message)):   # the GPU's compiler, the same way
+        nvrtc_check.compile_file(nvrtc_check.load_nvrtc(), "misuse.cu", source, ["misuse"], "sm_80",
+                                 include_dirs=(KERNEL_DIR,))
+
+
 # ---- the same source is real CUDA ----------------------------------------------------------------
 def entry_ptx(program, instance):
     """The PTX of one instance's entry."""

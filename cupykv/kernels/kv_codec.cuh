@@ -15,6 +15,7 @@
 // bit moves before sm_89 and on the emulator (widen_fp8_pair_by_bits, tests/test_fp8_widen.py).
 #pragma once
 #include "common.cuh"
+#include "type_traits.cuh"
 #include <cuda_fp8.h>
 
 // 1 where E4M3 codes widen with the conversion instruction (a GPU from sm_89 on); 0 where they widen
@@ -27,9 +28,6 @@
 #endif
 
 namespace cupykv {
-
-template <typename A, typename B> struct same_type { static constexpr bool value = false; };
-template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
 
 template <typename T> struct is_fp8 { static constexpr bool value = false; };
 template <> struct is_fp8<__nv_fp8_e4m3> { static constexpr bool value = true; };

@@ -34,6 +34,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include "type_traits.cuh"
 
 namespace cupykv {
 
@@ -56,20 +57,18 @@ __device__ __forceinline__ void emulated_fragment(int op, int arg, const void* i
 }
 #endif
 
-template <typename T> struct is_bfloat16 { static constexpr bool value = false; };
-template <> struct is_bfloat16<__nv_bfloat16> { static constexpr bool value = true; };
-
 template <typename T>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
                                              const float (&c)[4]) {
-    static_assert(sizeof(T) == 2, "mma_m16n8k16 multiplies __half or __nv_bfloat16");
+    constexpr bool kBfloat16 = same_type<T, __nv_bfloat16>::value;
+    static_assert(kBfloat16 || same_type<T, __half>::value, "mma_m16n8k16 multiplies __half or __nv_bfloat16");
 #ifdef CUPYKV_EMULATOR
     const cuemu_mma_in in = {{a[0], a[1], a[2], a[3]}, {b[0], b[1]}, {c[0], c[1], c[2], c[3]}};
     unsigned out[4];
-    emulated_fragment(is_bfloat16<T>::value ? CUEMU_MMA_BF16 : CUEMU_MMA_F16, 0, &in, out, __FILE__, __LINE__);
+    emulated_fragment(kBfloat16 ? CUEMU_MMA_BF16 : CUEMU_MMA_F16, 0, &in, out, __FILE__, __LINE__);
     for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(out[i]);
 #else
-    if constexpr (is_bfloat16<T>::value) {
+    if constexpr (kBfloat16) {
         asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
                      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
