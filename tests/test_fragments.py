@@ -29,6 +29,7 @@ import pytest
 from cupykv import nvrtc_check
 from cupykv.backends import emulator as E
 from cupykv.kernels import KERNEL_DIR
+from compile_refusals import assert_refused_by_both_compilers
 from source_lines import source_site
 
 KERNELS = Path(__file__).parent / "emulator_kernels"
@@ -336,11 +337,7 @@ def test_a_type_or_count_the_instruction_has_no_form_for_fails_to_compile(call, 
               f"    cupykv::{call}\n"
               "    out[threadIdx.x] = d[0] + (float)r[0];\n"
               "}\n")
-    with pytest.raises(E.CompileError, match=rf"(?s)misuse\.cu.*{re.escape(message)}"):
-        E.Module(source, ["misuse"], include_dirs=[KERNEL_DIR], filename="misuse.cu")
-    with pytest.raises(nvrtc_check.NvrtcError, match=re.escape(message)):   # the GPU's compiler, the same way
-        nvrtc_check.compile_file(nvrtc_check.load_nvrtc(), "misuse.cu", source, ["misuse"], "sm_80",
-                                 include_dirs=(KERNEL_DIR,))
+    assert_refused_by_both_compilers(source, "misuse", message)
 
 
 # ---- the same source is real CUDA ----------------------------------------------------------------
