@@ -491,6 +491,24 @@ def test_below_minimum_is_fewer_blocks_than_declared_or_than_one(blocks, min_blo
     assert row.below_minimum is below
 
 
+@pytest.mark.parametrize("instance, note", [
+    ("cupykv_attention_f32<64>", "head_dim 64, staged K/V"),
+    ("cupykv_attention<__half, __half, 128>", "head_dim 128"),
+    ("cupykv_attention<__half, __half, 0>", f"head_dim {occupancy.GENERIC_HEAD_DIM} (generic: its largest)"),
+    ("cupykv_attention_mma<__half, __half, 128, 1>", "head_dim 128, tensor cores, 16 rows"),
+    ("cupykv_attention_mma<__nv_fp8_e4m3, __nv_bfloat16, 64, 2>", "head_dim 64, tensor cores, 32 rows"),
+    ("cupykv_linear<float, 1>", ""), ("cupykv_linear_mma<__half, 16>", "tensor cores"),
+])
+def test_each_instance_family_is_noted_by_what_sets_its_launch(instance, note):
+    # the occupancy table's last column: the numbers come from the instance's own template arguments
+    assert occupancy.launch_shape(instance).note == note
+
+
+def test_kernels_outside_attention_and_linear_have_no_launch_shape():
+    assert occupancy.launch_shape("cupykv_add<float>") is None
+    assert occupancy.launch_shape("cupykv_rmsnorm<__half>") is None
+
+
 def test_a_planted_shared_memory_tile_that_drops_occupancy_fails(tmp_path):
     """The real generic attention source with 16 KB more static shared memory per block (a deeper
     cp.async pipeline, say): registers still allow 5 blocks on sm_80, shared memory (with the
