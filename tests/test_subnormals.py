@@ -162,3 +162,17 @@ def test_the_host_flush_narrows_doubles_as_the_kernels_do(backend):
     want = flush_float32_subnormals(values).astype(np.float32)
     assert got.tobytes() == want.tobytes(), (got.tolist(), want.tolist())
     assert want[2] == 0 and np.signbit(want[10]) and want[10] == 0 and want[1] == np.float32(tiny)   # the cases named
+
+
+def test_the_host_flush_keeps_float32_and_float64_and_takes_other_inputs_as_float64():
+    tiny = float(np.finfo(np.float32).tiny)
+    single = flush_float32_subnormals(np.array([tiny / 2, -tiny, 1.5], np.float32))
+    assert single.dtype == np.float32 and single.tolist() == [0.0, -tiny, 1.5]
+    double = flush_float32_subnormals(np.array([tiny / 4, tiny * (1 - 2.0**-30)]))
+    assert double.dtype == np.float64 and double.tolist() == [0.0, tiny * (1 - 2.0**-30)]   # the second rounds up
+    # a list, ints and float16 are read as float64 (float16's own subnormals are far above float32's)
+    for other in ([tiny / 2, -3.0], np.array([-3, 0]), np.array([2.0**-20, -1.0], np.float16)):
+        flushed = flush_float32_subnormals(other)
+        assert flushed.dtype == np.float64
+        np.testing.assert_array_equal(flushed, np.where(np.abs(np.asarray(other, np.float64)) < tiny, 0.0, other))
+    assert np.signbit(flush_float32_subnormals([-tiny / 2])[0])
