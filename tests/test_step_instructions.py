@@ -222,7 +222,12 @@ def test_the_command_line_prints_the_table(monkeypatch, capsys, linear_counts, c
     assert len(linear) == 4 and all(_LINEAR_ROW.match("  " + line) for line in linear)
     staged = [line for line in out.splitlines() if _STAGED_ROW.match(line)]
     assert len(staged) == len(steps.staged_instances()) * len(steps.STAGED_TILE_ROWS)
-    assert out.index("The staged float32 attention") < out.index(staged[0])
+    # each table under its own heading, in the order main() prints them
+    headings = ["The tensor-core linear, per warp", "The CUDA-core linear (float32 weights), per warp",
+                "The staged float32 attention, per block"]
+    places = [out.index(sm80), out.index(headings[0]), out.index(linear[0]), out.index(headings[1]),
+              out.index(cuda_core[0]), out.index(headings[2]), out.index(staged[0])]
+    assert places == sorted(places), places
 
 
 def test_a_missing_nvdisasm_says_how_to_install_it(monkeypatch, tmp_path):
