@@ -591,9 +591,10 @@ def count_cuda_core_linear_loop(instructions: list[Instruction], labels: dict[st
                                 instance: CudaCoreLinearInstance) -> Counter:
     """The instructions of one iteration of the float32 linear's vector loop by opcode.
 
-    The loop is the innermost loop (one holding no other) with the most ``FFMA``; it must hold the
-    ``LDG`` and ``FFMA`` of :attr:`CudaCoreLinearInstance.loop_loads` and ``loop_ffma`` (the scalar
-    loop, for odd sizes, holds a quarter of the FFMA).
+    The loop is the innermost loop (one holding no other) with the most ``FFMA``, the shortest of
+    those if several tie; it must hold the ``LDG`` and ``FFMA`` of
+    :attr:`CudaCoreLinearInstance.loop_loads` and ``loop_ffma`` (the scalar loop, for odd sizes,
+    holds a quarter of the FFMA).
     """
     spans = loops(instructions, labels)
     innermost = [span for span in spans

@@ -386,6 +386,14 @@ def test_the_cuda_core_linear_loop_is_the_innermost_with_the_most_ffma():
     assert counted == {"LDG": 16, "FFMA": 64, "IADD3": 1, "BRA": 1}
 
 
+def test_of_innermost_loops_with_as_many_ffma_the_shortest_is_the_vector_loop():
+    body = ["LDG.E.128 R4, desc[UR4][R2.64]"] * 16 + ["FFMA R1, R2, R3, R1"] * 64
+    # the longer loop comes first, so a tie broken by position (or by its end) would pick it
+    text = listing(".L_x_0:", *body, *["IADD3 R0, R0, 1"] * 10, "@P0 BRA `(.L_x_0)", "MOV R1, R2",
+                   ".L_x_1:", *body, "@P1 BRA `(.L_x_1)", "EXIT")
+    assert steps.count_cuda_core_linear_loop(*steps.parse_sass(text), CUDA_CORE_2) == {"LDG": 16, "FFMA": 64, "BRA": 1}
+
+
 @pytest.mark.parametrize("loads, ffma, message", [
     (15, 64, "issues 15 LDG and 64 FFMA an iteration, the tiling implies 16 and 64"),
     (16, 32, "issues 16 LDG and 32 FFMA"),
