@@ -101,7 +101,7 @@ def test_replay_n_runs_n_steps(backend):
                                                (True, TypeError, r"True \(bool\)"), ("2", TypeError, r"'2' \(str\)")],
                          ids=["negative", "float", "bool", "str"])
 def test_replay_refuses_a_count_that_is_not_an_int_at_least_0_and_runs_nothing(backend, bad, error, shown):
-    # True would replay once and "2" twice if the count reached range() unchecked
+    # unchecked, True would replay once through range(), and -1 nothing at all, both without an error
     cache, oracle, step = make(backend)
     graph = cupykv.capture(step)
     step.on_reference(oracle)                          # the capture's warm-up step
