@@ -10,13 +10,32 @@ from __future__ import annotations
 import ast
 import operator
 
+
+def _c_quotient(a: int, b: int) -> int:
+    """``a / b`` as C divides integers: truncated toward zero (Python's ``//`` floors)."""
+    if b == 0:
+        raise ZeroDivisionError("integer division by zero")
+    quotient = abs(a) // abs(b)
+    return quotient if (a < 0) == (b < 0) else -quotient
+
+
+def _c_remainder(a: int, b: int) -> int:
+    """``a % b`` as C computes it: the sign of ``a``, so that ``(a / b) * b + a % b == a``."""
+    return a - b * _c_quotient(a, b)
+
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.LShift: operator.lshift,
+        ast.FloorDiv: _c_quotient, ast.Mod: _c_remainder, ast.LShift: operator.lshift,
         ast.RShift: operator.rshift, ast.BitOr: operator.or_, ast.BitAnd: operator.and_}
 
 
 def eval_int(expr: str) -> int:
-    """Value of C integer arithmetic on literals (``/`` is integer division); ValueError otherwise."""
+    """Value of C integer arithmetic on literals; ValueError otherwise.
+
+    ``/`` and ``%`` are C's: the quotient truncates toward zero and the remainder takes the
+    dividend's sign (``-7 / 2 == -3``, ``-7 % 2 == -1``); a division by zero raises
+    ZeroDivisionError. Values are Python ints (no overflow).
+    """
     def value(node):
         if isinstance(node, ast.Expression):
             return value(node.body)
