@@ -13,9 +13,7 @@ import operator
 
 def _c_quotient(a: int, b: int) -> int:
     """``a / b`` as C divides integers: truncated toward zero (Python's ``//`` floors)."""
-    if b == 0:
-        raise ZeroDivisionError("integer division by zero")
-    quotient = abs(a) // abs(b)
+    quotient = abs(a) // abs(b)   # ZeroDivisionError for b == 0
     return quotient if (a < 0) == (b < 0) else -quotient
 
 
