@@ -21,7 +21,7 @@ from source_lines import source_site
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 SOURCE = KERNELS_DIR / "banks.cu"
 NAMES = ["strided_words", "strided_pairs", "strided_vectors", "ldmatrix_rows", "async_stage", "vector_components",
-         "adjacent_words", "quarter_warp_columns", "scalar_quads", "shared_atomics", "shared_copy"]
+         "adjacent_words", "quarter_warp_columns", "scalar_quads", "shared_atomics", "shared_copy", "stores_split_by_a_barrier"]
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +177,26 @@ def test_adjacent_atomics_are_their_own_kind_and_never_join(kernels):
         assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == (32, 256, 1, 2, 2), \
             t.report()
     np.testing.assert_array_equal(out, np.full(32, 3))
+
+
+@pytest.mark.parametrize("block_barrier", [0, 1], ids=["__syncwarp", "__syncthreads"])
+def test_adjacent_stores_on_either_side_of_a_barrier_never_join(kernels, block_barrier):
+    """A store before a barrier is counted in its own request: the word after the barrier that
+    continues it is another 4-byte store request (2 wavefronts each, lanes l and l + 16 meeting in a
+    bank), not half of one 8-byte store."""
+    out = E.zeros(32, np.float32)
+    with E.traffic(banks=True) as t:
+        kernels.get_function("stores_split_by_a_barrier")(1, 32, (out, np.int32(block_barrier)),
+                                                          shared_mem=4 * 64)
+    stores = sites_by_line(t, "store")
+    assert [s.site for s in stores] == [source_site(SOURCE, "the store before the barrier"),
+                                        source_site(SOURCE, "the store after the barrier")], t.report()
+    for site in stores:
+        assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == (32, 128, 1, 2, 1), \
+            t.report()
+    load = one_site(t, "load")
+    assert (load.accesses, load.bytes, load.requests, load.wavefronts, load.ideal) == (32, 256, 1, 2, 2), t.report()
+    np.testing.assert_array_equal(out, 3.0 * np.arange(32))
 
 
 def test_a_copy_within_shared_memory_counts_its_load_and_its_store_apart(kernels):

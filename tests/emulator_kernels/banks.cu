@@ -122,6 +122,21 @@ __global__ void scalar_quads(float* __restrict__ out, int stride, int first) {
     out[lane] = quad[0] + quad[1] + quad[2] + quad[3];
 }
 
+// One warp. Lane l stores pair_words[2 l], waits at a barrier (__syncwarp(), or __syncthreads() when
+// block_barrier is nonzero), then stores pair_words[2 l + 1] (dynamic shared memory of 64 floats). The
+// barrier orders the two stores, so no compiler joins them into one 8-byte store: each is its own
+// request of 4-byte words, 2 wavefronts (lanes l and l + 16 meet in a bank), ideal 1. The loads after
+// are one aligned 8-byte piece: two phases of 16 lanes, 1 wavefront each.
+__global__ void stores_split_by_a_barrier(float* __restrict__ out, int block_barrier) {
+    extern __shared__ float pair_words[];
+    const int lane = threadIdx.x;
+    pair_words[2 * lane] = (float)lane;  // the store before the barrier
+    if (block_barrier) __syncthreads(); else __syncwarp();
+    pair_words[2 * lane + 1] = (float)(2 * lane);  // the store after the barrier
+    __syncwarp();
+    out[lane] = pair_words[2 * lane] + pair_words[2 * lane + 1];
+}
+
 // One warp. Lane l zeroes counts[2 l] and counts[2 l + 1], then adds 1 to each with atomicAdd: two
 // atomic requests of 4-byte words, 2 wavefronts each (lanes l and l + 16 meet in a bank), never
 // joined into one 8-byte access as adjacent loads or stores are.
