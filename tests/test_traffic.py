@@ -177,11 +177,11 @@ def test_atomics_and_memcpy_are_counted(kernels):
 BYTE_SPANS = [(64, 1), (67, 1), (126, 4), (140, 52), (192, 192), (401, 128), (575, 1), (577, 62), (703, 1)]
 
 
-@pytest.mark.parametrize("shift", [0, 20, 36])
+@pytest.mark.parametrize("shift", [0, 20, 36, 63])
 def test_the_byte_map_holds_spans_of_any_length_and_alignment(kernels, shift):
     """Each span marks exactly its bytes and sectors, and its one request counts the sectors of
     every span, whichever bit of a map word the span starts and ends on; the arrays start
-    ``shift`` bytes into their allocations (phase 0, 20 and 4)."""
+    ``shift`` bytes into their allocations (phase 0, 20, 4, and 31: a sector's last byte)."""
     phase = shift % 32
     src_base, dst_base = E.zeros(704 + shift - phase, np.uint8), E.zeros(704 + shift - phase, np.uint8)
     src_base[...] = np.random.default_rng(shift).integers(1, 256, src_base.size)
