@@ -31,7 +31,7 @@ from cupykv.step_instructions import StagedInstance
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 TRAFFIC_NAMES = ["strided_copy", "vector_copy", "sum_rows", "uneven_trips", "realigned_trips",
                  "count_and_copy", "realigned_by_barrier", "half_warp_collective", "add_pair", "one_site_two_places",
-                 "copy_byte_spans"]
+                 "copy_byte_spans", "gather_into_first"]
 EXAMPLES = max(8, settings.default.max_examples // 4)   # each example runs kernels on the emulator
 
 
@@ -159,15 +159,39 @@ def test_arguments_over_the_same_bytes_share_one_region_counted_once(kernels):
 
 
 def test_atomics_and_memcpy_are_counted(kernels):
-    count, x, out = E.zeros(1, np.int32), E.zeros((64, 4), np.float32), E.zeros((64, 4), np.float32)
+    """The atomics touch count[0] only: its map holds those 4 bytes of count's 32, and no map of an
+    array holds a kind of access the kernel does not make to it."""
+    count, x, out = E.zeros(8, np.int32), E.zeros((64, 4), np.float32), E.zeros((64, 4), np.float32)
     with E.traffic() as t:
         kernels.get_function("count_and_copy")(2, 32, (count, x, out))
+    assert count.tolist() == [64] + [0] * 7
     launch = only_launch(t)
     atomic = launch.of(count).counts("atomic")
     assert (atomic.bytes, atomic.accesses, atomic.requests, atomic.sectors) == (256, 64, 2, 1)
+    np.testing.assert_array_equal(launch.of(count).touched("atomic"), np.arange(32) < 4)
+    for array, untouched in ((count, ("load", "store")), (x, ("store", "atomic")), (out, ("load", "atomic"))):
+        for kind in untouched:
+            assert not launch.of(array).touched(kind).any(), kind
     assert launch.of(count).bytes_loaded == launch.of(count).bytes_stored == 0
     assert launch.of(x).bytes_loaded == launch.of(out).bytes_stored == x.nbytes
     assert launch.of(x).touched("load").all() and launch.of(out).touched("store").all()
+
+
+def test_each_array_keeps_its_own_load_store_and_atomic_maps(kernels):
+    """Two arrays, each loaded at bytes 4..31 and updated atomically at bytes 0..3: each map holds
+    its own bytes, whichever array the counter's one mapping places first (a map overlapping its
+    neighbour's would show the other kind's bytes too)."""
+    a, b = E.asarray(np.arange(8, dtype=np.int32)), E.asarray(np.arange(8, dtype=np.int32) * 10)
+    with E.traffic() as t:
+        kernels.get_function("gather_into_first")(1, 8, (a, b))
+    assert a.tolist()[0] == 28 and b.tolist()[0] == 280
+    launch = only_launch(t)
+    for array in (a, b):
+        arg = launch.of(array)
+        np.testing.assert_array_equal(arg.touched("atomic"), np.arange(32) < 4)
+        np.testing.assert_array_equal(arg.touched("load"), np.arange(32) >= 4)
+        assert not arg.touched("store").any()
+        assert (arg.counts("atomic").bytes, arg.counts("load").bytes, arg.counts("store").bytes) == (28, 28, 0)
 
 
 # Spans (first byte, length) in bytes from the sector boundary at or before the array's start, the

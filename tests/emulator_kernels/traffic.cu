@@ -62,6 +62,16 @@ extern "C" __global__ void count_and_copy(int* __restrict__ count, const float* 
   memcpy(out + 4 * i, x + 4 * i, 16);
 }
 
+// Threads 1..7 each load a[t] and b[t] and add them to a[0] and b[0] (atomic): each array of 8 ints
+// is loaded at bytes 4..31 and updated atomically at bytes 0..3, so every one of its byte maps
+// holds a different set of bytes.
+extern "C" __global__ void gather_into_first(int* a, int* b) {
+  const int t = threadIdx.x;
+  if (t == 0) return;
+  atomicAdd(&a[0], a[t]);
+  atomicAdd(&b[0], b[t]);
+}
+
 // Thread t copies lengths[t] bytes from src + starts[t] to dst + starts[t] with memcpy (a run-time
 // size, so one access of that many bytes each, read and written): spans of any length and
 // alignment for the counter's byte map and sectors; the spans are disjoint.
