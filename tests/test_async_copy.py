@@ -18,6 +18,7 @@ import pytest
 from cupykv import nvrtc_check
 from cupykv.backends import emulator as E
 from cupykv.backends.emulator import build
+from cupykv.backends.emulator.accounting import CopyWaits
 from cupykv.kernels import KERNEL_DIR
 from compile_refusals import assert_refused_by_both_compilers
 from source_lines import source_site
@@ -26,7 +27,7 @@ KERNELS = Path(__file__).parent / "emulator_kernels"
 SOURCE = KERNELS / "async_copy.cu"
 HEADER = Path(KERNEL_DIR) / "async_copy.cuh"
 NAMES = ["async_roundtrip<4>", "async_roundtrip<8>", "async_roundtrip<16>", "async_pipeline", "async_groups",
-         "async_early_read", "async_early_byte"]
+         "async_early_read", "async_early_byte", "async_past_the_end"]
 
 
 line = functools.partial(source_site, SOURCE)   # 'async_copy.cu:LINE' of a needle
@@ -104,8 +105,11 @@ def test_wait_group_completes_all_but_the_n_most_recent_groups(module, empty_mas
             args = (src, out, np.int32(n_groups), np.int32(empty_mask), np.int32(uncommitted), np.int32(wait_n),
                     np.int32(probe))
             case = f"wait_n={wait_n} probe={probe}"
-            if probe in pending:
-                with pytest.raises(E.AsyncCopyError, match="touches bytes that an asynchronous copy still writes"):
+            if probe in pending:   # the message names the copy at the slot read, not its neighbour before it
+                group = "not yet committed" if probe == n_groups else f"group {probe} of that thread"
+                with pytest.raises(E.AsyncCopyError, match=r"touches bytes that an asynchronous copy still writes "
+                                                           r"\(16-byte cp\.async issued by thread \(\d+,0,0\) at "
+                                                           rf"[^)]*\)?, {group}\)"):
                     fn(1, threads, args, shared_mem=threads * (n_groups + 1) * 16)
                 continue
             written = probe < n_groups and not empty_mask >> probe & 1 or probe == n_groups and uncommitted
@@ -115,6 +119,28 @@ def test_wait_group_completes_all_but_the_n_most_recent_groups(module, empty_mas
                 continue
             fn(1, threads, args, shared_mem=threads * (n_groups + 1) * 16)
             assert (out == src[4 * probe]).all(), case
+
+
+@pytest.mark.parametrize("empty_mask, uncommitted, wait_n, in_flight_per_thread", [
+    (0, 0, 0, 0), (0, 0, 2, 32), (0b1000, 0, 2, 16), (0, 1, 0, 16), (0, 1, 3, 64), (0, 1, -1, None)])
+def test_the_traffic_record_counts_each_wait_and_the_bytes_it_leaves_in_flight(module, empty_mask, uncommitted,
+                                                                               wait_n, in_flight_per_thread):
+    """Each thread's cp_async_wait<N> is one wait; it leaves in flight the copies of its N newest
+    groups (empty ones hold none) and the uncommitted one. cp_async_wait_all() is not counted
+    (None: the kernel waits only with it)."""
+    n_groups, threads = 4, 32
+    src = E.asarray(np.arange(1, 4 * (n_groups + 1) + 1, dtype=np.float32))
+    with E.traffic() as t:
+        module.get_function("async_groups")(1, threads, (src, E.zeros(threads, np.float32), np.int32(n_groups),
+                                                         np.int32(empty_mask), np.int32(uncommitted),
+                                                         np.int32(wait_n), np.int32(0)),
+                                            shared_mem=threads * (n_groups + 1) * 16)
+    (launch,) = t.launches
+    if in_flight_per_thread is None:
+        assert launch.copy_waits == CopyWaits(0, 0, 0)
+    else:
+        assert launch.copy_waits == CopyWaits(threads, threads if in_flight_per_thread else 0,
+                                                threads * in_flight_per_thread)
 
 
 # ---- every dependence on an unfinished copy fails, naming both call sites ---------------------
@@ -154,6 +180,28 @@ def test_a_second_copy_into_pending_bytes_fails(module):
     assert "a cp.async into 16 bytes of static __shared__ tile" in message
     assert f"(inlined into {line('if (mode == 8) cp_async<BYTES>')})" in message
     assert f"(inlined into {ISSUE}), not yet committed)" in message
+    # the launch ended inside the second copy's check; the next launch's early read is a read again
+    with pytest.raises(E.AsyncCopyError, match="a read of 4 bytes of static __shared__ tile"):
+        roundtrip(module, 16, 30, 8, 1)
+    assert_still_works(module)
+
+
+@pytest.mark.parametrize("block", [(4, 2, 1), (4, 1, 2)], ids=["2d", "3d"])
+def test_a_copy_message_names_threads_of_any_block_shape(module, block):
+    """Threads that differ only in y (or z) copy into the same bytes of async_roundtrip's tile, and
+    each waits at the barrier before its wait (mode 11): the second one's copy meets the first
+    one's, still pending, and the message names both threads by (x,y,z)."""
+    src = E.asarray(np.arange(1, 17, dtype=np.float32))
+    with pytest.raises(E.AsyncCopyError) as caught:
+        module.get_function("async_roundtrip<16>")(1, block, (src, E.zeros(16, np.float32), np.int32(16),
+                                                              np.int32(11)))
+    message = str(caught.value)
+    found = re.search(r"a cp\.async into 16 bytes .* by thread \((\d+),(\d+),(\d+)\) at .* issued by thread "
+                      r"\((\d+),(\d+),(\d+)\) at ", message)
+    assert found, message
+    copier, issuer = tuple(map(int, found.groups()[:3])), tuple(map(int, found.groups()[3:]))
+    assert copier[0] == issuer[0] and copier != issuer, message
+    assert all(c < b and i < b for c, i, b in zip(copier, issuer, block)), message
 
 
 def test_exiting_with_a_copy_in_flight_fails(module):
@@ -201,6 +249,20 @@ def test_operands_the_instruction_does_not_allow_fail(module, mode, match):
     with pytest.raises(E.AsyncCopyError, match=rf"cp\.async at {HEADER.name}:\d+ \(inlined into {ISSUE}\) by "
                                                rf"thread \(\d,0,0\): {match}"):
         roundtrip(module, 16, 30, 8, mode)
+    assert_still_works(module)
+
+
+@pytest.mark.parametrize("dynamic", [0, 1], ids=["static", "dynamic"])
+def test_a_copy_running_past_the_end_of_shared_memory_fails(module, dynamic):
+    src = E.asarray(np.arange(1, 5, dtype=np.float32))
+    # dynamic shared memory ends at its 20 bytes: the copy's check at the issue stops it; a static
+    # variable sits between guard bytes, where the access layer stops the write that runs past it
+    error, match = (E.AsyncCopyError, r"cp\.async at .* the destination \([^)]*\)?\) runs past the end of shared "
+                                      r"memory") if dynamic else \
+        (E.EmulatorFault, r"out-of-bounds write of 16 bytes at static __shared__ five \(in async_past_the_end\) byte "
+                          r"offset 16 \(running 12 bytes past the end of the variable's 20 bytes\)")
+    with pytest.raises(error, match=match):
+        module.get_function("async_past_the_end")(1, 1, (src, np.int32(dynamic)), shared_mem=20 if dynamic else 0)
     assert_still_works(module)
 
 

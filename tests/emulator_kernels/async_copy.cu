@@ -113,3 +113,13 @@ __global__ void async_early_byte(const float* __restrict__ src, int* __restrict_
     out[0] = bytes[at];
     cp_async_wait<0>();
 }
+
+// One thread copies 16 bytes of src to byte 16 of a 20-byte shared array: static (`dynamic` 0) or
+// dynamic shared memory of 20 bytes (`dynamic` 1). The copy starts inside the array, aligned, and
+// runs 12 bytes past its end (a planted misuse).
+__global__ void async_past_the_end(const float* __restrict__ src, int dynamic) {
+    __shared__ __align__(16) float five[5];
+    extern __shared__ __align__(16) float five_dynamic[];
+    cp_async_16((dynamic ? five_dynamic : five) + 4, src);
+    cp_async_wait_all();
+}
