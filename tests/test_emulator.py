@@ -42,7 +42,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
              "local_array_past_end", "row_index_past_row", "local_array_before_start",
-             "barrier_kinds_differ", "shuffle_after_lanes_exited", "packed_head_before_start",
+             "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited", "packed_head_before_start",
              "atomic_past_end", "atomic_past_end_last"]
 
 
@@ -1048,6 +1048,32 @@ def test_a_shuffle_naming_lanes_that_already_exited_fails_naming_them(good, bugs
     with pytest.raises(E.BarrierError, match=r"__shfl_xor_sync at .*bugs\.cu:\d+ \(mask 0xffffffff\) in warp 0: "
                                              r"the mask names lanes 0-15 \(threads 0-15\) that have exited"):
         bugs.get_function("shuffle_after_lanes_exited")(1, 32, (E.zeros(32),))
+    assert_still_works(good)
+
+
+def test_a_lane_list_holding_a_warps_first_and_last_lanes_names_each(good, bugs, monkeypatch):
+    """Lanes 0 and 31 have exited: the list names both and stops at lane 31 (a list that ran on past
+    the warp's last lane would wrap round to lane 0)."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    with pytest.raises(E.BarrierError, match=r"__shfl_xor_sync at .*bugs\.cu:\d+ \(mask 0xffffffff\) in warp 0: "
+                                             r"the mask names lanes 0 \(thread 0\), 31 \(thread 31\) that have "
+                                             r"exited$"):
+        bugs.get_function("shuffle_after_first_and_last_lanes_exited")(1, 32, (E.zeros(32),))
+    assert_still_works(good)
+
+
+@pytest.mark.parametrize("threads", [32, 64, 128])
+def test_a_lane_outside_its_own_mask_is_named_with_its_warp(good, bugs, threads):
+    """The mask 0x7fffffff leaves out lane 31 of every warp; whichever warp's lane 31 calls first is
+    named, as lane 31 of warp thread // 32."""
+    with pytest.raises(E.BarrierError) as caught:
+        bugs.get_function("shuffle_width_and_mask")(1, threads, (E.zeros(threads), np.int32(32),
+                                                                 np.uint32(0x7FFFFFFF)))
+    found = re.search(r"\(mask 0x7fffffff\) in warp (\d+): the calling lane 31 \(thread (\d+)\) is not in the mask",
+                      str(caught.value))
+    assert found, str(caught.value)
+    warp, thread = int(found.group(1)), int(found.group(2))
+    assert thread % 32 == 31 and warp == thread // 32 < threads // 32, str(caught.value)
     assert_still_works(good)
 
 

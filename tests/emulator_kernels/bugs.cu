@@ -301,6 +301,17 @@ __global__ void shuffle_after_lanes_exited(float* y) {
   y[lane] = __shfl_xor_sync(0xffffffffu, (float)lane, 1);
 }
 
+// Lane 0 returns at once; lanes 1-31 meet at a __syncwarp, after which lane 31 returns too and
+// lanes 1-30 shuffle with the full mask, which names lanes 0 and 31, both exited (in index order:
+// lane 31 completes the __syncwarp and runs on to its return before lanes 1-30 resume). y: [32] float.
+__global__ void shuffle_after_first_and_last_lanes_exited(float* y) {
+  const int lane = threadIdx.x;
+  if (lane == 0) return;
+  __syncwarp(0xfffffffeu);
+  if (lane == 31) return;
+  y[lane] = __shfl_xor_sync(0xffffffffu, (float)lane, 1);
+}
+
 // A 32-byte packed struct (a range g++ instruments whole) read from `shift` floats before x: with
 // shift 2 it starts in the guard before the array and ends inside it. y: [1] float.
 __global__ void packed_head_before_start(float* y, const float* x, int shift) {
