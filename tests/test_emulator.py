@@ -42,7 +42,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
              "local_array_past_end", "row_index_past_row", "local_array_before_start",
-             "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited", "packed_head_before_start",
+             "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited", "shuffle_waiting_for_the_last_lane",
+             "shuffle_masks_differ_past_lane_0", "packed_head_before_start",
              "atomic_past_end", "atomic_past_end_last"]
 
 
@@ -1062,6 +1063,26 @@ def test_a_lane_list_holding_a_warps_first_and_last_lanes_names_each(good, bugs,
     assert_still_works(good)
 
 
+def test_a_lane_exiting_while_lanes_past_lane_0_wait_for_it_fails_naming_both(good, bugs, monkeypatch):
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    with pytest.raises(E.BarrierError, match=r"__shfl_sync at .*bugs\.cu:\d+ \(mask 0xfffffffe\) in warp 0: lane 1 "
+                                             r"\(thread 1\) waits for lane 31 \(thread 31\), which exited$"):
+        bugs.get_function("shuffle_waiting_for_the_last_lane")(1, 32, (E.zeros(32),))
+    assert_still_works(good)
+
+
+def test_masks_that_differ_among_lanes_past_lane_0_are_explained(good, bugs):
+    """The deadlock report explains the two masks, though lane 0 is in neither."""
+    fn = bugs.get_function("shuffle_masks_differ_past_lane_0")
+    with pytest.raises(E.BarrierError, match=r"__shfl_sync at .*bugs\.cu:\d+ in warp 0: lane \d+ \(thread \d+\) passes "
+                                             r"mask 0x(0000fffe|fffffffe), but lane \d+ \(thread \d+\), which both masks "
+                                             r"name, waits at .*bugs\.cu:\d+ with mask 0x(fffffffe|0000fffe)"):
+        fn(1, 32, (E.zeros(32), np.int32(0)))
+    y = E.zeros(32)
+    fn(1, 32, (y, np.int32(1)))
+    np.testing.assert_array_equal(y, [0] + [2] * 31)
+
+
 @pytest.mark.parametrize("threads", [32, 64, 128])
 def test_a_lane_outside_its_own_mask_is_named_with_its_warp(good, bugs, threads):
     """The mask 0x7fffffff leaves out lane 31 of every warp; whichever warp's lane 31 calls first is
@@ -1078,7 +1099,9 @@ def test_a_lane_outside_its_own_mask_is_named_with_its_warp(good, bugs, threads)
 
 
 def test_shuffle_reading_outside_mask(good, bugs):
-    with pytest.raises(E.BarrierError, match="reads lane 16 .*not in the mask"):
+    # lanes 8-15 read lanes 16-23 (down by 8): each lane and thread number is the same in warp 0
+    with pytest.raises(E.BarrierError, match=r"lane (8|9|1[0-5]) \(thread \1\) reads lane (1[6-9]|2[0-3]) "
+                                             r"\(thread \2\), which is not in the mask"):
         bugs.get_function("shuffle_outside_mask")(1, 32, (E.zeros(32, np.int32),))
     assert_still_works(good)
 
@@ -1104,14 +1127,18 @@ def test_a_shuffle_width_must_be_a_power_of_two_up_to_32(good, bugs, width):
     assert_still_works(good)
 
 
-def test_a_mask_naming_lanes_the_block_lacks_fails_naming_them(good, bugs):
+@pytest.mark.parametrize("threads, warp, missing", [(24, 0, r"24-31 \(threads 24-31\)"), (31, 0, r"31 \(thread 31\)"),
+                                                    (63, 1, r"31 \(thread 63\)")])
+def test_a_mask_naming_lanes_the_block_lacks_fails_naming_them(good, bugs, threads, warp, missing):
     with pytest.raises(E.BarrierError, match=rf"__shfl_sync at .*{SHUFFLE_WIDTH_AND_MASK} \(mask 0xffffffff\) in "
-                                             r"warp 0: the mask names lanes 24-31 \(threads 24-31\) that do not exist "
-                                             r"\(the block has 24 threads\)"):
-        bugs.get_function("shuffle_width_and_mask")(1, 24, (E.zeros(24), np.int32(32), np.uint32(0xFFFFFFFF)))
-    y = E.zeros(24)
-    bugs.get_function("shuffle_width_and_mask")(1, 24, (y, np.int32(32), np.uint32(0x00FFFFFF)))
-    np.testing.assert_array_equal(y, np.zeros(24))
+                                             rf"warp {warp}: the mask names lanes {missing} that do not exist "
+                                             rf"\(the block has {threads} threads\)"):
+        bugs.get_function("shuffle_width_and_mask")(1, threads, (E.zeros(threads), np.int32(32),
+                                                                 np.uint32(0xFFFFFFFF)))
+    if threads < 32:   # the mask of the lanes the block has
+        y = E.zeros(threads)
+        bugs.get_function("shuffle_width_and_mask")(1, threads, (y, np.int32(32), np.uint32((1 << threads) - 1)))
+        np.testing.assert_array_equal(y, np.zeros(threads))
     assert_still_works(good)
 
 

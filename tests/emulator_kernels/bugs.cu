@@ -312,6 +312,24 @@ __global__ void shuffle_after_first_and_last_lanes_exited(float* y) {
   y[lane] = __shfl_xor_sync(0xffffffffu, (float)lane, 1);
 }
 
+// Lanes 0 and 31 return at once; lanes 1-30 shuffle under the mask 0xfffffffe, which names lane 31:
+// in index order lanes 1-30 are waiting when lane 31 exits. y: [32] float.
+__global__ void shuffle_waiting_for_the_last_lane(float* y) {
+  const int lane = threadIdx.x;
+  if (lane == 0 || lane == 31) return;
+  y[lane] = __shfl_sync(0xfffffffeu, (float)lane, 2);
+}
+
+// Lane 0 returns at once; lanes 1-31 shuffle, lane 5 under the mask 0x0000fffe (unless
+// same_masks) and the others under 0xfffffffe: two masks that name each other's lanes but differ,
+// so neither group completes (lane 0, in neither mask, takes no part). y: [32] float.
+__global__ void shuffle_masks_differ_past_lane_0(float* y, int same_masks) {
+  const int lane = threadIdx.x;
+  if (lane == 0) return;
+  const unsigned mask = lane == 5 && !same_masks ? 0x0000fffeu : 0xfffffffeu;
+  y[lane] = __shfl_sync(mask, (float)lane, 2);
+}
+
 // A 32-byte packed struct (a range g++ instruments whole) read from `shift` floats before x: with
 // shift 2 it starts in the guard before the array and ends inside it. y: [1] float.
 __global__ void packed_head_before_start(float* y, const float* x, int shift) {
