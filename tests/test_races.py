@@ -29,7 +29,7 @@ RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count"
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
               "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array", "byte_races",
               "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word",
-              "late_warps_read_then_write", "wide_read_then_overwrite"]
+              "late_warps_read_then_write", "wide_read_then_overwrite", "first_byte_and_last_word"]
 
 
 def load_races():
@@ -508,6 +508,20 @@ def test_a_race_on_one_byte_is_found_however_the_word_was_accessed(races, scenar
     assert hazard.kind == "read-after-write" and hazard.offset == target, str(caught.value)
     assert hazard.second.site == source_site(RACES, "out[0] = bytes[target];"), str(caught.value)
     assert hazard.first.block != hazard.second.block
+
+
+@pytest.mark.parametrize("n_words", [2, 3, 16, 17])
+def test_a_write_of_the_first_byte_and_one_of_the_last_word_are_no_race(races, monkeypatch, n_words):
+    """Two unordered blocks write the two ends of one array: the first byte (its word's record split
+    into bytes) and the last word. The records of the two ends are kept apart, so no race; in index
+    order (seed 0) the byte comes first."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    bytes_ = E.zeros(4 * n_words, np.uint8)
+    races.get_function("first_byte_and_last_word")(2, 1, (bytes_, np.int32(n_words)))
+    expected = np.zeros(4 * n_words, np.uint8)
+    expected[0] = 7
+    expected[-4:] = [4, 3, 2, 1]   # 0x01020304, little-endian
+    np.testing.assert_array_equal(bytes_, expected)
 
 
 def test_a_threads_newer_read_replaces_its_own_record_not_another_threads(races):

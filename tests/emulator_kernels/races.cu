@@ -200,6 +200,13 @@ __global__ void byte_races(unsigned char* bytes, int* counter, int* out, int sce
   }
 }
 
+// Block 0 writes byte 0 of `bytes` (one char), block 1 its last 4-byte word (bytes: [4 n_words]
+// unsigned char, n_words >= 2): unordered, but never the same bytes, so no race.
+__global__ void first_byte_and_last_word(unsigned char* bytes, int n_words) {
+  if (blockIdx.x == 0) bytes[0] = 7;
+  else reinterpret_cast<unsigned*>(bytes)[n_words - 1] = 0x01020304u;
+}
+
 // Two read records of one word: the one-thread block that runs first (turn 0 on `counter`) reads
 // it; the other reads it, synchronises its warp (a new clock), reads it again, then writes it.
 // Its second read replaces its own first record, not the other block's, so the write races with
