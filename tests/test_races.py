@@ -29,7 +29,8 @@ RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count"
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
               "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array", "byte_races",
               "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word",
-              "late_warps_read_then_write", "wide_read_then_overwrite", "first_byte_and_last_word"]
+              "late_warps_read_then_write", "wide_read_then_overwrite", "first_byte_and_last_word",
+              "word_then_wider_store"]
 
 
 def load_races():
@@ -560,6 +561,16 @@ def test_two_stores_of_a_word_are_benign_only_if_every_byte_is_the_same(races, k
     hazard = only_hazard(caught.value)
     assert hazard.kind == "write-after-write", str(caught.value)
     assert hazard.first.site == hazard.second.site == source_site(RACES, store), str(caught.value)
+
+
+def test_a_wider_store_is_benign_when_the_bytes_it_shares_hold_the_same_value(races, monkeypatch):
+    """A store of 8 bytes after an unordered 4-byte store of its low word, with that word's value: only
+    the shared bytes are compared, so the high word it newly writes is no race (seed 0 runs the
+    4-byte store first)."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    pair = E.zeros(1, np.uint64)
+    races.get_function("word_then_wider_store")(2, 1, (pair,))
+    assert int(E.asnumpy(pair)[0]) == 0x0000000500000001
 
 
 def test_a_store_over_two_earlier_writes_names_its_first_bytes_writer(races, monkeypatch):

@@ -229,6 +229,14 @@ __global__ void store_one_word(unsigned long long* word, int differ) {
   *word = blockIdx.x == 1 && differ ? value | 0x0100000000000000ull : value;
 }
 
+// Block 0 stores the low word of an 8-byte pair (1), block 1 the whole pair with the same low word and
+// a new high word (5): unordered, but the only bytes both write hold the same value (benign), and
+// the high word has no earlier writer. pair: [1].
+__global__ void word_then_wider_store(unsigned long long* pair) {
+  if (blockIdx.x == 0) *reinterpret_cast<unsigned*>(pair) = 1u;
+  else *pair = 0x0000000500000001ull;
+}
+
 // The same with a 64-byte memcpy, the widest store whose bytes are compared (a wider one is a race
 // whatever it stores). words: [16] unsigned.
 __global__ void copy_64_bytes(unsigned* words, int differ) {
