@@ -147,6 +147,10 @@ def test_a_seed_runs_every_block_once_in_an_order_it_replays(good, blocks, monke
     else:   # one of 37! permutations or of trillions of affine maps: index order or a repeat is no chance
         assert all((order != every_block).any() for order in orders.values())
         assert (orders[5] != orders[6]).any()
+        # the path each size takes: an affine order steps by one stride a (mod n); a permutation of 37
+        # blocks with a single stride is a 1 in 37!/(36 * 37) chance
+        strides = [len(np.unique(np.diff(order.astype(np.int64)) % blocks)) for order in orders.values()]
+        assert all(n == 1 for n in strides) if blocks > 1 << 22 else all(n > 1 for n in strides), strides
     assert (block_order(good, 0, blocks, monkeypatch) == every_block).all()      # and seed 0 after them
 
 
