@@ -21,7 +21,8 @@ from source_lines import source_site
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 SOURCE = KERNELS_DIR / "banks.cu"
 NAMES = ["strided_words", "strided_pairs", "strided_vectors", "ldmatrix_rows", "async_stage", "vector_components",
-         "adjacent_words", "quarter_warp_columns", "scalar_quads", "shared_atomics", "shared_copy", "stores_split_by_a_barrier"]
+         "adjacent_words", "quarter_warp_columns", "scalar_quads", "shared_atomics", "shared_copy",
+         "stores_split_by_a_barrier"]
 
 
 @pytest.fixture(scope="module")

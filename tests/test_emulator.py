@@ -42,8 +42,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
              "local_array_past_end", "row_index_past_row", "local_array_before_start",
-             "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited", "shuffle_waiting_for_the_last_lane",
-             "shuffle_masks_differ_past_lane_0", "packed_head_before_start",
+             "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited",
+             "shuffle_waiting_for_the_last_lane", "shuffle_masks_differ_past_lane_0", "packed_head_before_start",
              "atomic_past_end", "atomic_past_end_last"]
 
 
@@ -1074,9 +1074,10 @@ def test_a_lane_exiting_while_lanes_past_lane_0_wait_for_it_fails_naming_both(go
 def test_masks_that_differ_among_lanes_past_lane_0_are_explained(good, bugs):
     """The deadlock report explains the two masks, though lane 0 is in neither."""
     fn = bugs.get_function("shuffle_masks_differ_past_lane_0")
-    with pytest.raises(E.BarrierError, match=r"__shfl_sync at .*bugs\.cu:\d+ in warp 0: lane \d+ \(thread \d+\) passes "
-                                             r"mask 0x(0000fffe|fffffffe), but lane \d+ \(thread \d+\), which both masks "
-                                             r"name, waits at .*bugs\.cu:\d+ with mask 0x(fffffffe|0000fffe)"):
+    with pytest.raises(E.BarrierError, match=r"__shfl_sync at .*bugs\.cu:\d+ in warp 0: lane \d+ \(thread \d+\) "
+                                             r"passes mask 0x(0000fffe|fffffffe), but lane \d+ \(thread \d+\), which "
+                                             r"both masks name, waits at .*bugs\.cu:\d+ with mask "
+                                             r"0x(fffffffe|0000fffe)"):
         fn(1, 32, (E.zeros(32), np.int32(0)))
     y = E.zeros(32)
     fn(1, 32, (y, np.int32(1)))
