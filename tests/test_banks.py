@@ -41,6 +41,11 @@ def sites_by_line(t, kind):
     return sorted(shared_sites(t, kind), key=lambda s: int(s.site.split(":")[1]))
 
 
+def figures(site):
+    """A SharedSite's counts: (accesses, bytes, requests, wavefronts, ideal)."""
+    return site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal
+
+
 def one_site(t, kind):
     found = shared_sites(t, kind)
     assert len(found) == 1, t.report()
@@ -121,8 +126,7 @@ def test_a_float4_read_by_components_counts_as_one_16_byte_access(kernels, strid
         kernels.get_function("vector_components")(1, 32, (out, np.int32(stride)), shared_mem=16 * 32 * stride)
     for kind in ("store", "load"):
         site = one_site(t, kind)
-        assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == (32, 512, 1, wavefronts, 4), \
-            t.report()
+        assert figures(site) == (32, 512, 1, wavefronts, 4), t.report()
     np.testing.assert_array_equal(out, np.arange(32) + 6.0)
 
 
@@ -133,8 +137,7 @@ def test_adjacent_words_join_only_into_an_aligned_piece(kernels, first, accesses
         kernels.get_function("adjacent_words")(1, 32, (out, np.int32(first)), shared_mem=4 * 66)
     loads = shared_sites(t, "load")
     assert len(loads) == 1, t.report()   # both loads are one source line
-    assert (loads[0].accesses, loads[0].bytes, loads[0].requests, loads[0].wavefronts, loads[0].ideal) == \
-        (accesses, 256, requests, wavefronts, ideal), t.report()
+    assert figures(loads[0]) == (accesses, 256, requests, wavefronts, ideal), t.report()
     np.testing.assert_array_equal(out, 4 * np.arange(32) + 2 * first + 1.0)
 
 
@@ -153,11 +156,9 @@ def test_four_scalar_stores_over_an_aligned_piece_count_as_one_vector_store(kern
     assert [s.site for s in stores] == [source_site(SOURCE, line) for line in lines], t.report()
     pieces = len(lines)
     for site in stores:
-        assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == \
-            (32, 512 // pieces, 1, wavefronts // pieces, ideal // pieces), t.report()
+        assert figures(site) == (32, 512 // pieces, 1, wavefronts // pieces, ideal // pieces), t.report()
     load = one_site(t, "load")   # the loads are one line
-    assert (load.accesses, load.bytes, load.requests, load.wavefronts, load.ideal) == \
-        (32 * pieces, 512, pieces, wavefronts, ideal), t.report()
+    assert figures(load) == (32 * pieces, 512, pieces, wavefronts, ideal), t.report()
     np.testing.assert_array_equal(out, 10.0 * np.arange(32))
 
 
@@ -171,12 +172,10 @@ def test_adjacent_atomics_are_their_own_kind_and_never_join(kernels):
     assert [s.site for s in atomics] == [source_site(SOURCE, "the even word's atomic"),
                                          source_site(SOURCE, "the odd word's atomic")], t.report()
     for site in atomics:
-        assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == (32, 128, 1, 2, 1), \
-            t.report()
+        assert figures(site) == (32, 128, 1, 2, 1), t.report()
     for kind in ("store", "load"):
         site = one_site(t, kind)
-        assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == (32, 256, 1, 2, 2), \
-            t.report()
+        assert figures(site) == (32, 256, 1, 2, 2), t.report()
     np.testing.assert_array_equal(out, np.full(32, 3))
 
 
@@ -193,10 +192,9 @@ def test_adjacent_stores_on_either_side_of_a_barrier_never_join(kernels, block_b
     assert [s.site for s in stores] == [source_site(SOURCE, "the store before the barrier"),
                                         source_site(SOURCE, "the store after the barrier")], t.report()
     for site in stores:
-        assert (site.accesses, site.bytes, site.requests, site.wavefronts, site.ideal) == (32, 128, 1, 2, 1), \
-            t.report()
+        assert figures(site) == (32, 128, 1, 2, 1), t.report()
     load = one_site(t, "load")
-    assert (load.accesses, load.bytes, load.requests, load.wavefronts, load.ideal) == (32, 256, 1, 2, 2), t.report()
+    assert figures(load) == (32, 256, 1, 2, 2), t.report()
     np.testing.assert_array_equal(out, 3.0 * np.arange(32))
 
 
@@ -208,8 +206,7 @@ def test_a_copy_within_shared_memory_counts_its_load_and_its_store_apart(kernels
     for kind in ("load", "store"):
         site = [s for s in shared_sites(t, kind) if s.site == copy]
         assert len(site) == 1, t.report()
-        assert (site[0].accesses, site[0].bytes, site[0].requests, site[0].wavefronts, site[0].ideal) == \
-            (32, 128, 1, 1, 1), t.report()
+        assert figures(site[0]) == (32, 128, 1, 1, 1), t.report()
     np.testing.assert_array_equal(out, np.arange(32, dtype=np.float32))
 
 
