@@ -1042,32 +1042,28 @@ def test_k_shuffle_with_exited_lane(good, bugs):
     assert_still_works(good)
 
 
-def test_a_shuffle_naming_lanes_that_already_exited_fails_naming_them(good, bugs, monkeypatch):
-    # Index order: lanes 0-15 run first and exit; then lane 16 reaches the shuffle, whose mask names
-    # them. (test_k_shuffle_with_exited_lane covers the other order: a lane exits while others wait.)
+# Each kernel under index order (seed 0), and the error it must give. test_k_shuffle_with_exited_lane
+# covers any order.
+EXITED_LANES = [
+    # lanes 0-15 run first and exit; then lane 16 reaches the shuffle, whose mask names them
+    ("shuffle_after_lanes_exited", r"__shfl_xor_sync at .*bugs\.cu:\d+ \(mask 0xffffffff\) in warp 0: the mask names "
+                                   r"lanes 0-15 \(threads 0-15\) that have exited"),
+    # lanes 0 and 31 have exited: the list names both and stops at lane 31 (a list that ran on past
+    # the warp's last lane would wrap round to lane 0)
+    ("shuffle_after_first_and_last_lanes_exited", r"__shfl_xor_sync at .*bugs\.cu:\d+ \(mask 0xffffffff\) in warp 0: "
+                                                  r"the mask names lanes 0 \(thread 0\), 31 \(thread 31\) that have "
+                                                  r"exited$"),
+    # lanes 1-30 wait when lane 31, which their mask names, exits (lane 0, in no mask, takes no part)
+    ("shuffle_waiting_for_the_last_lane", r"__shfl_sync at .*bugs\.cu:\d+ \(mask 0xfffffffe\) in warp 0: lane 1 "
+                                          r"\(thread 1\) waits for lane 31 \(thread 31\), which exited$"),
+]
+
+
+@pytest.mark.parametrize("kernel, match", EXITED_LANES, ids=[case[0] for case in EXITED_LANES])
+def test_a_shuffle_whose_mask_names_exited_lanes_fails_naming_them(good, bugs, monkeypatch, kernel, match):
     monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
-    with pytest.raises(E.BarrierError, match=r"__shfl_xor_sync at .*bugs\.cu:\d+ \(mask 0xffffffff\) in warp 0: "
-                                             r"the mask names lanes 0-15 \(threads 0-15\) that have exited"):
-        bugs.get_function("shuffle_after_lanes_exited")(1, 32, (E.zeros(32),))
-    assert_still_works(good)
-
-
-def test_a_lane_list_holding_a_warps_first_and_last_lanes_names_each(good, bugs, monkeypatch):
-    """Lanes 0 and 31 have exited: the list names both and stops at lane 31 (a list that ran on past
-    the warp's last lane would wrap round to lane 0)."""
-    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
-    with pytest.raises(E.BarrierError, match=r"__shfl_xor_sync at .*bugs\.cu:\d+ \(mask 0xffffffff\) in warp 0: "
-                                             r"the mask names lanes 0 \(thread 0\), 31 \(thread 31\) that have "
-                                             r"exited$"):
-        bugs.get_function("shuffle_after_first_and_last_lanes_exited")(1, 32, (E.zeros(32),))
-    assert_still_works(good)
-
-
-def test_a_lane_exiting_while_lanes_past_lane_0_wait_for_it_fails_naming_both(good, bugs, monkeypatch):
-    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
-    with pytest.raises(E.BarrierError, match=r"__shfl_sync at .*bugs\.cu:\d+ \(mask 0xfffffffe\) in warp 0: lane 1 "
-                                             r"\(thread 1\) waits for lane 31 \(thread 31\), which exited$"):
-        bugs.get_function("shuffle_waiting_for_the_last_lane")(1, 32, (E.zeros(32),))
+    with pytest.raises(E.BarrierError, match=match):
+        bugs.get_function(kernel)(1, 32, (E.zeros(32),))
     assert_still_works(good)
 
 
