@@ -29,7 +29,8 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
               "reverse_float4", "indices3d", "axpy<float>", "axpy<__half>",
               "axpy<__nv_bfloat16>", "convert", "barrier_preds", "scalars", "maybe_null",
               "math", "hello", "busy", "intrinsics", "fp16_ops<__half>",
-              "fp16_ops<__nv_bfloat16>", "match_in_halves", "warp_reductions", "record_block_order"]
+              "fp16_ops<__nv_bfloat16>", "match_in_halves", "warp_reductions", "record_block_order",
+              "activemask_in_two_arms"]
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "trap_at", "shuffle_exited_lane", "shuffle_outside_mask",
@@ -259,6 +260,14 @@ def test_match_any_matches_only_lanes_of_its_mask(good):
     sevens, nines = 0x1111, 0xEEEE   # lanes 0, 4, 8, 12 of a half hold 7, the others 9
     want = [(sevens if lane % 4 == 0 else nines) << (16 * (lane >= 16)) for lane in range(32)]
     np.testing.assert_array_equal(out, want)
+
+
+def test_activemask_in_each_arm_of_a_branch_is_that_arms_lanes(good):
+    # Lane 0 of each warp reaches its own __activemask() first; lanes 1..31 then meet at the
+    # other, while lane 0 still waits. Neither arm's mask may count the other arm's lanes.
+    out = E.zeros(64, np.uint32)
+    good.get_function("activemask_in_two_arms")(1, 64, (out,))
+    np.testing.assert_array_equal(out, [0x1 if t % 32 == 0 else 0xFFFFFFFE for t in range(64)])
 
 
 def test_scalar_packing_rules(good):

@@ -5,7 +5,8 @@ Inside ``emulator.traffic()`` every launch counts the ``mma.sync`` instructions 
 with it how their work is spread: the split of in_features over a linear's warps
 (test_linear_mma.py), the steps of each key warp and the q pieces of the attention
 (test_attention_mma.py). A step nobody needs, or an uneven split, changes no output and no memory
-traffic. Here a tiny kernel pins the counter itself: exact counts per warp of a 3-D grid, ldmatrix
+traffic. Here a tiny kernel pins the counter itself: exact counts per warp of a 3-D grid and of all 32
+warps of a 1024-thread block, ldmatrix
 not counted, warps that issue none absent, one launch's counts only, nothing outside a traffic block.
 """
 import numpy as np
@@ -39,21 +40,21 @@ def function():
     return E.Module(SOURCE, ["counted_mma"], include_dirs=[KERNEL_DIR]).get_function("counted_mma")
 
 
-def run(fn, grid):
+def run(fn, grid, warps=WARPS):
     blocks = int(np.prod(grid))
-    out = E.zeros(blocks * 32 * WARPS, np.float32)
-    fn(grid, 32 * WARPS, (out,))
-    return np.asarray(out).reshape(blocks, WARPS, 32)
+    out = E.zeros(blocks * 32 * warps, np.float32)
+    fn(grid, 32 * warps, (out,))
+    return np.asarray(out).reshape(blocks, warps, 32)
 
 
-def expected(grid):
+def expected(grid, warps=WARPS):
     """``{(linear block, warp): mma}`` of the warps that issue any, and each lane's acc[0]."""
-    counts, out = {}, np.zeros((int(np.prod(grid)), WARPS, 32), np.float32)
+    counts, out = {}, np.zeros((int(np.prod(grid)), warps, 32), np.float32)
     for z in range(grid[2]):
         for y in range(grid[1]):
             for x in range(grid[0]):
                 block = x + grid[0] * (y + grid[1] * z)
-                for w in range(WARPS):
+                for w in range(warps):
                     n = x + 2 * y + 4 * z + w
                     if n:
                         counts[(block, w)] = n
@@ -73,6 +74,16 @@ def test_each_warps_mma_are_counted_by_linear_block_and_warp():
         # counts are its own, not added to the first's
         assert launch.mma_per_warp() == counts
     assert (0, 0) not in t.launches[0].mma_per_warp() and (7, 2) in t.launches[0].mma_per_warp()
+
+
+def test_a_1024_thread_blocks_warps_are_numbered_0_to_31():
+    # every warp of the largest block under its own number: warp w issues w mma
+    fn = function()
+    with E.traffic() as t:
+        out = run(fn, (1, 1, 1), warps=32)
+    counts, want = expected((1, 1, 1), warps=32)
+    np.testing.assert_array_equal(out, want)
+    assert t.launches[0].mma_per_warp() == counts and (0, 31) in counts
 
 
 def test_launches_outside_a_traffic_block_count_no_mma():

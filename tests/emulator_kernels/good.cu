@@ -177,6 +177,17 @@ __global__ void match_in_halves(unsigned* out) {
   out[lane] = __match_any_sync(lane < 16 ? 0x0000ffffu : 0xffff0000u, lane % 4 == 0 ? 7 : 9);
 }
 
+// __activemask() in both arms of a branch that splits off each warp's lane 0: each arm's lanes
+// get the mask of that arm. out: [blockDim.x] unsigned.
+__global__ void activemask_in_two_arms(unsigned* out) {
+  unsigned m;
+  if (threadIdx.x % 32 == 0)
+    m = __activemask();
+  else
+    m = __activemask();
+  out[threadIdx.x] = m;
+}
+
 // Scalars of every packing rule: CuPy passes a Python int as long long, a Python
 // float as double, a bool as one byte.
 // out: [4] double.
