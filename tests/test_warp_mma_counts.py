@@ -5,9 +5,9 @@ Inside ``emulator.traffic()`` every launch counts the ``mma.sync`` instructions 
 with it how their work is spread: the split of in_features over a linear's warps
 (test_linear_mma.py), the steps of each key warp and the q pieces of the attention
 (test_attention_mma.py). A step nobody needs, or an uneven split, changes no output and no memory
-traffic. Here a tiny kernel pins the counter itself: exact counts per warp of a 3-D grid and of all 32
-warps of a 1024-thread block, ldmatrix
-not counted, warps that issue none absent, one launch's counts only, nothing outside a traffic block.
+traffic. Here a tiny kernel pins the counter itself: exact counts per warp of a 3-D grid and of all
+32 warps of a 1024-thread block, ldmatrix not counted, warps that issue none absent, one launch's
+counts only, nothing outside a traffic block.
 """
 import numpy as np
 
