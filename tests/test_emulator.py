@@ -42,7 +42,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "read_before_start", "scale_restricted", "copy_past_end", "constant_copies_past_end",
              "max_one_too_far",
              "vector_tail_past_end", "packed_tail_past_end", "static_smem_into_neighbour",
-             "local_array_past_end", "row_index_past_row", "local_array_before_start",
+             "local_array_past_end", "row_index_past_row", "local_array_before_start", "local_array_at_a_64_bit_index",
              "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited",
              "shuffle_waiting_for_the_last_lane", "shuffle_masks_differ_past_lane_0", "packed_head_before_start",
              "atomic_past_end", "atomic_past_end_last"]
@@ -673,20 +673,27 @@ ARRAY_INDEX_BOUNDS = [
      r"thread \(0,0,0\): out-of-bounds index -100000 into an array of type 'float \[4\]'"),
     ("local_array_before_start", 1, lambda: (E.zeros(1), np.int32(100001)), "window[first + (int)threadIdx.x - 1]",
      r"thread \(0,0,0\): out-of-bounds index 100000 into an array of type 'float \[4\]'"),
+    # 64-bit indices, signed and unsigned, printed whole
+    ("local_array_at_a_64_bit_index", 1, lambda: (E.zeros(1), -(2**40) - 3, np.int32(0)),
+     "as_unsigned ? window[(unsigned long long)index] : window[index]",
+     r"thread \(0,0,0\): out-of-bounds index -1099511627779 into an array of type 'float \[4\]'"),
+    ("local_array_at_a_64_bit_index", 1, lambda: (E.zeros(1), -1, np.int32(1)),
+     "as_unsigned ? window[(unsigned long long)index] : window[index]",
+     r"thread \(0,0,0\): out-of-bounds index 18446744073709551615 into an array of type 'float \[4\]'"),
 ]
 
 
 @pytest.mark.parametrize("racecheck", ["1", "0"])
 @pytest.mark.parametrize("kernel, threads, arguments, needle, message", ARRAY_INDEX_BOUNDS,
                          ids=["static-shared-into-neighbour", "local-array", "inner-dimension", "negative",
-                              "far-negative", "far-positive"])
+                              "far-negative", "far-positive", "64-bit-signed", "64-bit-unsigned"])
 def test_an_index_outside_an_arrays_bound_fails(good, bugs, monkeypatch, racecheck, kernel, threads, arguments,
                                                needle, message):
     """An index outside the bound an array's type states ends the launch, naming the kernel, the
     thread, the index, the array's type and the line: past a static __shared__ array by more than
     its guard bytes (into the next variable), past a local array and before its start (a negative
-    signed index), and the inner index of a 2-d array out of its row while the element is still
-    inside the array. Memory checks cannot see these:
+    signed index), far outside it (32- and 64-bit indices, printed whole), and the inner index of a
+    2-d array out of its row while the element is still inside the array. Memory checks cannot see these:
     the bytes belong to something else, or to the same array."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", racecheck)
     with pytest.raises(E.EmulatorFault, match=message + rf" at {bug_site(needle)} \(column \d+\)"):

@@ -286,6 +286,12 @@ __global__ void local_array_before_start(float* y, int first) {
   y[threadIdx.x] = window[first + (int)threadIdx.x - 1];
 }
 
+// A local array indexed far outside it by a 64-bit index, signed or (as_unsigned nonzero) unsigned.
+__global__ void local_array_at_a_64_bit_index(float* y, long long index, int as_unsigned) {
+  float window[4] = {1.f, 2.f, 3.f, 4.f};
+  y[threadIdx.x] = as_unsigned ? window[(unsigned long long)index] : window[index];
+}
+
 // Even threads reach __syncthreads_or and odd ones __syncthreads_and, on one line: one call
 // site, two kinds of barrier, which never meet. out: [1] int.
 __global__ void barrier_kinds_differ(int* out) {
