@@ -18,7 +18,7 @@ import pytest
 import cupykv
 from cupykv import ops
 from cupykv.backends import emulator as E
-from cupykv.backends.emulator import build, sites
+from cupykv.backends.emulator import build, memory, sites
 from cupykv.backends.emulator_backend import EmulatorBackend
 from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
 from source_lines import source_site
@@ -71,6 +71,27 @@ def assert_names_threads(message, hazard):
 
 
 # ---- shared memory ----------------------------------------------------------------------
+def mapped_bytes():
+    """This process's virtual size: what its mappings span, touched or not."""
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[0]) * memory.PAGE
+
+
+def test_each_launch_unmaps_the_shadows_of_its_written_arguments(races, monkeypatch):
+    """A written argument's shadow (48 bytes of records per byte, 240 MiB of address space for a
+    4 MiB array, mostly never touched) is mapped for its launch only: ten more launches leave the
+    address space less than one shadow larger."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "1")
+    out = E.zeros(2**20, np.float32)
+    launch = lambda: races.get_function("blocks_share_output")(4, 32, (out, np.int32(1)))  # noqa: E731
+    launch()   # the shadows of shared memory, reused by every launch, are mapped by now
+    before = mapped_bytes()
+    for _ in range(10):
+        launch()
+    assert mapped_bytes() - before < 48 * out.nbytes
+    np.testing.assert_array_equal(out[:5], [1, 2, 3, 4, 0])
+
+
 def test_missing_syncwarp_in_a_warp_exchange_is_reported(races):
     fn = races.get_function("warp_exchange")
     with pytest.raises(E.RaceError) as caught:
