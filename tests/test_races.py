@@ -70,7 +70,7 @@ def assert_names_threads(message, hazard):
                 f"thread ({t[0]},{t[1]},{t[2]})") in message
 
 
-# ---- shared memory ----------------------------------------------------------------------
+# ---- the checker's own memory -----------------------------------------------------------
 def mapped_bytes():
     """This process's virtual size: what its mappings span, touched or not."""
     with open("/proc/self/statm", encoding="ascii") as statm:
@@ -92,6 +92,7 @@ def test_each_launch_unmaps_the_shadows_of_its_written_arguments(races, monkeypa
     np.testing.assert_array_equal(out[:5], [1, 2, 3, 4, 0])
 
 
+# ---- shared memory ----------------------------------------------------------------------
 def test_missing_syncwarp_in_a_warp_exchange_is_reported(races):
     fn = races.get_function("warp_exchange")
     with pytest.raises(E.RaceError) as caught:
