@@ -18,6 +18,7 @@ from cupykv import reference, testing
 from cupykv.backends import get_backend
 from cupykv.backends.emulator import memory
 from backends import BACKENDS
+from process_memory import resident_bytes
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
 
@@ -157,11 +158,6 @@ def test_nothing_is_allocated_for_a_cache_the_backend_cannot_hold(monkeypatch, b
                                           rf"budget\), got one that needs {spec.nbytes + 24 + 8} bytes"):   # + 2 float32 scales
         cupykv.KVCache(spec, backend=backend)
     assert allocations == []
-
-
-def resident_bytes():
-    with open("/proc/self/statm", encoding="ascii") as statm:
-        return int(statm.read().split()[1]) * memory.PAGE
 
 
 def test_emulator_zeros_commit_no_memory_until_used():

@@ -18,9 +18,10 @@ import pytest
 import cupykv
 from cupykv import ops
 from cupykv.backends import emulator as E
-from cupykv.backends.emulator import build, memory, sites
+from cupykv.backends.emulator import build, sites
 from cupykv.backends.emulator_backend import EmulatorBackend
 from cupykv.kernels import ATTENTION_HEAD_DIMS, KERNEL_DIR, KERNELS
+from process_memory import mapped_bytes
 from source_lines import source_site
 
 RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
@@ -71,12 +72,6 @@ def assert_names_threads(message, hazard):
 
 
 # ---- the checker's own memory -----------------------------------------------------------
-def mapped_bytes():
-    """This process's virtual size: what its mappings span, touched or not."""
-    with open("/proc/self/statm", encoding="ascii") as statm:
-        return int(statm.read().split()[0]) * memory.PAGE
-
-
 def test_each_launch_unmaps_the_shadows_of_its_written_arguments(races, monkeypatch):
     """A written argument's shadow (48 bytes of records per byte, 240 MiB of address space for a
     4 MiB array, mostly never touched) is mapped for its launch only: ten more launches leave the
