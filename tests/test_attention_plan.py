@@ -276,6 +276,20 @@ def test_the_convenience_form_drops_its_least_recently_used_plan():
     assert [plan.q_len for plan in attention_module._plans[cache].values()] == [*range(3, limit + 1), 1, limit + 1]
 
 
+def test_the_default_scale_named_or_left_out_runs_one_plan():
+    """Plans are kept by the checked options: ``scale=None`` is ``1/sqrt(head_dim)``, so naming that
+    value reuses the plan (and its workspace) that leaving it out made; a call that names another
+    scale still gets its own plan."""
+    cache, _ = filled("emulator")
+    q = cache.to_device(queries(np.random.default_rng(1), 2))
+    cupykv.attention(q, cache, 0, num_splits=SPLITS)
+    first = next(iter(attention_module._plans[cache].values()))
+    cupykv.attention(q, cache, 0, num_splits=SPLITS, scale=1 / np.sqrt(SPEC.head_dim))
+    assert list(attention_module._plans[cache].values()) == [first]
+    cupykv.attention(q, cache, 0, num_splits=SPLITS, scale=0.5)
+    assert len(attention_module._plans[cache]) == 2
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_may_not_write_into_a_plans_workspace(backend):
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=8, max_seq=256, batch=1)
