@@ -50,6 +50,7 @@ def test_command_line_prints_the_table_and_succeeds(reports, monkeypatch, capsys
     assert len(used) == 1 and used[0].wheel_version == nvrtc_check.PINNED_NVRTC
     result = capsys.readouterr()
     assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 2>" in result.out
+    assert nvrtc_check.format_table(reports) in result.out   # every instance's registers, stack and spills
     assert f"OK, {len(reports)} instances compiled for sm_80, sm_90, no spills" in result.out
     assert "occupancy at or above every declared minimum" in result.out
     # the tensor-core decode block: 2 warps, 47872 bytes of q pieces and stages + 16 static, 4 blocks an SM
