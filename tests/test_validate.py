@@ -29,7 +29,7 @@ from cupykv.kernels import KERNELS, KernelFile
 from cupykv.validate import (EMULATOR_BUDGETS, GPU_BUDGETS, MAX_FILES, NCU_KERNELS, NO_GPU, NOT_GPU_LABEL,
                              Part, Plan, build_plan, execute, junit_counts)
 from cupykv.validate_launches import (CoverageError, check_coverage, expected_instances, launch_every_kernel,
-                                      profile_workload, recording_launch_records, recording_launches)
+                                      recording_launch_records, recording_launches)
 from cupykv.validate_launches import main as launches_main
 
 GPU_ONLY = ("gpu_suite", "memcheck", "racecheck", "synccheck", "initcheck", "ncu")
@@ -393,9 +393,11 @@ def test_the_occupancy_check_describes_the_launches_the_host_code_makes(every_ke
             assert r.shared_mem == shape.dynamic_shared_bytes, r
 
 
-def test_profile_workload_launches_the_kernels_ncu_selects():
+def test_profile_workload_launches_the_kernels_ncu_selects(capsys):
+    """Through the command that validate's ncu part profiles (``--workload profile``)."""
     with recording_launches() as launched:
-        profile_workload("emulator")
+        assert launches_main(["--backend", "emulator", "--workload", "profile"]) == 0
+    assert capsys.readouterr().out == "profile workload ran on emulator\n"
     instances = [instance for _, instance in launched]
     attention, linear = (regex for _, regex in NCU_KERNELS)
     assert "cupykv_attention_mma<__nv_bfloat16, __nv_bfloat16, 128, 1>" in instances and "cupykv_linear_mma<__nv_bfloat16, 8>" in instances
