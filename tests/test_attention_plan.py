@@ -175,6 +175,9 @@ def test_run_refuses_queries_of_another_shape_before_launching(monkeypatch):
     (dict(q_len=1, n_heads=0), r"^n_heads: expected an int in 1\.\."),
     (dict(q_len=1, n_heads=N_HEADS, num_splits=3), r"^num_splits: expected an int in 1\.\.2, got 3"),
     (dict(q_len=1, n_heads=N_HEADS, scale=-1.0), r"^scale: "),
+    (dict(q_len=1, n_heads=N_HEADS, window=0), r"^window: expected an int in 1\.\.2147483647, got 0$"),
+    (dict(q_len=1, n_heads=N_HEADS, softcap=0.0), r"^softcap: expected a float in .*, got 0\.0$"),
+    (dict(q_len=1, n_heads=N_HEADS, rope=10000.0), r"^rope: expected None or a cupykv\.Rope, got 10000\.0"),
 ])
 def test_bad_plan_arguments_are_refused_before_any_allocation(monkeypatch, kwargs, message):
     cache, _ = filled("emulator")
