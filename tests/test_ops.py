@@ -597,6 +597,10 @@ BAD_CALLS = [
     (lambda a: ops.embedding(a["buf"][:2].view(np.int32), a["w"], out=shifted(a["buf"], (2, 6), 1)[0]),
      ValueError, "out", APART + " ids"),
     (lambda a: ops.embedding(a["ids"], a["w"], error_flag=a["ids"][:1]), ValueError, "error_flag", APART + " ids"),
+    (lambda a: ops.embedding(a["ids"], a["w"], error_flag=a["flags"]), ValueError, "error_flag",
+     r" shape \(1,\), got \(2,\)$"),
+    (lambda a: ops.embedding(a["ids"], a["w"], error_flag=a["flags"].reshape(1, 2)[:, :1]), ValueError, "error_flag",
+     r" shape \(1,\), got \(1, 1\)$"),
     (lambda a: ops.argmax(a["x"], out=a["x"].reshape(-1)[:2].view(np.int32)), ValueError, "out", APART + " logits"),
     (lambda a: ops.add(a["scalar"], a["scalar"]), ValueError, "a",
      r" an array of rank >= 1 with every size >= 1, got shape \(\)$"),
@@ -624,6 +628,7 @@ def test_bad_inputs_are_rejected_naming_the_argument_and_write_nothing(call, err
         x=np.ones((2, 6), F32), x64=np.ones((2, 6)), w=np.ones((3, 6), F32), w16=np.ones((3, 6), F16),
         w_in5=np.ones((3, 5), F32), y16=np.ones((2, 6), F16), sq=np.ones((4, 4), F32), y=np.ones((2, 6), F32),
         ids=np.zeros(2, np.int32), ids64=np.zeros(2, np.int64), flag=np.zeros(1, np.int32),
+        flags=np.zeros(2, np.int32),
         buf=np.arange(20, dtype=F32), scalar=np.ones((), F32), empty=np.ones((2, 0), F32))
     before = {key: value.copy() for key, value in arrays.items()}
     with pytest.raises(error, match=rf"^{name}: expected{expected}"):
