@@ -45,7 +45,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "local_array_past_end", "row_index_past_row", "local_array_before_start", "local_array_at_a_64_bit_index",
              "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited",
              "shuffle_waiting_for_the_last_lane", "shuffle_masks_differ_past_lane_0", "packed_head_before_start",
-             "atomic_past_end", "atomic_past_end_last"]
+             "atomic_past_end", "atomic_past_end_last", "smem_written_when_asked"]
 
 
 def load_good():
@@ -802,6 +802,30 @@ def test_reads_of_unwritten_shared_memory_fail(good, bugs, kernel, grid, threads
                             "first (with a __syncthreads() before other threads read them)."), message
     assert sum(read.count for read in caught.value.reads) == reads
     assert_still_works(good)
+
+
+def test_shared_memory_written_before_the_epochs_restart_still_counts_as_unwritten(bugs):
+    """The race checker numbers block starts and barriers (epochs) in 32 bits and restarts the
+    count near its limit, clearing the shadows of shared memory. Records of an earlier launch are
+    ignored because their epochs are older; after a restart they would look newer, so they must be
+    gone: a read of static or dynamic shared memory that no thread of the launch wrote is still
+    reported, as it is without a restart."""
+    kernel = bugs.get_function("smem_written_when_asked")
+    y = E.zeros(128)
+
+    def read_unwritten():
+        with pytest.raises(E.UninitializedReadError) as caught:
+            kernel(1, 64, (y, np.int32(0)), shared_mem=256)
+        assert "no thread of its block wrote (128 reads at 2 call sites)" in str(caught.value), caught.value
+
+    kernel(1, 64, (y, np.int32(1)), shared_mem=256)
+    assert (E.asnumpy(y) == np.repeat([1.0, 2.0], 64)).all()
+    read_unwritten()                                    # no restart: the records are older than the launch
+    build.runtime().cuemu_race_jump_to_epoch_limit()
+    kernel(1, 64, (y, np.int32(1)), shared_mem=256)     # writes every slot, in epochs past the limit
+    read_unwritten()                                    # this launch restarts the epochs at 1
+    kernel(1, 64, (y, np.int32(1)), shared_mem=256)     # and the checker goes on: a clean launch passes
+    read_unwritten()
 
 
 def test_v_a_fault_inside_memcpy_names_the_kernel_line_that_called_it(good, bugs):

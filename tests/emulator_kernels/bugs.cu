@@ -355,3 +355,18 @@ __global__ void atomic_past_end(int* counter, int n) {
 __global__ void atomic_past_end_last(int* counter, int n) {
   atomicMax(&counter[n], 1);
 }
+
+// Writes its slots of static and of dynamic shared memory only when `write` is set, then reads
+// them back: with write = 0, every read is of bytes no thread of the launch wrote, whatever an
+// earlier launch left there. y: [2 * blockDim.x] float, blockDim.x <= 64.
+__global__ void smem_written_when_asked(float* y, int write) {
+  __shared__ float fixed[64];
+  extern __shared__ float dynamic[];
+  if (write) {
+    fixed[threadIdx.x] = 1.0f;
+    dynamic[threadIdx.x] = 2.0f;
+  }
+  __syncthreads();
+  y[threadIdx.x] = fixed[threadIdx.x];
+  y[blockDim.x + threadIdx.x] = dynamic[threadIdx.x];
+}

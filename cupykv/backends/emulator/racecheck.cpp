@@ -145,6 +145,8 @@ class RaceCheck final : public Observer {
   void fence(uint32_t tid) override;
   void settle() override;
   void launch_end() override;
+  // Test hook: the next launch starts at the limit, so the one after it restarts the epochs.
+  void jump_to_epoch_limit() { last_epoch_ = kEpochLimit; }
 
   std::vector<cuemu_hazard> hazards;
   uint64_t dropped = 0;            // hazards beyond kMaxHazards distinct ones
@@ -450,6 +452,12 @@ Observer* racecheck_observer() {
 }
 
 }  // namespace cuemu
+
+// Test hook (tests/test_emulator.py): epochs restart, clearing the shared-memory shadows, at the
+// second launch from now, as they do after about 4e9 barriers and block starts.
+CUEMU_EXPORT void cuemu_race_jump_to_epoch_limit(void) {
+  static_cast<cuemu::RaceCheck*>(cuemu::racecheck_observer())->jump_to_epoch_limit();
+}
 
 // The hazards of the last launch that checked races; valid until the next launch.
 CUEMU_EXPORT uint32_t cuemu_race_hazards(const cuemu_hazard** out, uint64_t* dropped,
