@@ -5,6 +5,7 @@ Attention over fp8 caches is tested in test_attention_fp8.py; this file covers t
 (append, write, scales), the host quantizer and the error bound of cupykv.tolerances.
 """
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -91,6 +92,9 @@ def test_calibrate_scales_maps_each_heads_largest_value_to_448_without_saturatin
         fp8.calibrate_scales(np.full((1, 2, 3), np.nan))
     with pytest.raises(ValueError, match=r"samples: expected a non-empty array .* got shape \(2, 3\)"):
         fp8.calibrate_scales(np.ones((2, 3)))
+    for empty in ((1, 0, 2, 4), (1, 2, 0)):   # no tokens, or no features: no largest value to map
+        with pytest.raises(ValueError, match=r"samples: expected a non-empty array .* got shape " + re.escape(str(empty))):
+            fp8.calibrate_scales(np.ones(empty))
 
 
 def test_calibrate_scales_keeps_a_scale_that_is_already_exact():
