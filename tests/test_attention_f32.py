@@ -111,6 +111,34 @@ def test_rope_softcap_and_window_match_the_reference(backend, head_dim, options)
                                context=f"{options}, num_splits {num_splits}")
 
 
+PADDED = sorted(head_dim for head_dim, instance in STAGED.items() if instance not in (None, head_dim))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", PADDED)
+def test_padded_heads_match_the_reference_and_write_only_their_own_dims(backend, head_dim):
+    # A head run on the next instance up: its lanes past head_dim hold zeros and must write nothing.
+    # Output rows are head_dim apart, so a write of a padded dim would land in the next row (another
+    # warp's: a race) or past the end of out; rows of 5 (GQA 5) and both sequences, split and not.
+    spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype="float32")
+    rng = np.random.default_rng(head_dim)
+    oracle = reference.KVCache(spec)
+    oracle.k[...] = (rng.standard_normal(spec.shape) * 0.5).astype(np.float32)
+    oracle.v[...] = rng.standard_normal(spec.shape).astype(np.float32)
+    q = (rng.standard_normal((2, 1, 5, head_dim)) * 0.5).astype(np.float32)
+    lengths = [297, 40]
+    oracle.set_lengths(lengths)
+    cache = cupykv.KVCache(spec, backend=backend)
+    cache.k[...], cache.v[...] = cache.to_device(oracle.k), cache.to_device(oracle.v)
+    cache.set_lengths(lengths)
+    assert cupykv.AttentionPlan(cache, 1, 5).kernel.instance == f"cupykv_attention_f32<{STAGED[head_dim]}>"
+    want = reference.attention(q, oracle, 0)
+    for num_splits in (1, 3):
+        got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, num_splits=num_splits), spec)
+        assert_attention_close(got.astype(np.float64), want, "float32", float(np.abs(oracle.v).max()),
+                               context=f"head_dim {head_dim}, num_splits {num_splits}")
+
+
 # 'attention_f32.cu:LINE' of a needle: a shared-memory site of the traffic counter
 source_line = functools.partial(source_site, Path(KERNEL_DIR) / "attention_f32.cu")
 
