@@ -637,6 +637,17 @@ def test_two_blocks_writing_one_output_element(races):
     np.testing.assert_array_equal(out, [1, 2, 3, 4])
 
 
+def test_a_race_in_an_array_of_64_mib_is_reported(races):
+    """The access layer marks a watched array's shadow (a byte per 8 bytes) at each launch; spans of
+    1 MiB and more are released to the kernel when cleared, never when marked, so a large array is
+    checked like a small one (a 64 MiB argument: an 8 MiB span)."""
+    out = E.zeros(2**24, np.float32)
+    with pytest.raises(E.RaceError) as caught:
+        races.get_function("blocks_share_output")(4, 32, (out, np.int32(0)))
+    assert only_hazard(caught.value).count == 3, str(caught.value)
+    assert "argument 0 (float32 array of shape (16777216,)) element 0, byte offset 0" in str(caught.value)
+
+
 def test_a_flag_set_to_one_value_by_many_threads_is_benign(races):
     fn = races.get_function("set_flag")
     flag = np.zeros(1, np.int32)  # a host array: shadowed in guarded memory, checked the same
