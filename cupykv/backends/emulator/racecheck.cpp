@@ -147,6 +147,7 @@ class RaceCheck final : public Observer {
   void launch_end() override;
   // Test hook: the next launch starts at the limit, so the one after it restarts the epochs.
   void jump_to_epoch_limit() { last_epoch_ = kEpochLimit; }
+  uint32_t last_epoch() const { return last_epoch_; }
 
   std::vector<cuemu_hazard> hazards;
   uint64_t dropped = 0;            // hazards beyond kMaxHazards distinct ones
@@ -457,6 +458,11 @@ Observer* racecheck_observer() {
 // second launch from now, as they do after about 4e9 barriers and block starts.
 CUEMU_EXPORT void cuemu_race_jump_to_epoch_limit(void) {
   static_cast<cuemu::RaceCheck*>(cuemu::racecheck_observer())->jump_to_epoch_limit();
+}
+
+// Test hook: the last epoch handed out (so a test sees that the restart took place).
+CUEMU_EXPORT uint32_t cuemu_race_last_epoch(void) {
+  return static_cast<cuemu::RaceCheck*>(cuemu::racecheck_observer())->last_epoch();
 }
 
 // The hazards of the last launch that checked races; valid until the next launch.
