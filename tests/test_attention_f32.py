@@ -54,6 +54,19 @@ def test_float32_caches_run_the_staged_kernel_at_its_sizes_and_padded_onto_them(
         assert attention_plan.block_row_choices("float32", head_dim) == (16,)
 
 
+def filled_caches(backend, spec, rng, lengths, k_std=1.0):
+    """A reference cache and one of ``backend`` holding the same random K (standard normal times
+    ``k_std``) and V rows as float32, at ``lengths``."""
+    oracle = reference.KVCache(spec)
+    oracle.k[...] = (rng.standard_normal(spec.shape) * k_std).astype(np.float32)
+    oracle.v[...] = rng.standard_normal(spec.shape).astype(np.float32)
+    oracle.set_lengths(lengths)
+    cache = cupykv.KVCache(spec, backend=backend)
+    cache.k[...], cache.v[...] = cache.to_device(oracle.k), cache.to_device(oracle.v)
+    cache.set_lengths(lengths)
+    return oracle, cache
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
@@ -65,17 +78,11 @@ def test_every_count_of_live_rows_per_warp(backend, head_dim, rows):
     q_len = rows // group
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=1, dtype="float32")
     rng = np.random.default_rng(rows)
-    oracle = reference.KVCache(spec)
-    oracle.k[...] = (rng.standard_normal(spec.shape) * 0.3).astype(np.float32)
-    oracle.v[...] = rng.standard_normal(spec.shape).astype(np.float32)
+    oracle, cache = filled_caches(backend, spec, rng, [297], k_std=0.3)
     q = (rng.standard_normal((1, q_len, group, head_dim)) * 0.3).astype(np.float32)
     for r in range(rows):   # row r leans on key 18 r + 1, in one of the three splits, attended by its query
         i, h = divmod(r, group)
         q[0, i, h] += oracle.k[0, 0, 18 * r + 1, 0] * 8.0
-    oracle.set_lengths([297])
-    cache = cupykv.KVCache(spec, backend=backend)
-    cache.k[...], cache.v[...] = cache.to_device(oracle.k), cache.to_device(oracle.v)
-    cache.set_lengths([297])
     for num_splits in (1, 3):
         got = testing.to_numpy(cupykv.attention(cache.to_device(q), cache, 0, num_splits=num_splits), spec)
         want = reference.attention(q, oracle, 0)
@@ -93,15 +100,8 @@ def test_rope_softcap_and_window_match_the_reference(backend, head_dim, options)
     # sequences whose live keys cross step and split edges; softcap 2 caps logits of about 8.
     spec = cupykv.CacheSpec(n_layers=2, n_kv_heads=2, head_dim=head_dim, max_seq=300, batch=2, dtype="float32")
     rng = np.random.default_rng(head_dim)
-    oracle = reference.KVCache(spec)
-    oracle.k[...] = rng.standard_normal(spec.shape).astype(np.float32)
-    oracle.v[...] = rng.standard_normal(spec.shape).astype(np.float32)
+    oracle, cache = filled_caches(backend, spec, rng, [161, 30])
     q = (rng.standard_normal((2, 3, 8, head_dim)) * 0.5).astype(np.float32)
-    lengths = [161, 30]
-    oracle.set_lengths(lengths)
-    cache = cupykv.KVCache(spec, backend=backend)
-    cache.k[...], cache.v[...] = cache.to_device(oracle.k), cache.to_device(oracle.v)
-    cache.set_lengths(lengths)
     want = reference.attention(q, oracle, 1, **options)
     # the options change the result: a kernel that ignored one would not match
     assert np.abs(reference.attention(q, oracle, 1) - want).max() > 1e-2
@@ -122,15 +122,8 @@ def test_padded_heads_match_the_reference_and_write_only_their_own_dims(backend,
     # warp's: a race) or past the end of out; rows of 5 (GQA 5) and both sequences, split and not.
     spec = cupykv.CacheSpec(n_layers=1, n_kv_heads=1, head_dim=head_dim, max_seq=400, batch=2, dtype="float32")
     rng = np.random.default_rng(head_dim)
-    oracle = reference.KVCache(spec)
-    oracle.k[...] = (rng.standard_normal(spec.shape) * 0.5).astype(np.float32)
-    oracle.v[...] = rng.standard_normal(spec.shape).astype(np.float32)
+    oracle, cache = filled_caches(backend, spec, rng, [297, 40], k_std=0.5)
     q = (rng.standard_normal((2, 1, 5, head_dim)) * 0.5).astype(np.float32)
-    lengths = [297, 40]
-    oracle.set_lengths(lengths)
-    cache = cupykv.KVCache(spec, backend=backend)
-    cache.k[...], cache.v[...] = cache.to_device(oracle.k), cache.to_device(oracle.v)
-    cache.set_lengths(lengths)
     assert cupykv.AttentionPlan(cache, 1, 5).kernel.instance == f"cupykv_attention_f32<{STAGED[head_dim]}>"
     want = reference.attention(q, oracle, 0)
     for num_splits in (1, 3):
