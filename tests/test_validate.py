@@ -139,7 +139,8 @@ def test_a_part_past_its_timeout_is_failed_and_its_processes_killed(tmp_path, mo
     started = time.monotonic()
     summary = _execute(_plan(Part("slow", "sleeps", 1.0, (_python(child),))), tmp_path)
     part = summary["parts"]["slow"]
-    assert part["status"] == "failed" and "timed out" in part["reason"]
+    assert part["status"] == "failed" and part["reason"].startswith("timed out after ")
+    assert f"(part budget 1 s): {PY}; last output line: $ {PY} -c " in part["reason"]   # the program that hung
     assert summary["exit_code"] == 1
     assert time.monotonic() - started < 10
     time.sleep(2.5)
