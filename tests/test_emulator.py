@@ -804,9 +804,6 @@ def test_reads_of_unwritten_shared_memory_fail(good, bugs, kernel, grid, threads
     assert_still_works(good)
 
 
-EPOCH_LIMIT = 0xF0000000   # kEpochLimit in racecheck.cpp
-
-
 def test_shared_memory_written_before_the_epochs_restart_still_counts_as_unwritten(bugs):
     """The race checker numbers block starts and barriers (epochs) in 32 bits and restarts the
     count near its limit, clearing the shadows of shared memory. Records of an earlier launch are
@@ -825,9 +822,10 @@ def test_shared_memory_written_before_the_epochs_restart_still_counts_as_unwritt
     assert (E.asnumpy(y) == np.repeat([1.0, 2.0], 64)).all()
     read_unwritten()                                    # no restart: the records are older than the launch
     runtime = build.runtime()
-    runtime.cuemu_race_jump_to_epoch_limit()
+    limit = runtime.cuemu_race_jump_to_epoch_limit()
+    assert limit > 2**31                                # a restart that a 32-bit count needs, not one per launch
     kernel(1, 64, (y, np.int32(1)), shared_mem=256)     # writes every slot, in epochs past the limit
-    assert runtime.cuemu_race_last_epoch() > EPOCH_LIMIT
+    assert runtime.cuemu_race_last_epoch() > limit
     read_unwritten()                                    # this launch restarts the epochs at 1
     assert runtime.cuemu_race_last_epoch() < 16         # a block start and a barrier or two
     kernel(1, 64, (y, np.int32(1)), shared_mem=256)     # and the checker goes on: a clean launch passes

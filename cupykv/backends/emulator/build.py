@@ -230,7 +230,7 @@ def runtime():
                                        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
     lib.cuemu_race_hazards.restype = ctypes.c_uint32
     lib.cuemu_shadow_ready.restype = ctypes.c_int
-    lib.cuemu_race_jump_to_epoch_limit.restype = None
+    lib.cuemu_race_jump_to_epoch_limit.restype = ctypes.c_uint32
     lib.cuemu_race_last_epoch.restype = ctypes.c_uint32
     lib.cuemu_dynamic_shared_place.argtypes = [ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_uint]
     lib.cuemu_dynamic_shared_place.restype = ctypes.c_ulonglong

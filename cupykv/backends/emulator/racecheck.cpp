@@ -145,8 +145,8 @@ class RaceCheck final : public Observer {
   void fence(uint32_t tid) override;
   void settle() override;
   void launch_end() override;
-  // Test hook: the next launch starts at the limit, so the one after it restarts the epochs.
-  void jump_to_epoch_limit() { last_epoch_ = kEpochLimit; }
+  // Test hook: the next launch starts past the limit, so the one after it restarts the epochs.
+  uint32_t jump_to_epoch_limit() { return last_epoch_ = kEpochLimit; }
   uint32_t last_epoch() const { return last_epoch_; }
 
   std::vector<cuemu_hazard> hazards;
@@ -455,9 +455,9 @@ Observer* racecheck_observer() {
 }  // namespace cuemu
 
 // Test hook (tests/test_emulator.py): epochs restart, clearing the shared-memory shadows, at the
-// second launch from now, as they do after about 4e9 barriers and block starts.
-CUEMU_EXPORT void cuemu_race_jump_to_epoch_limit(void) {
-  static_cast<cuemu::RaceCheck*>(cuemu::racecheck_observer())->jump_to_epoch_limit();
+// second launch from now, as they do after about 4e9 barriers and block starts. Returns the limit.
+CUEMU_EXPORT uint32_t cuemu_race_jump_to_epoch_limit(void) {
+  return static_cast<cuemu::RaceCheck*>(cuemu::racecheck_observer())->jump_to_epoch_limit();
 }
 
 // Test hook: the last epoch handed out (so a test sees that the restart took place).
