@@ -30,7 +30,7 @@ GOOD_NAMES = ["block_sum", "shuffles", "warp_votes", "half_warp", "atomics", "re
               "axpy<__nv_bfloat16>", "convert", "barrier_preds", "scalars", "maybe_null",
               "math", "hello", "busy", "intrinsics", "fp16_ops<__half>",
               "fp16_ops<__nv_bfloat16>", "match_in_halves", "warp_reductions", "record_block_order",
-              "activemask_in_two_arms"]
+              "activemask_in_two_arms", "shuffles_per_lane_width"]
 BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_end",
              "write_past_end", "write_before_start", "smem_past_end", "small_blocks",
              "takes_int", "failing_assert", "trap_at", "shuffle_exited_lane", "shuffle_outside_mask",
@@ -45,7 +45,7 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "local_array_past_end", "row_index_past_row", "local_array_before_start", "local_array_at_a_64_bit_index",
              "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited",
              "shuffle_waiting_for_the_last_lane", "shuffle_masks_differ_past_lane_0", "packed_head_before_start",
-             "atomic_past_end", "atomic_past_end_last", "smem_written_when_asked"]
+             "atomic_past_end", "atomic_past_end_last", "smem_written_when_asked", "shuffle_value_sizes_differ"]
 
 
 def load_good():
@@ -100,6 +100,34 @@ def test_shuffle_widths(good, offset, width):
     out = E.zeros((4, 32), np.int32)
     good.get_function("shuffles")(1, 32, (out, np.int32(offset), np.int32(width)))
     np.testing.assert_array_equal(out, _shuffle_model(offset, width))
+
+
+WIDTH_MIXES = {
+    "halves": [8] * 16 + [32] * 16,          # a lane of width 32 reads across the other half's segments
+    "alternate": [1, 32] * 16,
+    "drawn": list(np.random.default_rng(5).choice([1, 2, 4, 8, 16, 32], 32)),
+}
+
+
+@pytest.mark.parametrize("widths", WIDTH_MIXES.values(), ids=WIDTH_MIXES.keys())
+@pytest.mark.parametrize("offset", [1, 3, 17])
+def test_lanes_of_one_shuffle_may_pass_different_widths(good, offset, widths):
+    """PTX's shfl.sync takes the width operand per thread: each lane's result is the one the
+    single-width model gives that lane at its own width (CUDA requires one mask, not one width)."""
+    out = E.zeros((4, 32), np.int32)
+    good.get_function("shuffles_per_lane_width")(1, 32, (out, np.int32(offset), E.asarray(np.int32(widths))))
+    want = np.stack([_shuffle_model(offset, width)[:, lane] for lane, width in enumerate(widths)], axis=1)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_lanes_shuffling_values_of_different_sizes_at_one_site_fail_naming_both(good, bugs):
+    """One template instantiated for int and double: one call site, two intrinsics. The report says
+    which lanes pass which size, not only that the warp cannot go on."""
+    with pytest.raises(E.BarrierError, match=rf"__shfl_sync at .*{re.escape(bug_site('return __shfl_sync(0xffffffffu, v, 0);'))} "
+                                             r"\(mask 0xffffffff\) in warp 0: lane \d+ \(thread \d+\) shuffles a "
+                                             r"(4|8)-byte value, but lane \d+ \(thread \d+\) a (?!\1)(4|8)-byte one"):
+        bugs.get_function("shuffle_value_sizes_differ")(1, 32, (E.zeros(32, np.float64),))
+    assert_still_works(good)
 
 
 @pytest.mark.parametrize("lone", [0, 7, 31, 32])

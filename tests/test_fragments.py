@@ -286,6 +286,18 @@ def test_ldmatrix_row_addresses_the_gpu_would_not_accept_fail(module, case, matc
         run_ldmatrix(module, 4, False, offsets, mode=mode, extra_shared=extra)
 
 
+def test_an_mma_short_of_lanes_names_its_own_warp(module):
+    """Warps 0-15 are whole and their mma completes; warp 16 has 16 lanes (threads 512-527). The
+    report names warp 16 for whichever of its lanes reports (thread // 32, not another divisor)."""
+    warps = 17
+    a = np.zeros((warps, 16, 16), np.float16)
+    b = np.zeros((warps, 16, 8), np.float16)
+    c = np.zeros((warps, 16, 8), np.float32)
+    with pytest.raises(E.BarrierError, match=r"mma.sync.m16n8k16 \(f16\) at mma.cuh:\d+ \(inlined into "
+                                             r"fragments.cu:\d+\) in warp 16: needs all 32 lanes of the warp"):
+        run_mma(module, "__half", a, b, c, threads=16 * 32 + 16)
+
+
 def test_ldmatrix_of_a_copy_in_flight_fails_and_after_the_wait_reads_it(module):
     offsets = np.arange(32) * 8
     read = (rf"a read of 16 bytes of dynamic shared memory byte offset \d+ by thread \(\d+,0,0\) at mma.cuh:\d+ "

@@ -370,3 +370,11 @@ __global__ void smem_written_when_asked(float* y, int write) {
   y[threadIdx.x] = fixed[threadIdx.x];
   y[blockDim.x + threadIdx.x] = dynamic[threadIdx.x];
 }
+
+// Lanes 0-15 shuffle an int and lanes 16-31 a double, at one call site (one template, two
+// types): different intrinsics under one mask, which never complete together. y: [32] double.
+template <class T> __device__ T broadcast_lane_0(T v) { return __shfl_sync(0xffffffffu, v, 0); }
+__global__ void shuffle_value_sizes_differ(double* y) {
+  const int lane = threadIdx.x;
+  y[lane] = lane < 16 ? (double)broadcast_lane_0<int>(lane) : broadcast_lane_0<double>(0.5 * lane);
+}

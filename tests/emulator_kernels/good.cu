@@ -34,6 +34,17 @@ __global__ void shuffles(int* out, int offset, int width) {
   out[3 * 32 + lane] = __shfl_xor_sync(0xffffffffu, v, offset, width);
 }
 
+// The four shuffles with each lane's own width, widths[lane] (PTX takes the width operand per
+// thread: a lane's segment, and so its source lane, follow its own width). out: as in shuffles.
+__global__ void shuffles_per_lane_width(int* out, int offset, const int* widths) {
+  const int lane = threadIdx.x, width = widths[lane];
+  const int v = 100 + lane;
+  out[0 * 32 + lane] = __shfl_sync(0xffffffffu, v, offset, width);
+  out[1 * 32 + lane] = __shfl_up_sync(0xffffffffu, v, offset, width);
+  out[2 * 32 + lane] = __shfl_down_sync(0xffffffffu, v, offset, width);
+  out[3 * 32 + lane] = __shfl_xor_sync(0xffffffffu, v, offset, width);
+}
+
 // Shuffles of 8-byte values and default widths, votes and match; `lone` is the one lane that votes
 // apart from the others in rows 1, 2 and 4.
 // out_d: [32] double, out_u: [5, 32] unsigned.

@@ -642,7 +642,9 @@ static bool group_complete(const Warp& W, uint32_t base, uint32_t mask, const Fi
       continue;
     }
     if (me->op != CUEMU_SYNCWARP && !same_site(f.file, f.line, me->file, me->line)) return false;
-    if (is_shfl(me->op) && (f.width != me->width || f.vsize != me->vsize)) return false;
+    // A shuffle's width is each lane's own (PTX's c operand is per thread; release_group applies
+    // it lane by lane), but a 4-byte and an 8-byte shuffle are different intrinsics.
+    if (is_shfl(me->op) && f.vsize != me->vsize) return false;
   }
   return true;
 }
@@ -836,6 +838,30 @@ static bool explain_mask_mismatch(std::string& out) {
   return false;
 }
 
+// Two waiting lanes at one shuffle call site with one mask, shuffling values of different sizes
+// (one template instantiated for two types): the one case besides different masks in which lanes
+// at the same site never complete. Appends the explanation to `out`; false when there is none.
+static bool explain_value_size_mismatch(std::string& out) {
+  for (uint32_t w = 0; w < S.nwarps; ++w) {
+    const uint32_t base = w * 32u, waiting = S.warps[w].waiting;
+    for (uint32_t l = 0; l < 32; ++l) {
+      const Fiber& f = g_fibers[base + l];
+      if (!(waiting >> l & 1) || !is_shfl(f.op)) continue;
+      for (uint32_t k = l + 1; k < 32; ++k) {
+        const Fiber& g = g_fibers[base + k];
+        if (!(waiting >> k & 1) || g.op != f.op || g.mask != f.mask || g.vsize == f.vsize) continue;
+        if (!(f.mask >> k & 1) || !same_site(f.file, f.line, g.file, g.line)) continue;
+        msgf(out, "%s at %s:%d (mask 0x%08x) in warp %u: lane %u (thread %u) shuffles a %u-byte value, "
+             "but lane %u (thread %u) a %u-byte one; lanes that shuffle together must call the same "
+             "intrinsic, with one value type", op_name(f.op), f.file, f.line, f.mask, w, l, base + l,
+             (unsigned)f.vsize, k, base + k, (unsigned)g.vsize);
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 static void report_stuck() {
   uint32_t at_bar = 0, at_warp = 0;
   for (uint32_t i = 0; i < S.n; ++i) {
@@ -850,7 +876,7 @@ static void report_stuck() {
     msgf(g_msg, "divergent barriers: threads wait at different __syncthreads() call sites or kinds of "
          "barrier (every thread of the block must reach the same barrier)");
   else if (at_warp) {
-    if (!explain_mask_mismatch(g_msg))
+    if (!explain_mask_mismatch(g_msg) && !explain_value_size_mismatch(g_msg))
       msgf(g_msg, "deadlock: warp-synchronous operations cannot complete (lanes of a mask must "
            "reach the same call site with the same mask, and no lane may wait at a barrier "
            "meanwhile)");
