@@ -45,7 +45,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "local_array_past_end", "row_index_past_row", "local_array_before_start", "local_array_at_a_64_bit_index",
              "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited",
              "shuffle_waiting_for_the_last_lane", "shuffle_masks_differ_past_lane_0", "packed_head_before_start",
-             "atomic_past_end", "atomic_past_end_last", "smem_written_when_asked", "shuffle_value_sizes_differ"]
+             "atomic_past_end", "atomic_past_end_last", "smem_written_when_asked", "shuffle_value_sizes_differ",
+             "shuffle_sparse_masks_differ"]
 
 
 def load_good():
@@ -1150,6 +1151,17 @@ def test_masks_that_differ_among_lanes_past_lane_0_are_explained(good, bugs):
     y = E.zeros(32)
     fn(1, 32, (y, np.int32(1)))
     np.testing.assert_array_equal(y, [0] + [2] * 31)
+
+
+def test_sparse_masks_that_differ_are_explained_by_the_lanes_they_name(good, bugs):
+    """Lane 0 (mask 0x5) and lane 2 (mask 0xd) name each other; lane 0 is the first waiting lane, so
+    the report starts from it, whatever order the lanes arrived in."""
+    site = re.escape(bug_site("y[lane] = __shfl_sync(mask, (float)lane, 0);"))
+    with pytest.raises(E.BarrierError, match=rf"__shfl_sync at .*{site} in warp 0: lane 0 \(thread 0\) passes mask "
+                                             rf"0x00000005, but lane 2 \(thread 2\), which both masks name, waits at "
+                                             rf".*{site} with mask 0x0000000d"):
+        bugs.get_function("shuffle_sparse_masks_differ")(1, 32, (E.zeros(32),))
+    assert_still_works(good)
 
 
 @pytest.mark.parametrize("threads", [32, 64, 128])

@@ -336,6 +336,16 @@ __global__ void shuffle_masks_differ_past_lane_0(float* y, int same_masks) {
   y[lane] = __shfl_sync(mask, (float)lane, 2);
 }
 
+// Lanes 0, 2 and 3 shuffle, lane 0 under the mask 0x5 (lanes 0 and 2) and lanes 2 and 3 under
+// 0xd (lanes 0, 2 and 3): lanes 0 and 2 name each other but pass different masks. No mask names
+// the lane after either of them, so only the right bits explain it. y: [32] float.
+__global__ void shuffle_sparse_masks_differ(float* y) {
+  const int lane = threadIdx.x;
+  if (lane == 1 || lane > 3) return;
+  const unsigned mask = lane == 0 ? 0x5u : 0xdu;
+  y[lane] = __shfl_sync(mask, (float)lane, 0);
+}
+
 // A 32-byte packed struct (a range g++ instruments whole) read from `shift` floats before x: with
 // shift 2 it starts in the guard before the array and ends inside it. y: [1] float.
 __global__ void packed_head_before_start(float* y, const float* x, int shift) {
