@@ -505,12 +505,14 @@ def test_a_barrier_inside_branch(good, bugs):
     assert "'barrier_in_branch'" in msg and "block (0,0,0)" in msg
     assert f"bugs.cu:{line_number(BUGS, '__syncthreads();', 0)}" in msg
     assert "threads 0-31" in msg and "threads 32-63" in msg and "exited" in msg
+    assert "divergent __syncthreads(): 32 threads wait at a barrier that 32 exited threads never reach" in msg
     assert_still_works(good)
 
 
 def test_b_early_return_before_barrier(good, bugs):
-    with pytest.raises(E.BarrierError, match=r"threads 0-39 .*waiting at __syncthreads\(\) "
-                                             r".*bugs\.cu:\d+.*\n.*threads 40-127.*exited"):
+    with pytest.raises(E.BarrierError, match=r"divergent __syncthreads\(\): 40 threads wait at a barrier that 88 "
+                                             r"exited threads never reach.*\n.*threads 0-39 .*waiting at "
+                                             r"__syncthreads\(\) .*bugs\.cu:\d+.*\n.*threads 40-127.*exited"):
         bugs.get_function("early_return")(1, 128, (E.zeros(128), np.int32(40)))
     bugs.get_function("early_return")(1, 128, (E.zeros(128), np.int32(128)))  # no divergence
     assert_still_works(good)
