@@ -346,6 +346,17 @@ __global__ void shuffle_sparse_masks_differ(float* y) {
   y[lane] = __shfl_sync(mask, (float)lane, 0);
 }
 
+// Lanes 0-15 shuffle under the mask 0xffffffff at one call site and lanes 16-31 under 0xfffffffe
+// at another: the masks name each other's lanes and differ, but the lanes are not at one site, so
+// the sites (not the masks) are what keeps them apart. y: [32] int.
+__global__ void shuffle_sites_and_masks_differ(int* y) {
+  const int lane = threadIdx.x;
+  int v = lane;
+  if (lane < 16) v = __shfl_sync(0xffffffffu, v, 1);
+  else v = __shfl_sync(0xfffffffeu, v, 1);
+  y[lane] = v;
+}
+
 // A 32-byte packed struct (a range g++ instruments whole) read from `shift` floats before x: with
 // shift 2 it starts in the guard before the array and ends inside it. y: [1] float.
 __global__ void packed_head_before_start(float* y, const float* x, int shift) {
