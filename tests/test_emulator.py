@@ -46,7 +46,8 @@ BUG_NAMES = ["barrier_in_branch", "early_return", "split_barriers", "read_past_e
              "barrier_kinds_differ", "shuffle_after_lanes_exited", "shuffle_after_first_and_last_lanes_exited",
              "shuffle_waiting_for_the_last_lane", "shuffle_masks_differ_past_lane_0", "packed_head_before_start",
              "atomic_past_end", "atomic_past_end_last", "smem_written_when_asked", "shuffle_value_sizes_differ",
-             "shuffle_sparse_masks_differ", "shuffle_sites_and_masks_differ"]
+             "shuffle_sparse_masks_differ", "shuffle_sites_and_masks_differ",
+             "barrier_after_odd_threads_return"]
 
 
 def load_good():
@@ -515,6 +516,22 @@ def test_b_early_return_before_barrier(good, bugs):
                                              r"__syncthreads\(\) .*bugs\.cu:\d+.*\n.*threads 40-127.*exited"):
         bugs.get_function("early_return")(1, 128, (E.zeros(128), np.int32(40)))
     bugs.get_function("early_return")(1, 128, (E.zeros(128), np.int32(128)))  # no divergence
+    assert_still_works(good)
+
+
+def test_a_report_lists_the_first_24_ranges_of_thread_states(good, bugs):
+    """64 threads alternate between waiting and exited: 64 ranges, of which the report lists the
+    first 24 (threads 0-23, in order) and then an ellipsis."""
+    with pytest.raises(E.BarrierError) as e:
+        bugs.get_function("barrier_after_odd_threads_return")(1, 64, (E.zeros(64),))
+    summary, *states = str(e.value).split("\n")
+    assert "32 threads wait at a barrier that 32 exited threads never reach" in summary
+    assert summary.endswith("; thread states (linear ids):"), summary
+    site = f"bugs.cu:{line_number(BUGS, 'if (threadIdx.x % 2) return;') + 1}"
+    want = [f"  thread {t} ({t},0,0): " + ("exited" if t % 2 else "waiting at __syncthreads() ") for t in range(24)]
+    assert len(states) == 25 and states[-1].startswith("  ... ["), states   # then the schedule's seed
+    for got, expected in zip(states, want):
+        assert got.startswith(expected) and (expected.endswith("exited") or got.endswith(site)), (got, expected)
     assert_still_works(good)
 
 
@@ -1189,7 +1206,8 @@ def test_shuffle_reading_outside_mask(good, bugs):
     assert_still_works(good)
 
 
-@pytest.mark.parametrize("kernel", ["shuffle_split_sites", "shuffle_sites_and_masks_differ"])
+@pytest.mark.parametrize("kernel", ["shuffle_split_sites", "shuffle_sites_and_masks_differ",
+             "barrier_after_odd_threads_return"])
 def test_shuffle_lanes_at_different_sites(good, bugs, kernel):
     """Lanes of one mask at two call sites: the report says they must reach one site, also where their
     masks differ too (two masks at two sites are not a mask mismatch at one site)."""

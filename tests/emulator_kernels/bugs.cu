@@ -17,6 +17,14 @@ __global__ void early_return(float* y, int n) {
   y[threadIdx.x] = 1.f;
 }
 
+// Odd threads return and even threads wait at a barrier: the threads' states alternate at every
+// thread, more ranges than a report lists. y: [blockDim.x] float.
+__global__ void barrier_after_odd_threads_return(float* y) {
+  if (threadIdx.x % 2) return;
+  __syncthreads();
+  y[threadIdx.x] = 1.f;
+}
+
 // Two barriers at different call sites in the two halves of an if/else.
 __global__ void split_barriers(float* y) {
   if (threadIdx.x % 2) {
