@@ -298,6 +298,17 @@ def test_an_mma_short_of_lanes_names_its_own_warp(module):
         run_mma(module, "__half", a, b, c, threads=16 * 32 + 16)
 
 
+def test_an_ldmatrix_row_address_fault_names_its_own_warp(module):
+    """17 warps, every row address good but lane 22 of warp 16's: the report names warp 16 and the
+    lane within it."""
+    offsets = np.tile(np.arange(32) * 8, 17)
+    offsets[16 * 32 + 22] += 4
+    with pytest.raises(E.FragmentError, match=rf"ldmatrix.sync.m8n8 at mma.cuh:\d+ \(inlined into "
+                                              rf"{ldmatrix_call()}\) in warp 16: row address 0x[0-9a-f]+ of lane 22 "
+                                              r"\(matrix 2, row 6\) is not 16-byte aligned"):
+        run_ldmatrix(module, 4, False, offsets)
+
+
 def test_ldmatrix_of_a_copy_in_flight_fails_and_after_the_wait_reads_it(module):
     offsets = np.arange(32) * 8
     read = (rf"a read of 16 bytes of dynamic shared memory byte offset \d+ by thread \(\d+,0,0\) at mma.cuh:\d+ "
