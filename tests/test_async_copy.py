@@ -382,6 +382,29 @@ def test_the_kernels_compile_with_nvrtc_without_spills(arch):
     assert sizes == {4, 8, 16}
 
 
+RAW_COPY = r"""
+// The emulator's cp.async entry point called directly, past the header's static_assert on the size.
+extern "C" __global__ void raw_cp_async(const float* src, unsigned bytes) {
+  __shared__ __align__(16) float tile[4];
+  cuemu_cp_async(tile, src, bytes, bytes);
+  cuemu_cp_async_wait_all();
+}
+"""
+
+
+@pytest.mark.parametrize("size", [2, 12, 32])
+def test_the_runtime_refuses_a_copy_size_the_instruction_has_no_form_for(module, size):
+    """The header refuses such sizes at compile time (above); a kernel that reaches the runtime's own
+    entry point directly is refused at the issue too, by size."""
+    raw = E.Module(RAW_COPY, ["raw_cp_async"])
+    src = E.asarray(np.arange(8, dtype=np.float32))
+    with pytest.raises(E.AsyncCopyError, match=rf"cp\.async at .* by thread \(0,0,0\): copy size {size} \(cp\.async "
+                                               r"copies 4, 8 or 16 bytes\)"):
+        raw.get_function("raw_cp_async")(1, 1, (src, np.uint32(size)))
+    raw.get_function("raw_cp_async")(1, 1, (src, np.uint32(16)))   # the same call at a size it has
+    assert_still_works(module)
+
+
 @pytest.mark.parametrize("poison", [0x41, 0xFF])
 def test_an_uninstrumented_module_reads_the_launchs_poison_before_the_wait(module, monkeypatch, poison):
     """Without instrumentation (no shadow memory) an early read cannot be seen: it reads the poison
