@@ -31,7 +31,7 @@ from cupykv.step_instructions import StagedInstance
 KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 TRAFFIC_NAMES = ["strided_copy", "vector_copy", "sum_rows", "uneven_trips", "realigned_trips",
                  "count_and_copy", "realigned_by_barrier", "half_warp_collective", "add_pair", "one_site_two_places",
-                 "copy_byte_spans", "gather_into_first"]
+                 "copy_byte_spans", "gather_into_first", "move_byte"]
 EXAMPLES = max(8, settings.default.max_examples // 4)   # each example runs kernels on the emulator
 
 
@@ -227,6 +227,26 @@ def test_the_byte_map_holds_spans_of_any_length_and_alignment(kernels, shift):
         counts = arg.counts(kind)
         assert (counts.bytes, counts.accesses, counts.requests) == (lengths.sum(), len(BYTE_SPANS), 1)
         assert counts.sectors_per_request == len(sectors) and counts.sectors == len(sectors)
+
+
+@pytest.mark.parametrize("phase", [0, 5])
+@pytest.mark.parametrize("map_bits", [63, 64, 65, 128, 129])
+def test_a_byte_map_ending_just_past_a_word_keeps_each_kind_to_its_own_map(kernels, phase, map_bits):
+    """The counter's maps (load, store, atomic; side by side in one mapping) are whole 64-bit words
+    of phase + nbytes bits each. A load of the array's last byte, the first bit of a word when that
+    sum is 65 or 129, lands in the load map and not in the store map after it."""
+    base = E.zeros(map_bits, np.uint8)
+    base[...] = np.arange(1, map_bits + 1, dtype=np.uint8)
+    x = base[phase:]
+    last = x.size - 1
+    with E.traffic() as t:
+        kernels.get_function("move_byte")(1, 1, (x, np.int32(last), np.int32(1)))
+    assert x.tolist()[1] == map_bits   # the last byte's value, moved
+    arg = only_launch(t).of(x)
+    assert arg.phase == phase and arg.nbytes == map_bits - phase
+    np.testing.assert_array_equal(np.flatnonzero(arg.touched("load")), [last])
+    np.testing.assert_array_equal(np.flatnonzero(arg.touched("store")), [1])
+    assert (arg.counts("load").bytes, arg.counts("store").bytes, arg.counts("atomic").bytes) == (1, 1, 0)
 
 
 @pytest.mark.parametrize("base_floats, start_phase", [(72, 0), (76, 16)])

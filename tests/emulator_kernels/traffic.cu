@@ -81,6 +81,9 @@ extern "C" __global__ void copy_byte_spans(const unsigned char* __restrict__ src
   memcpy(dst + starts[t], src + starts[t], lengths[t]);
 }
 
+// One thread: bytes[to] = bytes[from], a load and a store of one array of single bytes.
+extern "C" __global__ void move_byte(unsigned char* bytes, int from, int to) { bytes[to] = bytes[from]; }
+
 // Two warps, two rounds separated by __syncthreads(). Round 0: thread t reads x[t], and thread 0
 // alone x[64] in a second trip (extra = 1); round 1: thread t reads x[128 + t]. The barrier
 // realigns the lanes' visits as a warp collective does: requests of 4 and 1 sectors (warp 0)
