@@ -22,7 +22,7 @@ KERNELS_DIR = Path(__file__).parent / "emulator_kernels"
 SOURCE = KERNELS_DIR / "banks.cu"
 NAMES = ["strided_words", "strided_pairs", "strided_vectors", "ldmatrix_rows", "async_stage", "vector_components",
          "adjacent_words", "quarter_warp_columns", "scalar_quads", "shared_atomics", "shared_copy",
-         "stores_split_by_a_barrier"]
+         "stores_split_by_a_barrier", "static_strided_words"]
 
 
 @pytest.fixture(scope="module")
@@ -210,13 +210,17 @@ def test_a_copy_within_shared_memory_counts_its_load_and_its_store_apart(kernels
     np.testing.assert_array_equal(out, np.arange(32, dtype=np.float32))
 
 
-def test_banks_are_counted_with_the_race_checker_off(kernels, monkeypatch):
-    """The bank counter watches shared memory itself: it does not lean on the race checker."""
+@pytest.mark.parametrize("kernel, shared_mem", [("strided_words", 4 * 65), ("static_strided_words", 0)],
+                         ids=["dynamic", "static"])
+def test_banks_are_counted_with_the_race_checker_off(kernels, monkeypatch, kernel, shared_mem):
+    """The bank counter watches shared memory itself, dynamic and static: it does not lean on the
+    race checker."""
     monkeypatch.setenv("CUPYKV_EMULATOR_RACECHECK", "0")
     out = E.zeros(32, np.float32)
     with E.traffic(banks=True) as t:
-        kernels.get_function("strided_words")(1, 32, (out, np.int32(2)), shared_mem=4 * 65)
+        kernels.get_function(kernel)(1, 32, (out, np.int32(2)), shared_mem=shared_mem)
     assert t.launches[0].shared_total() == (2, 4, 2), t.report()
+    np.testing.assert_array_equal(out, np.arange(32, dtype=np.float32))
 
 
 def test_requests_split_at_warps_and_repeat_per_block(kernels):

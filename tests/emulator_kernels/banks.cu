@@ -19,6 +19,15 @@ __global__ void strided_words(float* __restrict__ out, int stride) {
     out[lane] = tile[lane * stride];
 }
 
+// strided_words over a static __shared__ array (stride 0 to 2): the same wavefronts.
+__global__ void static_strided_words(float* __restrict__ out, int stride) {
+    __shared__ float tile[2 * 32 + 1];
+    const int lane = threadIdx.x;
+    tile[lane * stride] = (float)(stride ? lane : 0);
+    __syncwarp();
+    out[lane] = tile[lane * stride];
+}
+
 // One warp. Lane l loads the 16-byte vector vectors[l * stride] (dynamic shared memory of
 // 32 * stride uint4, zeroed first by the same lane): four phases of 8 lanes, each one wavefront
 // for stride 1 (128 contiguous bytes), two for stride 2, eight for stride 8 (every lane of a
