@@ -234,7 +234,9 @@ def test_the_byte_map_holds_spans_of_any_length_and_alignment(kernels, shift):
 def test_a_byte_map_ending_just_past_a_word_keeps_each_kind_to_its_own_map(kernels, phase, map_bits):
     """The counter's maps (load, store, atomic; side by side in one mapping) are whole 64-bit words
     of phase + nbytes bits each. A load of the array's last byte, the first bit of a word when that
-    sum is 65 or 129, lands in the load map and not in the store map after it."""
+    sum is 65 or 129, lands in the load map and not in the store map after it. (A map a word short
+    would put it on the store map's bit 0: inside the array at phase 0, on the padding before it at
+    phase 5.)"""
     base = E.zeros(map_bits, np.uint8)
     base[...] = np.arange(1, map_bits + 1, dtype=np.uint8)
     x = base[phase:]
