@@ -688,6 +688,31 @@ def test_protected_checks_its_range():
         a[0, 0] = 1.0   # the live part stays usable
     a[3, 0] = 2.0       # and the tail again after the block
     assert a[3, 0] == 2.0
+    with pytest.raises(ValueError, match="not in guarded emulator memory"):
+        with E.protected(np.zeros(4096, np.float32), 0):
+            pass
+    with E.protected(a, 0), E.protected(a, 4096, 4096):   # the whole buffer; an empty range
+        pass
+    view = a.reshape(-1)[256:]   # 1024 bytes into its buffer: offsets count from the view's own start
+    with E.protected(view, 3072, 7168):
+        view[0] = 3.0
+    with pytest.raises(ValueError, match="start = 1024 is not on a page boundary.* -1024 and 3072"):
+        with E.protected(view, 1024):
+            pass
+    assert a[0, 256] == 3.0
+
+
+def test_a_fault_names_the_protected_range_of_its_own_block():
+    """Ranges protected one after the other: a fault in the second names the second's bytes, not
+    the first's (whose block has ended)."""
+    src = "__global__ void peek(const float* x, float* y, int i) { y[0] = x[i]; }\n"
+    peek = E.Module(src, ["peek"], filename="peek.cu").get_function("peek")
+    a, y = E.zeros((4, 1024), np.float32), E.zeros(1, np.float32)
+    with E.protected(a, 8192):
+        pass
+    with E.protected(a, 4096):
+        with pytest.raises(E.EmulatorFault, match=re.escape("bytes [4096, 16384) are protected")):
+            peek(1, 1, (a, y, np.int32(3000)))
 
 
 
