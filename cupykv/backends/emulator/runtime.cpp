@@ -813,24 +813,18 @@ static std::string describe(const Fiber& f) {
   return "running";
 }
 
-// Two waiting lanes that name each other in their masks, at the same operation (any
-// __syncwarp(), else the same call site), with different masks: neither group can ever
-// complete. Appends the explanation to `out`; false when there is none.
-static bool explain_mask_mismatch(std::string& out) {
+// The first pair of lanes of one warp, both waiting at a warp operation, for which
+// `conflict(f, lane_f, g, lane_g)` holds (lanes in order: f's, then g's from lane 0); false when
+// there is none. The explanations of a warp that cannot go on search with it.
+template <class Conflict>
+static bool find_waiting_pair(uint32_t* warp, uint32_t* lane_f, uint32_t* lane_g, Conflict conflict) {
   for (uint32_t w = 0; w < S.nwarps; ++w) {
     const uint32_t base = w * 32u, waiting = S.warps[w].waiting;
     for (uint32_t l = 0; l < 32; ++l) {
-      const Fiber& f = g_fibers[base + l];
-      if (!(waiting >> l & 1) || f.op == CUEMU_ACTIVEMASK) continue;
+      if (!(waiting >> l & 1)) continue;
       for (uint32_t k = 0; k < 32; ++k) {
-        const Fiber& g = g_fibers[base + k];
-        if (!(waiting >> k & 1) || g.op != f.op || g.mask == f.mask) continue;
-        if (!(f.mask >> k & 1) || !(g.mask >> l & 1)) continue;
-        if (f.op != CUEMU_SYNCWARP && !same_site(f.file, f.line, g.file, g.line)) continue;
-        msgf(out, "%s at %s:%d in warp %u: lane %u (thread %u) passes mask 0x%08x, but lane %u "
-             "(thread %u), which both masks name, waits at %s:%d with mask 0x%08x; lanes that "
-             "synchronise together must pass the same mask", op_name(f.op), f.file, f.line, w, l,
-             base + l, f.mask, k, base + k, g.file, g.line, g.mask);
+        if (!(waiting >> k & 1) || !conflict(g_fibers[base + l], l, g_fibers[base + k], k)) continue;
+        *warp = w, *lane_f = l, *lane_g = k;
         return true;
       }
     }
@@ -838,28 +832,43 @@ static bool explain_mask_mismatch(std::string& out) {
   return false;
 }
 
+// Two waiting lanes that name each other in their masks, at the same operation (any
+// __syncwarp(), else the same call site), with different masks: neither group can ever
+// complete. Appends the explanation to `out`; false when there is none.
+static bool explain_mask_mismatch(std::string& out) {
+  uint32_t w, l, k;
+  const bool found = find_waiting_pair(&w, &l, &k, [](const Fiber& f, uint32_t l, const Fiber& g, uint32_t k) {
+    if (f.op == CUEMU_ACTIVEMASK || g.op != f.op || g.mask == f.mask) return false;
+    if (!(f.mask >> k & 1) || !(g.mask >> l & 1)) return false;
+    return f.op == CUEMU_SYNCWARP || same_site(f.file, f.line, g.file, g.line);
+  });
+  if (!found) return false;
+  const uint32_t base = w * 32u;
+  const Fiber &f = g_fibers[base + l], &g = g_fibers[base + k];
+  msgf(out, "%s at %s:%d in warp %u: lane %u (thread %u) passes mask 0x%08x, but lane %u "
+       "(thread %u), which both masks name, waits at %s:%d with mask 0x%08x; lanes that "
+       "synchronise together must pass the same mask", op_name(f.op), f.file, f.line, w, l,
+       base + l, f.mask, k, base + k, g.file, g.line, g.mask);
+  return true;
+}
+
 // Two waiting lanes at one shuffle call site with one mask, shuffling values of different sizes
 // (one template instantiated for two types): the one case besides different masks in which lanes
 // at the same site never complete. Appends the explanation to `out`; false when there is none.
 static bool explain_value_size_mismatch(std::string& out) {
-  for (uint32_t w = 0; w < S.nwarps; ++w) {
-    const uint32_t base = w * 32u, waiting = S.warps[w].waiting;
-    for (uint32_t l = 0; l < 32; ++l) {
-      const Fiber& f = g_fibers[base + l];
-      if (!(waiting >> l & 1) || !is_shfl(f.op)) continue;
-      for (uint32_t k = l + 1; k < 32; ++k) {
-        const Fiber& g = g_fibers[base + k];
-        if (!(waiting >> k & 1) || g.op != f.op || g.mask != f.mask || g.vsize == f.vsize) continue;
-        if (!(f.mask >> k & 1) || !same_site(f.file, f.line, g.file, g.line)) continue;
-        msgf(out, "%s at %s:%d (mask 0x%08x) in warp %u: lane %u (thread %u) shuffles a %u-byte value, "
-             "but lane %u (thread %u) a %u-byte one; lanes that shuffle together must call the same "
-             "intrinsic, with one value type", op_name(f.op), f.file, f.line, f.mask, w, l, base + l,
-             (unsigned)f.vsize, k, base + k, (unsigned)g.vsize);
-        return true;
-      }
-    }
-  }
-  return false;
+  uint32_t w, l, k;
+  const bool found = find_waiting_pair(&w, &l, &k, [](const Fiber& f, uint32_t, const Fiber& g, uint32_t k) {
+    return is_shfl(f.op) && g.op == f.op && g.mask == f.mask && g.vsize != f.vsize && (f.mask >> k & 1) &&
+           same_site(f.file, f.line, g.file, g.line);
+  });
+  if (!found) return false;
+  const uint32_t base = w * 32u;
+  const Fiber &f = g_fibers[base + l], &g = g_fibers[base + k];
+  msgf(out, "%s at %s:%d (mask 0x%08x) in warp %u: lane %u (thread %u) shuffles a %u-byte value, "
+       "but lane %u (thread %u) a %u-byte one; lanes that shuffle together must call the same "
+       "intrinsic, with one value type", op_name(f.op), f.file, f.line, f.mask, w, l, base + l,
+       (unsigned)f.vsize, k, base + k, (unsigned)g.vsize);
+  return true;
 }
 
 static void report_stuck() {
