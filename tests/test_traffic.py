@@ -672,6 +672,12 @@ def test_the_bytes_touched_of_a_view_are_its_own_at_any_offset_in_its_buffer(sta
     assert np.asarray(y).tolist() == np.asarray(view)[::2].tolist()
 
 
+def peek_kernel():
+    """``peek(x, y, i)``: y[0] = x[i] (float32), from peek.cu, whose line 1 is the read."""
+    src = "__global__ void peek(const float* x, float* y, int i) { y[0] = x[i]; }\n"
+    return E.Module(src, ["peek"], filename="peek.cu").get_function("peek")
+
+
 def test_protected_checks_its_range():
     a = E.zeros((4, 1024), np.float32)   # 16 KiB: 4 pages, page-aligned
     with pytest.raises(ValueError, match="not on a page boundary.* 4096 and 8192"):
@@ -705,8 +711,7 @@ def test_protected_checks_its_range():
 def test_a_fault_names_the_protected_range_of_its_own_block():
     """Ranges protected one after the other: a fault in the second names the second's bytes, not
     the first's (whose block has ended)."""
-    src = "__global__ void peek(const float* x, float* y, int i) { y[0] = x[i]; }\n"
-    peek = E.Module(src, ["peek"], filename="peek.cu").get_function("peek")
+    peek = peek_kernel()
     a, y = E.zeros((4, 1024), np.float32), E.zeros(1, np.float32)
     with E.protected(a, 8192):
         pass
@@ -719,8 +724,7 @@ def test_a_fault_names_the_protected_range_of_its_own_block():
 @pytest.mark.parametrize("shape, index", [((4, 1024), " (2, 5)"), ((4096,), ""), ((2, 2, 1024), " (1, 0, 5)")])
 def test_a_read_of_protected_bytes_names_the_element_and_its_index(shape, index):
     """The report gives the flat element and, for an array of two dimensions or more, its index."""
-    src = "__global__ void peek(const float* x, float* y, int i) { y[0] = x[i]; }\n"
-    peek = E.Module(src, ["peek"], filename="peek.cu").get_function("peek")
+    peek = peek_kernel()
     a, y = E.zeros(shape, np.float32), E.zeros(1, np.float32)
     with E.protected(a, 8192):
         peek(1, 1, (a, y, np.int32(2047)))   # the last float before the protected pages
