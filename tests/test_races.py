@@ -28,7 +28,7 @@ RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
 RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
-              "clear_while_counting", "hand_off_to_some_blocks", "two_races_one_array", "byte_races",
+              "clear_while_counting", "hand_off_to_some_blocks", "relayed_hand_off", "two_races_one_array", "byte_races",
               "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word",
               "late_warps_read_then_write", "wide_read_then_overwrite", "first_byte_and_last_word",
               "word_then_wider_store"]
@@ -501,6 +501,44 @@ def test_what_a_block_acquired_is_its_own(races, acquirers, racing_places):
         assert hazard.kind == "read-after-write", str(caught.value)
         assert hazard.first.block == publisher and hazard.second.block in readers, str(caught.value)
     assert {hazard.second.block for hazard in found} == readers
+
+
+def run_relayed_hand_off(races, blocks, releaser, steps):
+    data, out, counters = E.zeros(32 * 2), E.zeros(32 * 2), E.zeros(blocks + 1, np.int32)
+    races.get_function("relayed_hand_off")(blocks, 64, (data, out, counters, np.int32(releaser), np.int32(steps)))
+    return E.asnumpy(out)
+
+
+@pytest.mark.parametrize("blocks, releaser, steps", [(3, 0, 0), (3, 32, 1), (5, 0, 0), (5, 32, 1), (8, 32, 1)])
+def test_a_hand_off_relayed_through_other_addresses_orders_the_reader_after_the_publisher(
+        races, blocks, releaser, steps):
+    """Happens-before is transitive: the reader acquires from the last relay, which released what
+    it had acquired from the one before, and so on back to the publisher (1 to 6 relays). A relay
+    carries on what its thread 0 acquired when thread 0 itself releases, or when a barrier lies
+    between the acquire and thread 32's release."""
+    out = run_relayed_hand_off(races, blocks, releaser, steps)
+    np.testing.assert_array_equal(out, np.arange(2, 66, dtype=np.float32))
+
+
+@pytest.mark.parametrize("blocks, releaser, steps, broken", [
+    (3, 32, 0, "thread 32 releases with no barrier after thread 0's acquire"),
+    (5, 32, 0, "every relay releases from another warp with no barrier"),
+    (3, 0, 2, "the relay releases without having acquired"),
+    (5, 0, 2, "the first of three relays releases without having acquired"),
+])
+def test_a_relay_that_did_not_acquire_what_it_releases_leaves_a_race(races, monkeypatch, blocks, releaser,
+                                                                    steps, broken):
+    """In index order (seed 0) a relay's thread 0 runs its acquire before thread 32 releases: the
+    release comes later in time, and still carries nothing without a barrier between them."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    with pytest.raises(E.RaceError) as caught:
+        run_relayed_hand_off(races, blocks, releaser, steps)
+    found = hazards_between(caught.value, source_site(RACES, "// published"), source_site(RACES, "// relayed"))
+    assert "ordered only by a hand-off" in str(caught.value), str(caught.value)
+    for hazard in found:
+        assert hazard.kind == "read-after-write", broken
+        assert hazard.first.block != hazard.second.block, broken
+    assert {hazard.second.thread[0] for hazard in found} <= set(range(64)), broken
 
 
 def test_each_pair_of_lines_is_its_own_hazard(races):

@@ -166,6 +166,51 @@ __global__ void hand_off_to_some_blocks(float* data, float* out, int* counters, 
   out[place * blockDim.x + threadIdx.x] = data[threadIdx.x];
 }
 
+// A hand-off relayed along a chain of blocks, each link through its own counter: the block
+// that counts first on counters[0] publishes `data` and releases it into counters[1]; the block
+// at turn p (1 <= p < gridDim.x - 1) acquires from counters[p] and releases into counters[p + 1];
+// the last block acquires from counters[gridDim.x - 1] and reads data. Happens-before is
+// transitive, so the reader is ordered after the publisher although they share no address.
+// In each relay, thread 0 acquires and thread `releaser` releases: thread 0 itself (program
+// order), or thread 32 of another warp, which is ordered after the acquire only when bit 0 of
+// `steps` puts a barrier between them. Bit 1 of `steps` skips the acquire of turn 1 (its relay
+// releases what it never acquired). data: [blockDim.x] float, out: [blockDim.x] float,
+// counters: [gridDim.x + 1] int (zeros).
+__global__ void relayed_hand_off(float* data, float* out, int* counters, int releaser, int steps) {
+  __shared__ int place;
+  if (threadIdx.x == 0) place = atomicAdd(&counters[0], 1);
+  __syncthreads();
+  if (place == 0) {
+    data[threadIdx.x] = (float)(threadIdx.x + 2);  // published
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(&counters[1], 1);
+    }
+    return;
+  }
+  if (place + 1 < (int)gridDim.x) {
+    const bool acquire = !(place == 1 && (steps & 2));
+    if (threadIdx.x == 0 && acquire) {
+      atomicAdd(&counters[place], 1);
+      __threadfence();
+    }
+    if (steps & 1) __syncthreads();
+    if (threadIdx.x == releaser) {
+      __threadfence();
+      atomicAdd(&counters[place + 1], 1);
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    atomicAdd(&counters[place], 1);
+    __threadfence();
+  }
+  __syncthreads();
+  const unsigned column = threadIdx.x;
+  out[column] = data[column];  // relayed
+}
+
 // Two races of one kind on one array, between different pairs of lines: thread 0 writes both
 // words of `pair`, thread 32 (another warp) reads them, with nothing between. The report keeps
 // each pair of lines apart. pair: [2] int, out: [2] int.

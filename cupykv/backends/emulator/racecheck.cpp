@@ -23,7 +23,10 @@
 //    emulator runs them in that order). From the acquiring fence on, that thread's accesses,
 //    and every access of its block after the next __syncthreads(), are ordered after the
 //    released ones. A fence on the other side only, an atomic without a fence, or a reader
-//    that skips the barrier after the acquire stays a race.
+//    that skips the barrier after the acquire stays a race. Hand-offs chain (happens-before is
+//    transitive): a release also carries what the releasing thread had acquired itself, or what
+//    its block acquired before the barrier that preceded the release, so a block that acquires
+//    from a relay acquires from the relay's sources too, whatever addresses they used.
 // Shared memory only: a read (or atomic) of a byte that no thread of the block has written is
 // reported too (CUEMU_UNINIT), since its last write, if any, belongs to an earlier block.
 // A hazard: different threads, at least one write, not ordered, not both atomic. Reads and
@@ -109,11 +112,13 @@ struct Shadow {
 };
 
 // A release into an atomic's address: the releasing block (its first epoch), the epoch of the
-// release and the releasing thread.
+// release and the releasing thread; and the releases of other blocks that it carries on, those
+// its block had acquired before it: carried_[carried_begin, carried_end) of the launch.
 struct Release {
   uint32_t block_epoch0;
   uint32_t epoch;
   uint16_t tid;
+  uint32_t carried_begin, carried_end;
 };
 
 // What the running block acquired from one earlier block, and where it acquired it.
@@ -180,6 +185,9 @@ class RaceCheck final : public Observer {
   uint64_t block_of(uint32_t epoch) const { return block_entry(epoch).second; }
   // Whether r, an access of an earlier block, was released to the running block before cur.
   bool handed_off(const Rec& r, const Rec& cur) const;
+  // A fenced atomic of thread tid on addr: a release into addr, carrying on what the thread (or
+  // its block, before the last barrier) acquired.
+  void release(uint32_t tid, uintptr_t addr);
 
   uint32_t last_epoch_ = 0;
   uint32_t launch_epoch0_ = 1, block_epoch0_ = 1, epoch_ = 1;
@@ -194,6 +202,7 @@ class RaceCheck final : public Observer {
   PendingWrite pending_;
   WarpClocks clocks_;
   std::unordered_map<uintptr_t, std::vector<Release>> releases_;   // by atomic address, this launch
+  std::vector<Release> carried_;   // what each release carries on from earlier blocks, this launch
   std::vector<Acquired> acquired_;                                  // by the running block
   bool fenced_[kMaxBlockThreads];          // a fence since the thread's last atomic
   uintptr_t acquiring_[kMaxBlockThreads];  // the address of the thread's last atomic, until a fence
@@ -212,6 +221,7 @@ bool RaceCheck::launch_begin(const LaunchInfo& info) {
   dropped = same_value_writes = 0;
   blocks_.clear();
   releases_.clear();
+  carried_.clear();
   pending_.active = false;
   launch_shadows_.clear();
   launch_shadows_.reserve(info.nregions);  // Region::shadow points into it: no reallocation
@@ -271,14 +281,31 @@ bool RaceCheck::handed_off(const Rec& r, const Rec& cur) const {
 }
 
 void RaceCheck::fence(uint32_t tid) {
-  if (acquiring_[tid]) {   // atomic, then fence: acquire every release into that address so far
-    auto it = releases_.find(acquiring_[tid]);
+  if (acquiring_[tid]) {   // atomic, then fence: acquire every release into that address so far,
+    auto it = releases_.find(acquiring_[tid]);   // and what each carried on from its own sources
     if (it != releases_.end())
-      for (const Release& rel : it->second)
+      for (const Release& rel : it->second) {
         if (rel.block_epoch0 != block_epoch0_) acquired_.push_back(Acquired{rel, epoch_, (uint16_t)tid});
+        for (uint32_t i = rel.carried_begin; i < rel.carried_end; ++i)
+          if (carried_[i].block_epoch0 != block_epoch0_)
+            acquired_.push_back(Acquired{carried_[i], epoch_, (uint16_t)tid});
+      }
     acquiring_[tid] = 0;
   }
   fenced_[tid] = true;
+}
+
+void RaceCheck::release(uint32_t tid, uintptr_t addr) {
+  Release rel{block_epoch0_, epoch_, (uint16_t)tid, (uint32_t)carried_.size(), 0};
+  for (const Acquired& a : acquired_) {
+    if (epoch_ <= a.epoch && tid != a.tid) continue;   // no barrier since another thread's acquire
+    const bool known = std::any_of(carried_.begin() + rel.carried_begin, carried_.end(), [&](const Release& c) {
+      return c.block_epoch0 == a.from.block_epoch0 && c.epoch == a.from.epoch && c.tid == a.from.tid;
+    });
+    if (!known) carried_.push_back(Release{a.from.block_epoch0, a.from.epoch, a.from.tid, 0, 0});
+  }
+  rel.carried_end = (uint32_t)carried_.size();
+  releases_[addr].push_back(rel);
 }
 
 void RaceCheck::warp_sync(uint32_t warp, uint32_t lanes) { clocks_.sync(warp, lanes); }
@@ -371,7 +398,7 @@ bool RaceCheck::write(Cell& c, const Rec& cur, bool shared, const Access& a, uin
 
 void RaceCheck::access(const Access& a) {
   if (a.kind & ACCESS_ATOMIC) {   // fence, then atomic: a release into the atomic's address
-    if (fenced_[a.tid]) releases_[a.addr].push_back(Release{block_epoch0_, epoch_, (uint16_t)a.tid});
+    if (fenced_[a.tid]) release(a.tid, a.addr);
     fenced_[a.tid] = false;
     acquiring_[a.tid] = a.addr;
   }

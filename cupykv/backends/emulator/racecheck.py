@@ -203,6 +203,8 @@ def race_error(kernel, found, dropped, hint=""):
     if dropped:
         lines.append(f"  ({dropped} hazards beyond the first 64 pairs of call sites are counted only)")
     lines.append("  Nothing orders the two accesses: no __syncthreads() between them, no __syncwarp() "
-                 "or warp collective over both lanes, and they are not both atomic (accesses of "
-                 "different blocks are never ordered within a launch).")
+                 "or warp collective over both lanes, and they are not both atomic. Accesses of "
+                 "different blocks are ordered only by a hand-off: __threadfence() then an atomic "
+                 "on some address in the writer's block, an atomic on that address then "
+                 "__threadfence() in the reader's, possibly relayed through other blocks.")
     return RaceError("\n".join(lines), found)
