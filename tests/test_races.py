@@ -28,10 +28,11 @@ RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
 RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
-              "clear_while_counting", "hand_off_to_some_blocks", "relayed_hand_off", "two_races_one_array", "byte_races",
+              "clear_while_counting", "hand_off_to_some_blocks", "relayed_hand_off", "two_races_one_array",
+              "byte_races", "read_then_flag_set_twice",
               "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word",
               "late_warps_read_then_write", "wide_read_then_overwrite", "first_byte_and_last_word",
-              "word_then_wider_store"]
+              "word_then_wider_store", "byte_then_halfword"]
 
 
 def load_races():
@@ -131,6 +132,20 @@ def test_a_write_after_reads_races_with_whichever_read_record_holds_an_unordered
     out = E.zeros(64, np.int32)
     fn(1, 64, (out, np.int32(2), np.int32(63)))   # with __syncthreads(): no report
     np.testing.assert_array_equal(out, 7)
+
+
+@pytest.mark.parametrize("seed", ["0", "1", "2", "3", "4", "5"])
+def test_a_read_before_a_benign_pair_of_stores_races_with_the_unordered_one(races, monkeypatch, seed):
+    """Lane 1's store is ordered after lane 0's read; thread 32's store of the same value is not.
+    The stores are a benign pair, and the read must still be found racing with thread 32's
+    store in every schedule, also where lane 1 stores between the two."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", seed)
+    with pytest.raises(E.RaceError) as caught:
+        races.get_function("read_then_flag_set_twice")(1, 64, (E.zeros(1, np.int32), E.zeros(1, np.int32)))
+    (hazard,) = hazards_between(caught.value, source_site(RACES, "if (threadIdx.x == 0) out[0] = flag[0];"),
+                                source_site(RACES, "// not ordered after it"))
+    readers = {"write-after-read": hazard.first, "read-after-write": hazard.second}
+    assert readers[hazard.kind].thread[0] == 0, str(caught.value)
 
 
 @pytest.mark.parametrize("seed", ["0", "1", "2", "3"])
@@ -626,6 +641,26 @@ def test_a_wider_store_is_benign_when_the_bytes_it_shares_hold_the_same_value(ra
     pair = E.zeros(1, np.uint64)
     races.get_function("word_then_wider_store")(2, 1, (pair,))
     assert int(E.asnumpy(pair)[0]) == 0x0000000500000001
+
+
+@pytest.mark.parametrize("differ", [0, 1])
+def test_a_halfword_store_over_an_unordered_byte_compares_that_byte_only(races, monkeypatch, differ):
+    """Block 1's 2-byte store shares byte 0 with block 0's 1-byte store: the same value there is
+    benign whatever byte 1, which nobody wrote before, holds; another value is a race at byte 0
+    (seed 0 runs the byte store first)."""
+    monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
+    bytes_ = E.zeros(4, np.uint8)
+
+    def run():
+        races.get_function("byte_then_halfword")(2, 1, (bytes_, np.int32(differ)))
+    if not differ:
+        run()
+        np.testing.assert_array_equal(bytes_, [7, 5, 0, 0])
+        return
+    with pytest.raises(E.RaceError) as caught:
+        run()
+    hazard = only_hazard(caught.value)
+    assert hazard.kind == "write-after-write" and hazard.offset == 0, str(caught.value)
 
 
 def test_a_store_over_two_earlier_writes_names_its_first_bytes_writer(races, monkeypatch):

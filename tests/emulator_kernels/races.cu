@@ -282,6 +282,14 @@ __global__ void word_then_wider_store(unsigned long long* pair) {
   else *pair = 0x0000000500000001ull;
 }
 
+// The same a byte at a time: block 0 stores byte 0 (7), block 1 the 2-byte pair over it, with
+// byte 0 the same (7, or 8 when `differ`) and a new byte 1 (5). Only byte 0 is shared, so only
+// byte 0's value decides: byte 1 has no earlier writer. bytes: [4] (zeros).
+__global__ void byte_then_halfword(unsigned char* bytes, int differ) {
+  if (blockIdx.x == 0) bytes[0] = 7;
+  else *reinterpret_cast<unsigned short*>(bytes) = differ ? 0x0508 : 0x0507;
+}
+
 // The same with a 64-byte memcpy, the widest store whose bytes are compared (a wider one is a race
 // whatever it stores). words: [16] unsigned.
 __global__ void copy_64_bytes(unsigned* words, int differ) {
@@ -313,6 +321,17 @@ __global__ void overwrite_after_reads(int* out, int sync, int writer) {
   if (sync == 1) __syncwarp();
   if (sync == 2) __syncthreads();
   if ((int)threadIdx.x == writer) word = 8;
+}
+
+// Lane 0 reads a flag; after a __syncwarp(), lane 1 of its warp sets it to 1, and so does
+// thread 32 of the next warp, with nothing between it and lane 0's read. The two stores of 1
+// are a benign pair, but lane 0's read races with thread 32's store (it may see 0 or 1): the
+// read stays on record past lane 1's store. flag: [1] int (zero), out: [1] int.
+__global__ void read_then_flag_set_twice(int* flag, int* out) {
+  if (threadIdx.x == 0) out[0] = flag[0];
+  __syncwarp();
+  if (threadIdx.x == 1) flag[0] = 1;  // ordered after lane 0's read
+  if (threadIdx.x == 32) flag[0] = 1;  // not ordered after it
 }
 
 // Thread 0 clears a shared tally with a plain store while the other threads add `increment`

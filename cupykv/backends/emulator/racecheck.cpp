@@ -391,8 +391,9 @@ bool RaceCheck::write(Cell& c, const Rec& cur, bool shared, const Access& a, uin
       }
       break;
     }
+  // The reads stay on record: a later write unordered with this one may repeat its value (a
+  // benign pair), and must still be checked against the reads that only this one was after.
   c.write = cur;
-  c.read[0].kind = c.read[1].kind = REC_NONE;
   return same_value_candidate;
 }
 
