@@ -28,7 +28,8 @@ RACES = Path(__file__).parent / "emulator_kernels" / "races.cu"
 RACE_NAMES = ["warp_exchange", "blocks_share_output", "set_flag", "atomic_count", "publish_total",
               "shuffle_mask_misses_callers", "shuffle_masks_differ", "syncwarp_mask_misses_caller",
               "half_warp_exchange", "sync_chain", "last_block_sums", "overwrite_after_reads",
-              "clear_while_counting", "hand_off_to_some_blocks", "relayed_hand_off", "two_races_one_array",
+              "clear_while_counting", "hand_off_to_some_blocks", "relayed_hand_off", "warp_hand_off",
+              "two_races_one_array",
               "byte_races", "read_then_flag_set_twice",
               "store_one_word", "reread_then_write", "copy_64_bytes", "halves_then_word",
               "late_warps_read_then_write", "wide_read_then_overwrite", "first_byte_and_last_word",
@@ -478,15 +479,19 @@ def test_a_hand_off_through_a_fenced_counter_orders_the_blocks(races):
                                             (11, "the barrier after the acquire"),
                                             (7, "the barrier before the release")])
 def test_a_hand_off_missing_one_step_is_a_race(races, steps, missing):
+    """Without the barrier after the acquire, a __syncwarp() orders thread 0's warp after it, but
+    not the block's second warp (64 threads)."""
+    threads = 64 if steps == 11 else 32
     with pytest.raises(E.RaceError) as caught:
-        run_last_block_sums(races, steps)
+        run_last_block_sums(races, steps, threads=threads)
     message = str(caught.value)
     assert message.startswith("kernel 'last_block_sums': data race"), missing
     publish, sum_up = (source_site(RACES, "partial[blockIdx.x * blockDim.x + column] ="),
                        source_site(RACES, "sum += partial[b * blockDim.x + column];"))
     across_blocks = [h for h in caught.value.hazards if {h.first.site, h.second.site} == {publish, sum_up}]
-    if steps == 11:   # thread 0 acquired in program order: the race is the other threads' reads
-        assert across_blocks and all(h.second.thread != (0, 0, 0) for h in across_blocks), message
+    if steps == 11:   # thread 0 acquired, and its warp synced with it: the second warp's reads race
+        assert across_blocks and all(h.second.thread[0] >= 32 for h in across_blocks), message
+        assert sum(h.count for h in across_blocks) == 5 * 32, message   # 5 earlier blocks' partials each
     elif steps == 7:  # thread 0 released its own writes: the race is the other threads' writes
         assert across_blocks and all(h.first.thread != (0, 0, 0) for h in across_blocks), message
     else:
@@ -518,33 +523,65 @@ def test_what_a_block_acquired_is_its_own(races, acquirers, racing_places):
     assert {hazard.second.block for hazard in found} == readers
 
 
+@pytest.mark.parametrize("publisher_lanes, steps, racing_lanes", [
+    (0xFFFFFFFF, 3, set()),                     # both warps synced: ordered
+    (0x0000FFFF, 3, set(range(16, 32))),        # lanes 16-31 did not sync with lane 0 before the release
+    (0x00000003, 3, set(range(2, 32))),         # only lane 1 did
+    (0xFFFFFFFF, 2, set(range(1, 32))),         # no sync before the release: lane 0's own write only
+    (0xFFFFFFFF, 1, set(range(1, 32))),         # no sync after the acquire: lane 0's own read only
+    (0xFFFFFFFF, 1 | 4, set(range(1, 32))),     # a sync before the acquire instead
+    (0xFFFFFFFF, 2 | 8, set(range(1, 32))),     # a sync before the writes instead of after
+])
+def test_a_hand_off_between_warps_is_ordered_by_syncwarp(races, publisher_lanes, steps, racing_lanes):
+    """One-warp blocks hand data off with __syncwarp() in place of __syncthreads(): the release
+    carries the lanes that synced with the releasing lane before it, the acquire reaches the lanes
+    that synced with the acquiring lane after it, and only those lanes are ordered."""
+    data, out, counters = E.zeros(32), E.zeros(32), E.zeros(2, np.int32)
+
+    def run():
+        races.get_function("warp_hand_off")(2, 32, (data, out, counters, np.uint32(publisher_lanes), np.int32(steps)))
+    if not racing_lanes:
+        run()
+        np.testing.assert_array_equal(out, np.arange(3, 35, dtype=np.float32))
+        return
+    with pytest.raises(E.RaceError) as caught:
+        run()
+    found = hazards_between(caught.value, source_site(RACES, "// warp-published"), source_site(RACES, "// warp-read"))
+    assert {h.kind for h in found} == {"read-after-write"}, str(caught.value)
+    assert {h.first.thread[0] for h in found} <= racing_lanes, str(caught.value)
+    assert sum(h.count for h in found) == len(racing_lanes), str(caught.value)   # one per racing lane
+
+
 def run_relayed_hand_off(races, blocks, releaser, steps):
     data, out, counters = E.zeros(32 * 2), E.zeros(32 * 2), E.zeros(blocks + 1, np.int32)
     races.get_function("relayed_hand_off")(blocks, 64, (data, out, counters, np.int32(releaser), np.int32(steps)))
     return E.asnumpy(out)
 
 
-@pytest.mark.parametrize("blocks, releaser, steps", [(3, 0, 0), (3, 32, 1), (5, 0, 0), (5, 32, 1), (8, 32, 1)])
+@pytest.mark.parametrize("blocks, releaser, steps", [(3, 0, 0), (3, 32, 1), (5, 0, 0), (5, 32, 1), (8, 32, 1),
+                                                     (3, 1, 4), (5, 1, 4)])
 def test_a_hand_off_relayed_through_other_addresses_orders_the_reader_after_the_publisher(
         races, blocks, releaser, steps):
     """Happens-before is transitive: the reader acquires from the last relay, which released what
     it had acquired from the one before, and so on back to the publisher (1 to 6 relays). A relay
-    carries on what its thread 0 acquired when thread 0 itself releases, or when a barrier lies
-    between the acquire and thread 32's release."""
+    carries on what its thread 0 acquired when thread 0 itself releases, when a barrier lies
+    between the acquire and thread 32's release, or a __syncwarp() between it and lane 1's."""
     out = run_relayed_hand_off(races, blocks, releaser, steps)
     np.testing.assert_array_equal(out, np.arange(2, 66, dtype=np.float32))
 
 
 @pytest.mark.parametrize("blocks, releaser, steps, broken", [
     (3, 32, 0, "thread 32 releases with no barrier after thread 0's acquire"),
+    (3, 1, 0, "lane 1 releases with no __syncwarp() after lane 0's acquire"),
     (5, 32, 0, "every relay releases from another warp with no barrier"),
     (3, 0, 2, "the relay releases without having acquired"),
     (5, 0, 2, "the first of three relays releases without having acquired"),
 ])
 def test_a_relay_that_did_not_acquire_what_it_releases_leaves_a_race(races, monkeypatch, blocks, releaser,
                                                                     steps, broken):
-    """In index order (seed 0) a relay's thread 0 runs its acquire before thread 32 releases: the
-    release comes later in time, and still carries nothing without a barrier between them."""
+    """In index order (seed 0) a relay's thread 0 runs its acquire before thread 32 (or lane 1)
+    releases: the release comes later in time, and still carries nothing without a barrier (or a
+    __syncwarp()) between them."""
     monkeypatch.setenv("CUPYKV_EMULATOR_SEED", "0")
     with pytest.raises(E.RaceError) as caught:
         run_relayed_hand_off(races, blocks, releaser, steps)

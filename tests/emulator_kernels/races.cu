@@ -172,9 +172,10 @@ __global__ void hand_off_to_some_blocks(float* data, float* out, int* counters, 
 // the last block acquires from counters[gridDim.x - 1] and reads data. Happens-before is
 // transitive, so the reader is ordered after the publisher although they share no address.
 // In each relay, thread 0 acquires and thread `releaser` releases: thread 0 itself (program
-// order), or thread 32 of another warp, which is ordered after the acquire only when bit 0 of
-// `steps` puts a barrier between them. Bit 1 of `steps` skips the acquire of turn 1 (its relay
-// releases what it never acquired). data: [blockDim.x] float, out: [blockDim.x] float,
+// order), thread 32 of another warp, which is ordered after the acquire only when bit 0 of
+// `steps` puts a barrier between them, or lane 1, ordered after it by a __syncwarp() (bit 2)
+// as well. Bit 1 of `steps` skips the acquire of turn 1 (its relay releases what it never
+// acquired). data: [blockDim.x] float, out: [blockDim.x] float,
 // counters: [gridDim.x + 1] int (zeros).
 __global__ void relayed_hand_off(float* data, float* out, int* counters, int releaser, int steps) {
   __shared__ int place;
@@ -196,6 +197,7 @@ __global__ void relayed_hand_off(float* data, float* out, int* counters, int rel
       __threadfence();
     }
     if (steps & 1) __syncthreads();
+    if ((steps & 4) && threadIdx.x < 32) __syncwarp();
     if (threadIdx.x == releaser) {
       __threadfence();
       atomicAdd(&counters[place + 1], 1);
@@ -209,6 +211,40 @@ __global__ void relayed_hand_off(float* data, float* out, int* counters, int rel
   __syncthreads();
   const unsigned column = threadIdx.x;
   out[column] = data[column];  // relayed
+}
+
+// A hand-off between one-warp blocks, ordered inside each warp by __syncwarp() instead of a
+// barrier: the block that counts first on counters[0] publishes `data` (every lane writes its
+// element) and its lane 0 releases it into counters[1]; the next block's lane 0 acquires it
+// there and every lane reads `data`. __syncwarp() orders memory among the lanes it syncs, so
+// the release carries the lanes that synced with lane 0 before it, and the acquire reaches the
+// lanes that synced with lane 0 after it. Bit 0 of `steps`: the publisher syncs its lanes in
+// `publisher_lanes` with lane 0 before the release; bit 1: the reader syncs all its lanes
+// after the acquire. Syncs on the wrong side order nothing: bit 2, the reader's lanes sync
+// before the acquire; bit 3, the publisher's before they write. data: [32] float,
+// out: [32] float, counters: [2] int (zeros).
+__global__ void warp_hand_off(float* data, float* out, int* counters, unsigned publisher_lanes, int steps) {
+  __shared__ int place;
+  const unsigned lane = threadIdx.x;
+  if (lane == 0) place = atomicAdd(&counters[0], 1);
+  __syncthreads();
+  if (place == 0) {
+    if (steps & 8) __syncwarp();
+    data[lane] = (float)(lane + 3);  // warp-published
+    if ((steps & 1) && (publisher_lanes >> lane & 1)) __syncwarp(publisher_lanes);
+    if (lane == 0) {
+      __threadfence();
+      atomicAdd(&counters[1], 1);
+    }
+    return;
+  }
+  if (steps & 4) __syncwarp();
+  if (lane == 0) {
+    atomicAdd(&counters[1], 1);
+    __threadfence();
+  }
+  if (steps & 2) __syncwarp();
+  out[lane] = data[lane];  // warp-read
 }
 
 // Two races of one kind on one array, between different pairs of lines: thread 0 writes both

@@ -17,16 +17,20 @@
 //    shared memory of an earlier block belongs to that block, so its records are ignored.
 //  * Hand-offs between blocks (the "last block" pattern of the CUDA programming guide): a
 //    thread that runs __threadfence() and then an atomic on address X releases, into X, every
-//    access of its block in earlier epochs (before the barrier that preceded the fence) and its
-//    own accesses; a thread of a later block that runs an atomic on X and then __threadfence()
-//    acquires every release into X made so far (the atomics of X are totally ordered, and the
-//    emulator runs them in that order). From the acquiring fence on, that thread's accesses,
-//    and every access of its block after the next __syncthreads(), are ordered after the
-//    released ones. A fence on the other side only, an atomic without a fence, or a reader
-//    that skips the barrier after the acquire stays a race. Hand-offs chain (happens-before is
-//    transitive): a release also carries what the releasing thread had acquired itself, or what
-//    its block acquired before the barrier that preceded the release, so a block that acquires
-//    from a relay acquires from the relay's sources too, whatever addresses they used.
+//    access of its block in earlier epochs (before the barrier that preceded the fence), its
+//    own accesses, and those of the lanes of its warp ordered before it by warp collectives
+//    (__syncwarp() orders memory among the lanes it syncs); a thread of a later block that runs
+//    an atomic on X and then __threadfence() acquires every release into X made so far (the
+//    atomics of X are totally ordered, and the emulator runs them in that order). From the
+//    acquiring fence on, that thread's accesses, those of the lanes of its warp that a warp
+//    collective orders after the fence, and every access of its block after the next
+//    __syncthreads(), are ordered after the released ones. A fence on the other side only, an
+//    atomic without a fence, or a reader that neither passes a barrier nor syncs its warp with
+//    the acquiring lane after the acquire stays a race. Hand-offs chain (happens-before is
+//    transitive): a release also carries every acquire ordered before it (by the releasing
+//    thread itself, by a lane of its warp synced with it since, or by its block before the
+//    barrier that preceded the release), so a block that acquires from a relay acquires from
+//    the relay's sources too, whatever addresses they used.
 // Shared memory only: a read (or atomic) of a byte that no thread of the block has written is
 // reported too (CUEMU_UNINIT), since its last write, if any, belongs to an earlier block.
 // A hazard: different threads, at least one write, not ordered, not both atomic. Reads and
@@ -112,21 +116,34 @@ struct Shadow {
 };
 
 // A release into an atomic's address: the releasing block (its first epoch), the epoch of the
-// release and the releasing thread; and the releases of other blocks that it carries on, those
-// its block had acquired before it: carried_[carried_begin, carried_end) of the launch.
+// release, the releasing thread and how far it knew the clocks of its warp's lanes then; and
+// the releases of other blocks that it carries on, those its block had acquired before it:
+// carried_[carried_begin, carried_end) of the launch.
 struct Release {
   uint32_t block_epoch0;
   uint32_t epoch;
   uint16_t tid;
   uint32_t carried_begin, carried_end;
+  uint32_t knew[32];   // knew[l]: the releasing thread's entry for lane l of its warp
 };
 
 // What the running block acquired from one earlier block, and where it acquired it.
 struct Acquired {
   Release from;
   uint32_t epoch;   // epoch of the acquiring fence
+  uint32_t clock;   // the acquiring thread's own warp clock at the fence
   uint16_t tid;     // the acquiring thread
 };
+
+// Whether an access of thread t at (epoch e, warp clock c) comes before one of thread later_t at
+// later_e, in one block: a barrier, program order, or a chain of warp collectives between them.
+// knows(lane) is later_t's entry for a lane of its warp; it is asked only inside one warp.
+template <class Knows>
+bool ordered_before(uint32_t e, uint16_t t, uint32_t c, uint32_t later_e, uint16_t later_t, Knows knows) {
+  if (e != later_e) return e < later_e;
+  if (t == later_t) return true;
+  return !((t ^ later_t) >> 5) && knows(t & 31u) > c;
+}
 
 // A plain write that conflicts with an earlier plain write, waiting for its store to complete.
 struct PendingWrite {
@@ -138,6 +155,13 @@ struct PendingWrite {
   Rec first, second;
   uint32_t region;
   uint64_t offset;
+};
+
+// A thread's entries for the lanes of its warp, as they are now (for ordered_before).
+struct KnownBy {
+  const WarpClocks* clocks;
+  uint32_t tid;
+  uint32_t operator()(uint32_t lane) const { return clocks->known(tid, lane); }
 };
 
 class RaceCheck final : public Observer {
@@ -166,11 +190,10 @@ class RaceCheck final : public Observer {
   bool unordered(const Rec& r, const Rec& cur, bool shared) const {
     if (r.kind == REC_NONE || r.epoch < launch_epoch0_) return false;
     if (r.epoch < block_epoch0_) return !shared && !handed_off(r, cur);  // an earlier block
-    if (r.tid == cur.tid) return false;           // program order
-    if (r.epoch != cur.epoch) return false;       // a __syncthreads() lies between
-    if ((r.tid ^ cur.tid) >> 5) return true;      // different warps
-    return clocks_.known(cur.tid, r.tid & 31u) <= r.clock;
+    return !ordered_before(r.epoch, r.tid, r.clock, cur.epoch, cur.tid, knows(cur.tid));
   }
+  // Thread tid's entries for the lanes of its warp, as they are now.
+  KnownBy knows(uint32_t tid) const { return KnownBy{&clocks_, tid}; }
   // Check one cell against the current access and update it; true: a write that may repeat
   // the value of an unordered earlier write (judged in settle()).
   bool read(Cell& c, const Rec& cur, bool shared, const Access& a, uint64_t offset);
@@ -273,9 +296,10 @@ bool RaceCheck::handed_off(const Rec& r, const Rec& cur) const {
   const uint32_t source = block_entry(r.epoch).first;
   for (const Acquired& a : acquired_) {
     if (a.from.block_epoch0 != source) continue;
-    const bool released = r.epoch < a.from.epoch || (r.epoch == a.from.epoch && r.tid == a.from.tid);
-    const bool after_acquire = cur.epoch > a.epoch || cur.tid == a.tid;   // a barrier, or program order
-    if (released && after_acquire) return true;
+    const Release& rel = a.from;
+    const bool released = ordered_before(r.epoch, r.tid, r.clock, rel.epoch, rel.tid,
+                                         [&rel](uint32_t lane) { return rel.knew[lane]; });
+    if (released && ordered_before(a.epoch, a.tid, a.clock, cur.epoch, cur.tid, knows(cur.tid))) return true;
   }
   return false;
 }
@@ -283,12 +307,13 @@ bool RaceCheck::handed_off(const Rec& r, const Rec& cur) const {
 void RaceCheck::fence(uint32_t tid) {
   if (acquiring_[tid]) {   // atomic, then fence: acquire every release into that address so far,
     auto it = releases_.find(acquiring_[tid]);   // and what each carried on from its own sources
+    const uint32_t clock = clocks_.own(tid);
     if (it != releases_.end())
       for (const Release& rel : it->second) {
-        if (rel.block_epoch0 != block_epoch0_) acquired_.push_back(Acquired{rel, epoch_, (uint16_t)tid});
+        if (rel.block_epoch0 != block_epoch0_) acquired_.push_back(Acquired{rel, epoch_, clock, (uint16_t)tid});
         for (uint32_t i = rel.carried_begin; i < rel.carried_end; ++i)
           if (carried_[i].block_epoch0 != block_epoch0_)
-            acquired_.push_back(Acquired{carried_[i], epoch_, (uint16_t)tid});
+            acquired_.push_back(Acquired{carried_[i], epoch_, clock, (uint16_t)tid});
       }
     acquiring_[tid] = 0;
   }
@@ -296,13 +321,15 @@ void RaceCheck::fence(uint32_t tid) {
 }
 
 void RaceCheck::release(uint32_t tid, uintptr_t addr) {
-  Release rel{block_epoch0_, epoch_, (uint16_t)tid, (uint32_t)carried_.size(), 0};
+  Release rel{block_epoch0_, epoch_, (uint16_t)tid, (uint32_t)carried_.size(), 0, {}};
+  for (uint32_t lane = 0; lane < 32; ++lane) rel.knew[lane] = clocks_.known(tid, lane);
   for (const Acquired& a : acquired_) {
-    if (epoch_ <= a.epoch && tid != a.tid) continue;   // no barrier since another thread's acquire
+    if (!ordered_before(a.epoch, a.tid, a.clock, epoch_, (uint16_t)tid, knows(tid))) continue;  // not after it
     const bool known = std::any_of(carried_.begin() + rel.carried_begin, carried_.end(), [&](const Release& c) {
-      return c.block_epoch0 == a.from.block_epoch0 && c.epoch == a.from.epoch && c.tid == a.from.tid;
+      return c.block_epoch0 == a.from.block_epoch0 && c.epoch == a.from.epoch && c.tid == a.from.tid &&
+             !memcmp(c.knew, a.from.knew, sizeof c.knew);
     });
-    if (!known) carried_.push_back(Release{a.from.block_epoch0, a.from.epoch, a.from.tid, 0, 0});
+    if (!known) carried_.push_back(a.from);
   }
   rel.carried_end = (uint32_t)carried_.size();
   releases_[addr].push_back(rel);
