@@ -559,13 +559,14 @@ def run_relayed_hand_off(races, blocks, releaser, steps):
 
 
 @pytest.mark.parametrize("blocks, releaser, steps", [(3, 0, 0), (3, 32, 1), (5, 0, 0), (5, 32, 1), (8, 32, 1),
-                                                     (3, 1, 4), (5, 1, 4)])
+                                                     (3, 1, 4), (5, 1, 4), (3, 0, 8), (5, 32, 9)])
 def test_a_hand_off_relayed_through_other_addresses_orders_the_reader_after_the_publisher(
         races, blocks, releaser, steps):
     """Happens-before is transitive: the reader acquires from the last relay, which released what
     it had acquired from the one before, and so on back to the publisher (1 to 6 relays). A relay
     carries on what its thread 0 acquired when thread 0 itself releases, when a barrier lies
-    between the acquire and thread 32's release, or a __syncwarp() between it and lane 1's."""
+    between the acquire and thread 32's release, or a __syncwarp() between it and lane 1's. A
+    publisher that releases each warp's elements in turn (steps 8) hands both releases on."""
     out = run_relayed_hand_off(races, blocks, releaser, steps)
     np.testing.assert_array_equal(out, np.arange(2, 66, dtype=np.float32))
 

@@ -175,18 +175,22 @@ __global__ void hand_off_to_some_blocks(float* data, float* out, int* counters, 
 // order), thread 32 of another warp, which is ordered after the acquire only when bit 0 of
 // `steps` puts a barrier between them, or lane 1, ordered after it by a __syncwarp() (bit 2)
 // as well. Bit 1 of `steps` skips the acquire of turn 1 (its relay releases what it never
-// acquired). data: [blockDim.x] float, out: [blockDim.x] float,
+// acquired). Bit 3: the publisher releases twice, each warp's elements in turn, and the first
+// relay carries on both releases. data: [blockDim.x] float, out: [blockDim.x] float,
 // counters: [gridDim.x + 1] int (zeros).
 __global__ void relayed_hand_off(float* data, float* out, int* counters, int releaser, int steps) {
   __shared__ int place;
   if (threadIdx.x == 0) place = atomicAdd(&counters[0], 1);
   __syncthreads();
   if (place == 0) {
-    data[threadIdx.x] = (float)(threadIdx.x + 2);  // published
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(&counters[1], 1);
+    const int rounds = (steps & 8) ? 2 : 1;
+    for (int round = 0; round < rounds; ++round) {
+      if (rounds == 1 || (int)(threadIdx.x >> 5) == round) data[threadIdx.x] = (float)(threadIdx.x + 2);  // published
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&counters[1], 1);
+      }
     }
     return;
   }
