@@ -107,7 +107,7 @@ class FakeBackend:
     def launch(self, op, instance, grid, block, args, shared_mem=0):
         assert (op, instance, grid, block) == ("delay", "cupykv_delay", (1,), (1,))
         spun, cycles = args
-        assert spun.dtype == np.int64 and isinstance(cycles, np.int64)
+        assert spun.dtype == np.int64 and spun.shape == (1,) and isinstance(cycles, np.int64)   # it writes spun[0]
         self.delays_s.append(cycles / SM_CLOCK_HZ)
         self.gpu.enqueue(cycles / SM_CLOCK_HZ)
 
@@ -213,6 +213,43 @@ def test_host_timer_rows_carry_no_guard():
     assert set(Timing(1.0, 1.0, 1.0, 1).as_ms()) == {"time_ms", "time_ms_min", "time_ms_max"}
     guarded = Timing(1.0, 1.0, 1.0, 1, WindowGuard(delay_s=2e-3, host_s=5e-4, retries=0)).as_ms()
     assert guarded["time_guard_delay_ms"] == 2.0 and guarded["time_guard_retries"] == 0
+
+
+def test_a_rows_figures_are_the_timings_seconds_in_milliseconds():
+    row = Timing(median_s=0.5, min_s=0.25, max_s=2.0, repeat=3).as_ms("decode")
+    assert row == {"decode_ms": 500.0, "decode_ms_min": 250.0, "decode_ms_max": 2000.0}
+
+
+class HostClockBackend:
+    """The emulator's part in HostTimer: synchronize(), counted; calls advance a virtual perf_counter."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def test_host_timer_times_each_call_alone_after_a_warm_up_of_calls_and_of_seconds(monkeypatch):
+    """Warm-up runs at least ``warmup`` calls and at least ``min_warmup_s`` seconds (0.25 s here: 16
+    calls of 1/64 s), then a synchronize; each of ``repeat`` calls is timed alone up to its own
+    synchronize, on the host clock (steps that are powers of two keep the virtual clock exact)."""
+    backend = HostClockBackend()
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: backend.now)
+    warm_up_s, timed_s = 1 / 64, 1 / 256
+    for warmup, calls_warming_up in ((3, 16), (40, 40)):   # the seconds bound, then the count bound
+        calls = []
+
+        def call():
+            calls.append(backend.now)
+            backend.now += warm_up_s if len(calls) <= calls_warming_up else timed_s
+        backend.synchronized = 0
+        result = HostTimer(backend, warmup=warmup, repeat=5, min_warmup_s=0.25)(call)
+        assert len(calls) == calls_warming_up + 5
+        assert backend.synchronized == 1 + 5
+        assert result.repeat == 5 and result.guard is None
+        assert result.median_s == result.min_s == result.max_s == timed_s
 
 
 def test_delay_sizing():
