@@ -221,14 +221,21 @@ def test_a_rows_figures_are_the_timings_seconds_in_milliseconds():
 
 
 class HostClockBackend:
-    """The emulator's part in HostTimer: synchronize(), counted; calls advance a virtual perf_counter."""
+    """The emulator's part in HostTimer: synchronize(), counted; calls advance a virtual perf_counter,
+    and a timer that reads it past ``max_reads`` times (waiting for time that never passes) fails."""
 
-    def __init__(self):
+    def __init__(self, max_reads=1000):
         self.now = 100.0
         self.synchronized = 0
+        self.reads_left = max_reads
 
     def synchronize(self):
         self.synchronized += 1
+
+    def perf_counter(self):
+        self.reads_left -= 1
+        assert self.reads_left >= 0, "the timer keeps reading a clock that no call advances"
+        return self.now
 
 
 def test_host_timer_times_each_call_alone_after_a_warm_up_of_calls_and_of_seconds(monkeypatch):
@@ -236,7 +243,7 @@ def test_host_timer_times_each_call_alone_after_a_warm_up_of_calls_and_of_second
     calls of 1/64 s), then a synchronize; each of ``repeat`` calls is timed alone up to its own
     synchronize, on the host clock (steps that are powers of two keep the virtual clock exact)."""
     backend = HostClockBackend()
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: backend.now)
+    monkeypatch.setattr(timing.time, "perf_counter", backend.perf_counter)
     warm_up_s, timed_s = 1 / 64, 1 / 256
     for warmup, calls_warming_up in ((3, 16), (40, 40)):   # the seconds bound, then the count bound
         calls = []
