@@ -19,7 +19,7 @@ from cupykv.backends import get_backend
 from cupykv.bench import PLANS, SCHEMA, plan_for
 from cupykv.bench import SECTIONS as SECTION_RUNNERS, model as bench_model, sections as bench_sections
 from cupykv.bench.arrays import bf16_bits_from_f32, f32_from_bf16_bits, relative_error
-from cupykv.bench.timing import Timing
+from cupykv.bench.timing import HostTimer, Timing
 from cupykv.bench.peers import CPU_LABEL
 from cupykv.bench.report import EMULATOR_LABEL
 
@@ -68,6 +68,8 @@ def test_timing_records_its_window_guard(bench):
     """Host timing needs no guard (the emulator runs kernels inside the call), and the JSON says so."""
     timing = bench["data"]["timing"]
     assert timing["window_guard"]["method"].startswith("none")
+    assert timing["l2_flush_bytes"] == 0 and timing["l2_flush"].startswith("none")   # nothing is flushed here
+    assert timing["method"] == HostTimer.method
     rows = [row for section in bench["data"]["sections"].values() for row in section.get("results", [])]
     assert not any("guard" in key for row in rows for key in row)
 
