@@ -23,7 +23,7 @@ from source_lines import source_site
 from test_traffic import PatchedBackend
 
 SOURCE = Path(__file__).parent / "emulator_kernels" / "shared_arrays.cu"
-KERNELS = ["write_past_first", "read_before_second", "tile_past_the_launch", "two_phases", "stale_pointer",
+KERNELS = ["write_past_first", "vector_runs_past_first", "read_before_second", "tile_past_the_launch", "two_phases", "stale_pointer",
            "disagreeing_threads", "misaligned_array", "race_on_array", "raw_before_layout",
            "tile_per_block", "layout_past_the_base", "nine_arrays"]
 THREADS = 64
@@ -59,6 +59,11 @@ FAULTS = [
      r"kernel 'write_past_first' block \(0,0,0\) thread \(63,0,0\): out-of-bounds write of 4 bytes at the first byte "
      r"past the end of shared array 'first' \(256 bytes at \[0, 256\) of the dynamic shared memory\) at "
      + site("first[threadIdx.x + reach] = 1.0f;")),
+    # a float4 from first[64] of a 66-float array: it starts inside and runs 8 bytes past the end
+    ("vector_runs_past_first", 1, 2 * 4 * THREADS,
+     r"thread \(0,0,0\): out-of-bounds read of 16 bytes at byte offset 256 of shared array 'first' \(264 bytes at "
+     r"\[0, 264\) of the dynamic shared memory\), running 8 bytes past its end at "
+     + site("const float4 v = *reinterpret_cast<const float4*>(&first[start]);")),
     # second[-1]: on a GPU the last float of `first`
     ("read_before_second", 1, 2 * 4 * THREADS,
      r"thread \(0,0,0\): out-of-bounds read of 4 bytes at 4 bytes before the start of shared array 'second' "
@@ -116,6 +121,7 @@ def test_each_planted_kernel_is_right_without_its_bug(arrays):
     layout's `sums` spans the bytes of both first-layout arrays (and, here, the gap between them)."""
     t = np.arange(THREADS)
     assert np.array_equal(run(arrays, "write_past_first", 0), np.full(THREADS, 3.0))
+    assert np.array_equal(run(arrays, "vector_runs_past_first", 0), np.full(THREADS, 4.0))
     assert np.array_equal(run(arrays, "read_before_second", 0), np.full(THREADS, 2.0))
     assert np.array_equal(run(arrays, "tile_past_the_launch", 0, shared_mem=4 * THREADS), np.ones(THREADS))
     assert np.array_equal(run(arrays, "two_phases", 0), ((THREADS - t) % THREADS) * 2.0 + 1.0)

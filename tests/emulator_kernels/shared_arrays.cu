@@ -16,6 +16,21 @@ __global__ void write_past_first(float* out, int reach) {
     out[threadIdx.x] = first[threadIdx.x] + second[threadIdx.x];
 }
 
+// A float4 read over the end of `first`, blockDim.x + 2 floats: thread 0 reads the 4 floats from
+// first[blockDim.x - 4 + 4 * reach], so with reach 1 it starts 2 floats before the end and runs 8
+// bytes past it.
+__global__ void vector_runs_past_first(float* out, int reach) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    cupykv::SharedLayout layout(smem);
+    float* first = layout.take<float>(blockDim.x + 2, "first");
+    first[threadIdx.x] = 1.0f;
+    if (threadIdx.x < 2) first[blockDim.x + threadIdx.x] = 1.0f;
+    __syncthreads();
+    const unsigned start = threadIdx.x == 0 ? blockDim.x - 4 + 4 * reach : 0;
+    const float4 v = *reinterpret_cast<const float4*>(&first[start]);
+    out[threadIdx.x] = v.x + v.y + v.z + v.w;
+}
+
 // Reads `second` from `reach` before each thread's slot: thread 0 at reach 1 reads second[-1],
 // the last float of `first` on a GPU.
 __global__ void read_before_second(float* out, int reach) {
