@@ -98,6 +98,21 @@ def test_every_check_passed(bench):
     assert all(check["passed"] for check in checks), checks
 
 
+def test_the_printed_table_has_each_sections_block_with_a_line_per_row(bench):
+    """Every section but peers (printed by its own lines) has a ``name:`` line in the printed table;
+    an ``ok`` one has its column header and one line per result row under it."""
+    printed = bench["printed"].splitlines()
+    for name, section in bench["data"]["sections"].items():
+        if name == "peers":
+            continue
+        starts = [i for i, line in enumerate(printed) if line.split(":")[0] == name]
+        assert len(starts) == 1, (name, starts)
+        if section["status"] != "ok":
+            continue
+        block = list(itertools.takewhile(lambda line: line.startswith("  "), printed[starts[0] + 1:]))
+        assert len(block) == 1 + len(section["results"]), (name, block)
+
+
 def test_png_written(bench):
     png = (bench["out"] / "bench.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
