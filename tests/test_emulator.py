@@ -850,6 +850,8 @@ def test_reads_of_unwritten_shared_memory_fail(good, bugs, kernel, grid, threads
     assert message.endswith("\n  A GPU returns whatever an earlier block or launch left in those bytes: write them "
                             "first (with a __syncthreads() before other threads read them)."), message
     assert sum(read.count for read in caught.value.reads) == reads
+    for read in caught.value.reads:   # one access, both sides: a load or an atomic, never a write
+        assert read.first == read.second and read.first.kind in ("read", "atomic"), read
     assert_still_works(good)
 
 
