@@ -96,6 +96,7 @@ def test_every_check_passed(bench):
     checks = [check for section in bench["data"]["sections"].values() for check in section.get("checks", [])]
     assert checks
     assert all(check["passed"] for check in checks), checks
+    assert "\nchecks: all passed\n" in bench["printed"]
 
 
 def test_the_printed_table_has_each_sections_block_with_a_line_per_row(bench):

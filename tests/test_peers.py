@@ -12,6 +12,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -19,7 +20,7 @@ import cupykv
 from cupykv.backends import get_backend
 from cupykv.bench import PLANS, SECTIONS, report, sections
 from cupykv.bench import peers_torch
-from cupykv.bench.peers import CPU_LABEL, TORCH_BACKENDS, import_torch, peers, reference
+from cupykv.bench.peers import CPU_LABEL, TORCH_BACKENDS, PeersPlan, _lengths, import_torch, peers, reference
 from cupykv.bench.arrays import fill_random, random_array
 from cupykv.bench.timing import make_timer
 from cupykv.tolerances import attention_error
@@ -71,6 +72,38 @@ def test_without_torch_the_section_is_skipped_with_the_failed_import(monkeypatch
             "environment": {"device": "cpu"}}
     assert f"peers: skipped: {section['reason']}" in report.table(data)
     report.figure(data)   # the peer panels say why they are empty
+
+
+@pytest.mark.parametrize("version, usable", [("2.4.1+cpu", False), ("2.5.0", True), ("2.11.0+cu130", True),
+                                             ("1.13.1", False)])
+def test_a_torch_older_than_2_5_has_no_enable_gqa_and_is_a_reason(monkeypatch, version, usable):
+    """A stand-in torch of each version (only what import_torch reads): 2.5 added enable_gqa."""
+    torch = types.ModuleType("torch")
+    torch.__version__ = version
+    attention = types.ModuleType("torch.nn.attention")
+    attention.SDPBackend, attention.sdpa_kernel = object(), object()
+    for name, module in (("torch", torch), ("torch.nn", types.ModuleType("torch.nn")),
+                         ("torch.nn.attention", attention)):
+        monkeypatch.setitem(sys.modules, name, module)
+    module, reason = import_torch(gpu=False)
+    if usable:
+        assert module is torch and reason is None
+    else:
+        assert module is None and reason == f"torch {version} has no enable_gqa in scaled_dot_product_attention " \
+                                           "(needs >= 2.5)"
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("batch, live, q_len", [(1, 1024, 1), (3, 100, 8), (8, 8192, 8)])
+def test_the_longest_sequences_last_query_attends_live_keys(uneven, batch, live, q_len):
+    """Each sequence holds its rows before the q_len queries; the longest holds live - q_len, so its
+    last query attends live keys (its own included); uneven lengths grow with the sequence index."""
+    lengths = _lengths(PeersPlan(uneven_lengths=uneven), batch, live, q_len)
+    assert len(lengths) == batch and max(lengths) + q_len == live and lengths[-1] == live - q_len
+    if uneven:
+        assert lengths == sorted(lengths) and lengths[0] == (live - q_len) // batch
+    else:
+        assert set(lengths) == {live - q_len}
 
 
 def test_torch_without_cuda_is_a_reason_on_a_gpu():
