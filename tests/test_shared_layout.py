@@ -23,8 +23,8 @@ from source_lines import source_site
 from test_traffic import PatchedBackend
 
 SOURCE = Path(__file__).parent / "emulator_kernels" / "shared_arrays.cu"
-KERNELS = ["write_past_first", "vector_runs_past_first", "read_before_second", "tile_past_the_launch", "two_phases", "stale_pointer",
-           "disagreeing_threads", "misaligned_array", "race_on_array", "raw_before_layout",
+KERNELS = ["write_past_first", "vector_runs_past_first", "read_before_second", "tile_past_the_launch", "two_phases",
+           "stale_pointer", "disagreeing_threads", "misaligned_array", "race_on_array", "raw_before_layout",
            "tile_per_block", "layout_past_the_base", "nine_arrays"]
 THREADS = 64
 VALUES_AFTER_FLAGS = 'float* values = layout.take<float>(blockDim.x, "values");'
