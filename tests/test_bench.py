@@ -174,6 +174,7 @@ def test_ratios_are_quotients_of_stored_figures(bench):
     model = sections["model_decode"]
     for row in model["results"]:
         assert _close(row["ratio_eager_over_graph"], row["eager_time_ms"] / row["graph_time_ms"])
+    assert 0 < model["params"]["build_s"] < bench["data"]["wall_s"]   # the model's build, a part of the run
     for row in sections["smollm2_decode"]["results"]:
         assert _close(row["eager_tokens_per_s"], row["batch"] / (row["eager_time_ms"] * 1e-3))
         assert _close(row["graph_tokens_per_s"], row["batch"] / (row["graph_time_ms"] * 1e-3))
@@ -211,9 +212,15 @@ def test_decode_loops_cover_the_plan_and_reproduce_greedy_tokens(bench):
     want = [(b, f"{n} steps per replay") for b in plan.loop_batches for n in plan.loop_replay_steps] + \
         [(b, f"speculative k={k}, draft {layers} layers") for b in plan.loop_batches]
     assert sorted((row["batch"], row["mode"]) for row in section["results"]) == sorted(want)
+    new = section["params"]["loop_tokens"]
+    first = {row["batch"]: row for row in section["results"] if row["mode"] == "1 steps per replay"}
     for row in section["results"]:
         assert _close(row["tokens_per_s"], row["batch"] / (row["time_per_token_ms"] * 1e-3))
-    first = {row["batch"]: row for row in section["results"] if row["mode"] == "1 steps per replay"}
+        # the 1-token call holds the prompt's prefill and the host's fixed cost; the rest is new - 1 steps
+        assert _close(row["time_per_token_ms"], (row["long_call_ms"] - row["one_token_call_ms"]) / (new - 1))
+        if "cycles" in row:   # speculative: one cycle's time over one greedy step's
+            assert _close(row["cycle_over_step"], row["time_per_token_ms"] * (new - 1) / max(1, row["cycles"])
+                          / first[row["batch"]]["time_per_token_ms"])
     for row in section["results"]:
         assert _close(row["speedup_over_1"], first[row["batch"]]["time_per_token_ms"] / row["time_per_token_ms"])
     assert section["checks"] and all(check["passed"] for check in section["checks"])   # tokens as plain greedy

@@ -180,7 +180,8 @@ def decode_loops(ctx) -> dict:
         prompts = [[(31 * b + 7 * i) % config.vocab_size for i in range(8 + b % 3)] for b in range(batch)]
 
         def per_step(**options):
-            """Seconds per decode step, the tokens and the stats of generate with ``options``.
+            """Seconds per decode step, the tokens, the stats of generate with ``options``, and the
+            fastest calls' seconds it came from (``loop_tokens`` new tokens, then 1).
 
             The tokens and stats are those of the last timed call of ``loop_tokens`` new tokens.
             """
@@ -193,21 +194,24 @@ def decode_loops(ctx) -> dict:
             long = wall(generate_long)
             tokens, stats = last["tokens"], last["stats"]
             short = wall(lambda: model.generate(prompts, 1, use_graph=True, **options))
-            return (long.min_s - short.min_s) / (new - 1), tokens, stats   # fastest calls: least host noise
+            calls = {"long_call_ms": long.min_s * 1e3, "one_token_call_ms": short.min_s * 1e3}  # fastest: least noise
+            return (long.min_s - short.min_s) / (new - 1), tokens, stats, calls
 
-        greedy_step, want, _ = per_step(tokens_per_replay=1)
+        greedy = per_step(tokens_per_replay=1)
+        greedy_step, want, _, _ = greedy
         for steps in plan.loop_replay_steps:
-            seconds, tokens, _ = per_step(tokens_per_replay=steps) if steps != 1 else (greedy_step, want, None)
+            seconds, tokens, _, calls = per_step(tokens_per_replay=steps) if steps != 1 else greedy
             rows.append({"batch": batch, "mode": f"{steps} steps per replay", "time_per_token_ms": seconds * 1e3,
-                         "tokens_per_s": batch / seconds, "speedup_over_1": greedy_step / seconds})
+                         "tokens_per_s": batch / seconds, "speedup_over_1": greedy_step / seconds, **calls})
             checks.append({"what": f"batch {batch}, {steps} steps per replay: tokens equal 1 step per replay",
                            "passed": tokens == want})
-        seconds, tokens, stats = per_step(draft=draft, num_speculative=k)
+        seconds, tokens, stats, calls = per_step(draft=draft, num_speculative=k)
         cycle_s = seconds * (new - 1) / max(1, stats.cycles)
         rows.append({"batch": batch, "mode": f"speculative k={k}, draft {plan.loop_draft_layers} layers",
                      "time_per_token_ms": seconds * 1e3, "tokens_per_s": batch / seconds,
                      "speedup_over_1": greedy_step / seconds, "cycle_over_step": cycle_s / greedy_step,
-                     "acceptance_rate": stats.acceptance_rate, "tokens_per_cycle": stats.tokens_per_cycle})
+                     "acceptance_rate": stats.acceptance_rate, "tokens_per_cycle": stats.tokens_per_cycle,
+                     "cycles": stats.cycles, **calls})
         checks.append({"what": f"batch {batch}, speculative: tokens equal plain greedy", "passed": tokens == want})
         del model, draft
     return {
@@ -216,13 +220,16 @@ def decode_loops(ctx) -> dict:
                        "token = (fastest call of loop_tokens new tokens - fastest call of 1) / (loop_tokens - 1), "
                        "graphs replayed, "
                        "host reads of the tokens included; cycle_over_step = one speculative cycle / one greedy "
-                       "decode step (1 step per replay), speculative rows only, with acceptance_rate and tokens_per_cycle",
+                       "decode step (1 step per replay), speculative rows only, with acceptance_rate, tokens_per_cycle "
+                       "and cycles (speculative cycles of the last long call)",
         "params": {"config": dict(plan.smollm2_config), "dtype": "bfloat16", "loop_tokens": new,
                    "replay_steps": list(plan.loop_replay_steps), "num_speculative": k,
                    "draft_layers": plan.loop_draft_layers, "batches": list(plan.loop_batches),
                    "timer": wall.method},
         "units": {"time_per_token_ms": "ms per decode step, all sequences", "tokens_per_s": "new tokens per second",
-                  "speedup_over_1": "time per token at 1 step per replay / this"},
+                  "speedup_over_1": "time per token at 1 step per replay / this",
+                  "long_call_ms": "fastest generate call of loop_tokens new tokens",
+                  "one_token_call_ms": "fastest generate call of 1 new token"},
         "results": rows,
         "checks": checks,
     }
