@@ -117,8 +117,8 @@ struct Shadow {
 
 // A release into an atomic's address: the releasing block (its first epoch), the epoch of the
 // release, the releasing thread and how far it knew the clocks of its warp's lanes then; and
-// the releases of other blocks that it carries on, those its block had acquired before it:
-// carried_[carried_begin, carried_end) of the launch.
+// the releases of other blocks that it carries on, those its block acquired in an order before
+// it: carried_[carried_begin, carried_end) of the launch (unused in the carried copies).
 struct Release {
   uint32_t block_epoch0;
   uint32_t epoch;
@@ -208,8 +208,8 @@ class RaceCheck final : public Observer {
   uint64_t block_of(uint32_t epoch) const { return block_entry(epoch).second; }
   // Whether r, an access of an earlier block, was released to the running block before cur.
   bool handed_off(const Rec& r, const Rec& cur) const;
-  // A fenced atomic of thread tid on addr: a release into addr, carrying on what the thread (or
-  // its block, before the last barrier) acquired.
+  // A fenced atomic of thread tid on addr: a release into addr, carrying on the acquires ordered
+  // before it (the thread's, a lane's it synced with since, its block's before the last barrier).
   void release(uint32_t tid, uintptr_t addr);
 
   uint32_t last_epoch_ = 0;
@@ -308,12 +308,13 @@ void RaceCheck::fence(uint32_t tid) {
   if (acquiring_[tid]) {   // atomic, then fence: acquire every release into that address so far,
     auto it = releases_.find(acquiring_[tid]);   // and what each carried on from its own sources
     const uint32_t clock = clocks_.own(tid);
+    auto take = [&](const Release& from) {   // a release of this block coming back is no hand-off
+      if (from.block_epoch0 != block_epoch0_) acquired_.push_back(Acquired{from, epoch_, clock, (uint16_t)tid});
+    };
     if (it != releases_.end())
       for (const Release& rel : it->second) {
-        if (rel.block_epoch0 != block_epoch0_) acquired_.push_back(Acquired{rel, epoch_, clock, (uint16_t)tid});
-        for (uint32_t i = rel.carried_begin; i < rel.carried_end; ++i)
-          if (carried_[i].block_epoch0 != block_epoch0_)
-            acquired_.push_back(Acquired{carried_[i], epoch_, clock, (uint16_t)tid});
+        take(rel);
+        for (uint32_t i = rel.carried_begin; i < rel.carried_end; ++i) take(carried_[i]);
       }
     acquiring_[tid] = 0;
   }
